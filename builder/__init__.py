@@ -1,0 +1,1 @@
+"""trtkv.builder stage."""

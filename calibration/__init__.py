@@ -1,0 +1,1 @@
+"""trtkv.calibration stage."""

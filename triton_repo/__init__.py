@@ -1,0 +1,1 @@
+"""trtkv.triton_repo stage."""
