@@ -1,0 +1,284 @@
+"""KV cache formats: one validated definition used by calibration, eval, kernels, ONNX and plugins.
+
+A format is a table row, not code: the storage dtypes are rows of ``DTYPES`` (bits, code range,
+codes per byte), and a ``KVFormat`` combines one ``TensorFormat`` for K and one for V with the
+optional transforms. The quantization math that reads these rows lives once, in ``trtkv.quant``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trtkv.errors import TrtkvError
+
+StorageDtype = Literal["fp16", "fp8_e4m3", "int8", "int4"]
+Granularity = Literal["none", "per_tensor", "per_head", "per_channel", "per_token", "per_token_group"]
+
+STATIC_GRANULARITIES = ("per_tensor", "per_head", "per_channel")
+DYNAMIC_GRANULARITIES = ("per_token", "per_token_group")
+SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
+
+
+@dataclass(frozen=True)
+class DtypeTraits:
+    """One storage dtype: everything the math, the pools and the byte accounting need to know."""
+
+    name: str
+    bits: int
+    is_int: bool
+    sym_min: float  # symmetric code range (signed codes; floats: the finite range)
+    sym_max: float
+    asym_max: int  # asymmetric codes are unsigned 0..asym_max (ints only)
+    codes_per_byte: int
+    storage: torch.dtype  # dtype of the packed storage tensor in a pool
+
+    @property
+    def packed_bytes_per_code(self) -> float:
+        return self.bits / 8
+
+
+DTYPES: dict[str, DtypeTraits] = {
+    "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, 1, torch.float16),
+    "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, 1, torch.uint8),
+    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8),
+    "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8),
+}
+
+
+class TensorFormat(BaseModel):
+    """How one of K or V is stored: dtype, scale granularity, symmetry and transforms.
+
+    Transforms are applied before quantization and undone after dequantization:
+    ``x -> x / smooth -> x @ H -> quantize``. Both are exact identities on the attention
+    result when undone on the other operand (the query for K, the output for V).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: StorageDtype
+    granularity: Granularity = "none"
+    group_size: int | None = Field(default=None, ge=2)
+    symmetric: bool = True
+    smooth: bool = False  # divide by calibrated per-channel factors (folded into the query / output)
+    hadamard: bool = False  # rotate head_dim with a normalized Hadamard matrix
+
+    @model_validator(mode="after")
+    def _check(self) -> "TensorFormat":
+        if self.dtype == "fp16":
+            if self.granularity != "none" or self.smooth or self.hadamard:
+                raise ValueError("fp16 storage takes no scales or transforms (granularity 'none')")
+            return self
+        if self.granularity == "none":
+            raise ValueError(f"{self.dtype} needs a scale granularity: one of {STATIC_GRANULARITIES + DYNAMIC_GRANULARITIES}")
+        if self.dtype == "fp8_e4m3" and not self.symmetric:
+            raise ValueError("fp8_e4m3 is symmetric only")
+        if self.granularity == "per_token_group" and self.group_size is None:
+            raise ValueError("per_token_group needs group_size")
+        if self.granularity != "per_token_group" and self.group_size is not None:
+            raise ValueError("group_size only applies to per_token_group")
+        if not self.symmetric and self.granularity in STATIC_GRANULARITIES:
+            raise ValueError("asymmetric (zero-point) quantization is only supported for dynamic granularities")
+        return self
+
+    @property
+    def traits(self) -> DtypeTraits:
+        return DTYPES[self.dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype != "fp16"
+
+    @property
+    def is_static(self) -> bool:
+        return self.granularity in STATIC_GRANULARITIES
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.granularity in DYNAMIC_GRANULARITIES
+
+    def groups(self, head_dim: int) -> int:
+        """Number of dynamic scales per token and head (0 for static / unquantized)."""
+        if self.granularity == "per_token":
+            return 1
+        if self.granularity == "per_token_group":
+            assert self.group_size is not None
+            if head_dim % self.group_size:
+                raise TrtkvError(
+                    f"group size {self.group_size} does not divide head_dim {head_dim}",
+                    "pick a group size that divides the model's head_dim",
+                )
+            return head_dim // self.group_size
+        return 0
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Storage bits per element, dynamic scales and zero-points included."""
+        meta = self.groups(head_dim) * SCALE_BITS * (1 if self.symmetric else 2)
+        return self.traits.bits + meta / head_dim
+
+    def short(self) -> str:
+        """Compact spec string, the inverse of ``parse_tensor_spec``."""
+        if self.dtype == "fp16":
+            return "fp16"
+        gran = {"per_tensor": "tensor", "per_head": "head", "per_channel": "channel", "per_token": "token"}.get(
+            self.granularity, f"g{self.group_size}"
+        )
+        parts = [self.dtype, gran, "sym" if self.symmetric else "asym"]
+        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard)) if on]
+        return ":".join(parts)
+
+
+class KVFormat(BaseModel):
+    """A complete KV cache format: K and V storage plus cache-level options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    k: TensorFormat
+    v: TensorFormat
+    recent_tokens: int = Field(default=0, ge=0)  # newest N tokens kept in fp16
+    shared_kv_scale: bool = False  # one static scale for K and V together (TensorRT-LLM's convention)
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVFormat":
+        if self.shared_kv_scale and not (self.k.is_static and self.v.is_static and self.k.granularity == self.v.granularity == "per_tensor"):
+            raise ValueError("shared_kv_scale needs per_tensor static scales on both K and V")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(t.is_static or t.smooth for t in (self.k, self.v))
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k.is_quantized or self.v.is_quantized
+
+    def bits_per_element(self, head_dim: int, context_len: int | None = None) -> float:
+        """Mean storage bits per K/V element at ``context_len`` (None: the long-context limit)."""
+        quant = (self.k.bits_per_element(head_dim) + self.v.bits_per_element(head_dim)) / 2
+        if not self.recent_tokens or context_len is None:
+            return quant
+        fp = min(self.recent_tokens, context_len) / context_len
+        return fp * DTYPES["fp16"].bits + (1 - fp) * quant
+
+    def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int | None = None) -> float:
+        """Bytes of K and V cache per token over all layers, scales included."""
+        elements = 2 * num_layers * num_kv_heads * head_dim
+        return elements * self.bits_per_element(head_dim, context_len) / 8
+
+    def spec(self) -> str:
+        out = f"k={self.k.short()},v={self.v.short()}"
+        if self.recent_tokens:
+            out += f",recent={self.recent_tokens}"
+        if self.shared_kv_scale:
+            out += ",shared"
+        return out
+
+
+def _t(dtype: str, granularity: str = "none", **kw) -> TensorFormat:
+    return TensorFormat(dtype=dtype, granularity=granularity, **kw)
+
+
+PRESETS: dict[str, KVFormat] = {
+    p.name: p
+    for p in [
+        KVFormat(name="fp16", k=_t("fp16"), v=_t("fp16"), description="unquantized baseline"),
+        KVFormat(
+            name="int8",
+            k=_t("int8", "per_token"),
+            v=_t("int8", "per_token"),
+            description="int8, one dynamic fp16 scale per token and head",
+        ),
+        KVFormat(
+            name="int8-static",
+            k=_t("int8", "per_tensor"),
+            v=_t("int8", "per_tensor"),
+            shared_kv_scale=True,
+            description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)",
+        ),
+        KVFormat(
+            name="fp8",
+            k=_t("fp8_e4m3", "per_tensor"),
+            v=_t("fp8_e4m3", "per_tensor"),
+            description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)",
+        ),
+        KVFormat(
+            name="int4",
+            k=_t("int4", "per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
+            v=_t("int4", "per_token_group", group_size=64, symmetric=False),
+            description="int4 asymmetric per token, keys smoothed and Hadamard-rotated",
+        ),
+        KVFormat(
+            name="int4-g32",
+            k=_t("int4", "per_token_group", group_size=32),
+            v=_t("int4", "per_token_group", group_size=32),
+            description="int4 symmetric groups of 32 (llama.cpp q4_0-like)",
+        ),
+    ]
+}
+
+_GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token"}
+SPEC_HELP = (
+    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:g64:asym:smooth:hadamard,v=int4:token:asym[,recent=N][,shared]'"
+)
+
+
+def parse_tensor_spec(text: str) -> TensorFormat:
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN)."""
+    parts = [p.strip() for p in text.split(":") if p.strip()]
+    if not parts:
+        raise ValueError("empty tensor spec")
+    fields: dict = {"dtype": parts[0]}
+    for word in parts[1:]:
+        if word in _GRAN_WORDS:
+            fields["granularity"] = _GRAN_WORDS[word]
+        elif re.fullmatch(r"g\d+", word):
+            fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
+        elif word in ("sym", "asym"):
+            fields["symmetric"] = word == "sym"
+        elif word in ("smooth", "hadamard"):
+            fields[word] = True
+        else:
+            raise ValueError(f"unknown word {word!r}")
+    return TensorFormat(**fields)
+
+
+def get_format(spec: str | KVFormat) -> KVFormat:
+    """Resolve a preset name, a JSON file or an inline spec string to a validated format."""
+    if isinstance(spec, KVFormat):
+        return spec
+    try:
+        if spec in PRESETS:
+            return PRESETS[spec]
+        if spec.endswith(".json"):
+            path = Path(spec)
+            if not path.is_file():
+                raise TrtkvError(f"KV format file {spec} does not exist", SPEC_HELP)
+            return KVFormat.model_validate(json.loads(path.read_text()))
+        if "k=" not in spec or "v=" not in spec:
+            raise TrtkvError(f"unknown KV format {spec!r}", SPEC_HELP)
+        fields: dict = {"name": spec}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key in ("k", "v"):
+                fields[key] = parse_tensor_spec(value)
+            elif key == "recent":
+                fields["recent_tokens"] = int(value)
+            elif key == "shared" and not value:
+                fields["shared_kv_scale"] = True
+            else:
+                raise ValueError(f"unknown field {key!r}")
+        return KVFormat(**fields)
+    except TrtkvError:
+        raise
+    except (ValidationError, ValueError, json.JSONDecodeError) as exc:
+        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise TrtkvError(f"invalid KV format {spec!r}: {reason}", SPEC_HELP) from None

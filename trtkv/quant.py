@@ -1,0 +1,215 @@
+"""Reference quantization math: the one torch definition kernels, ONNX graphs and plugins are tested against.
+
+Conventions (documented in docs/kv-formats.md):
+- a scale is the dequantization multiplier: ``x ≈ code * scale`` (symmetric) or ``code * scale + zero``
+  (asymmetric, ``zero`` is the float group minimum);
+- dynamic scales and zero-points are rounded to fp16 *before* the codes are computed, so a kernel that
+  stores fp16 scales reproduces the codes bit for bit; rounding is half-to-even (``torch.round``);
+- int4 codes are unsigned nibbles (symmetric codes are stored offset by +8), two per byte,
+  the even channel in the low nibble; int8 symmetric codes are ``int8``, asymmetric ``uint8``;
+  fp8 codes are the e4m3fn bit pattern in ``uint8``;
+- K/V tensors have head_dim last and the KV-head axis at ``head_axis`` (``-2`` for the
+  ``[tokens, heads, head_dim]`` rows the kernels use, ``-3`` for transformers' ``[batch, heads, seq, head_dim]``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from trtkv.errors import TrtkvError
+from trtkv.formats import TensorFormat
+
+FP16_MAX = 65504.0
+
+
+@dataclass
+class TensorParams:
+    """Calibrated constants for one of K/V in one layer (all optional, by format)."""
+
+    scale: torch.Tensor | None = None  # static scale: [] per_tensor, [H] per_head, [H, D] per_channel
+    smooth: torch.Tensor | None = None  # [H, D] per-channel divisor, > 0
+    clip: torch.Tensor | None = None  # dynamic formats: [] or [H] range multiplier in (0, 1]
+
+
+@dataclass
+class QuantizedTensor:
+    """Stored form of a K or V tensor: codes in their storage dtype plus dynamic scales."""
+
+    codes: torch.Tensor  # [..., D] (int4: [..., D/2] packed)
+    scale: torch.Tensor | None = None  # dynamic: [..., groups] fp16; static: None (lives in TensorParams)
+    zero: torch.Tensor | None = None  # asymmetric dynamic: [..., groups] fp16
+
+
+def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
+    if not torch.isfinite(x).all():
+        raise TrtkvError(
+            f"{what} contains NaN or inf values, which cannot be quantized",
+            "check the model dtype (fp16 overflow?) and the input; run in float32",
+        )
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack unsigned 4-bit codes [..., D] (D even) into bytes [..., D/2], even channel in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise TrtkvError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}", "use an even head_dim")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: bytes [..., D/2] to unsigned codes [..., D] (uint8)."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    block = n & -n  # largest power of two dividing n
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / block**0.5
+    return torch.block_diag(*([h] * (n // block)))
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal (block-diagonal) Sylvester Hadamard matrix of size n; blocks are the largest power of two dividing n."""
+    return _hadamard_cpu(n).to(dtype=dtype, device=device)
+
+
+def _per_head(t: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
+    """Reshape a [H] or [H, D] constant to broadcast against a tensor whose head axis is ``head_axis``."""
+    t = t.float() if t.dtype != torch.float64 else t
+    if t.dim() == 0:
+        return t
+    head_pos = head_axis % ndim
+    between = ndim - 1 - head_pos - 1  # axes between head and head_dim
+    if t.dim() == 1:  # [H]
+        return t.reshape(t.shape[0], *([1] * (between + 1)))
+    return t.reshape(t.shape[0], *([1] * between), t.shape[1])  # [H, D]
+
+
+def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2) -> torch.Tensor:
+    """Apply smoothing and rotation, the steps before quantization."""
+    if fmt.smooth:
+        if params is None or params.smooth is None:
+            raise TrtkvError("this KV format smooths channels but no smoothing factors were given", "run `trtkv calibrate` and pass --calibration")
+        x = x / _per_head(params.smooth, x.dim(), head_axis).to(x.dtype)
+    if fmt.hadamard:
+        x = x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
+    return x
+
+
+def inverse_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2) -> torch.Tensor:
+    """Undo ``forward_transform`` after dequantization."""
+    if fmt.hadamard:
+        x = x @ hadamard_matrix(x.shape[-1], x.dtype, x.device).T
+    if fmt.smooth:
+        assert params is not None and params.smooth is not None
+        x = x * _per_head(params.smooth, x.dim(), head_axis).to(x.dtype)
+    return x
+
+
+def _to_fp16(t: torch.Tensor) -> torch.Tensor:
+    """Round to the fp16 value a pool would store, keeping the compute dtype."""
+    return t.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(t.dtype)
+
+
+def _group(x: torch.Tensor, fmt: TensorFormat) -> torch.Tensor:
+    groups = fmt.groups(x.shape[-1])
+    return x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+
+
+def _dynamic_clip(params: TensorParams | None, ndim: int, head_axis: int) -> torch.Tensor | float:
+    if params is None or params.clip is None:
+        return 1.0
+    # x is grouped to [..., G, g]: the head axis moved one further from the end
+    return _per_head(params.clip, ndim + 1, head_axis - 1) if params.clip.dim() else params.clip.float()
+
+
+def _encode(q: torch.Tensor, fmt: TensorFormat, symmetric: bool) -> torch.Tensor:
+    """Map rounded/clamped code values (float) to their storage tensor."""
+    if fmt.dtype == "fp8_e4m3":
+        return q.to(torch.float8_e4m3fn).view(torch.uint8)
+    if fmt.dtype == "int8":
+        return q.to(torch.int8) if symmetric else q.to(torch.uint8)
+    return pack_int4((q + 8 if symmetric else q).to(torch.uint8))
+
+
+def _decode(codes: torch.Tensor, fmt: TensorFormat, symmetric: bool) -> torch.Tensor:
+    """Storage tensor back to code values as float32."""
+    if fmt.dtype == "fp8_e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    if fmt.dtype == "int8":
+        return codes.float()
+    q = unpack_int4(codes).float()
+    return q - 8 if symmetric else q
+
+
+def _round_codes(y: torch.Tensor, fmt: TensorFormat, lo: float, hi: float) -> torch.Tensor:
+    if fmt.dtype == "fp8_e4m3":
+        return y.clamp(lo, hi)  # rounding happens in the fp8 cast (round to nearest even)
+    return torch.round(y).clamp(lo, hi)
+
+
+def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> QuantizedTensor:
+    """Quantize K or V (head_dim last) into its stored form."""
+    if not fmt.is_quantized:
+        return QuantizedTensor(codes=x.to(torch.float16))
+    check_finite(x, "K/V input")
+    tr = fmt.traits
+    xf = forward_transform(x.float(), fmt, params, head_axis)
+    if fmt.is_static:
+        if params is None or params.scale is None:
+            raise TrtkvError(f"format {fmt.short()} needs a calibrated static scale", "run `trtkv calibrate` and pass --calibration")
+        scale = _per_head(params.scale, xf.dim(), head_axis)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = _round_codes(xf * inv, fmt, tr.sym_min, tr.sym_max)
+        return QuantizedTensor(codes=_encode(q, fmt, True))
+    g = _group(xf, fmt)  # [..., G, g]
+    clip = _dynamic_clip(params, xf.dim(), head_axis)
+    if fmt.symmetric:
+        scale = _to_fp16(g.abs().amax(-1, keepdim=True) * clip / tr.sym_max)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = _round_codes(g * inv, fmt, tr.sym_min, tr.sym_max)
+        return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, True), scale=scale.squeeze(-1).half())
+    mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    half = (mx - mn) * clip / 2
+    zero = _to_fp16((mx + mn) / 2 - half)
+    scale = _to_fp16(2 * half / tr.asym_max)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = _round_codes((g - zero) * inv, fmt, 0, tr.asym_max)
+    return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, False), scale=scale.squeeze(-1).half(), zero=zero.squeeze(-1).half())
+
+
+def dequantize(
+    qt: QuantizedTensor,
+    fmt: TensorFormat,
+    params: TensorParams | None = None,
+    head_axis: int = -2,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Stored form back to values in the model's channel space (transforms undone)."""
+    if not fmt.is_quantized:
+        return qt.codes.to(dtype)
+    q = _decode(qt.codes, fmt, fmt.symmetric or fmt.is_static)
+    if fmt.is_static:
+        assert params is not None and params.scale is not None
+        x = q * _per_head(params.scale, q.dim(), head_axis)
+    else:
+        assert qt.scale is not None
+        g = _group(q, fmt) * qt.scale.float().unsqueeze(-1)
+        if not fmt.symmetric:
+            assert qt.zero is not None
+            g = g + qt.zero.float().unsqueeze(-1)
+        x = g.flatten(-2)
+    return inverse_transform(x, fmt, params, head_axis).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in x's dtype: what attention sees when reading the stored cache."""
+    return dequantize(quantize(x, fmt, params, head_axis), fmt, params, head_axis, dtype=x.dtype)
