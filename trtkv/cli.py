@@ -1,0 +1,242 @@
+"""The ``trtkv`` command line: calibrate, eval, plan (build-engine and serve come with the builder stage).
+
+Every user mistake surfaces as a ``TrtkvError`` and is printed as one line (problem — fix) with exit
+code 2; ``--debug`` shows the traceback instead. Heavy imports happen inside the commands so that
+``trtkv --help`` and ``trtkv plan`` stay fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from trtkv.errors import TrtkvError
+
+app = typer.Typer(
+    name="trtkv",
+    help="Quantize the KV cache of LLaMA-family models (INT8, INT4, FP8) and deploy it through TensorRT and Triton.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DATASET = "builtin:pydoc"
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="HF model dir, .gguf file, or the builtin alias smollm2-135m")]
+DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="builtin:pydoc, .txt/.jsonl/.parquet file or folder, save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]")]
+DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
+TextFieldOpt = Annotated[str, typer.Option(help="field holding the text in .jsonl / parquet / datasets sources")]
+
+
+def handle_errors(fn):
+    """Turn TrtkvError (and any unexpected error) into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except TrtkvError as exc:
+            if _state["debug"]:
+                raise
+            err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
+        except Exception as exc:  # a bug, not a user error: one line unless --debug
+            if _state["debug"]:
+                raise
+            err_console.print(
+                f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+                soft_wrap=True,
+                highlight=False,
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one-line errors")] = False) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+@handle_errors
+def calibrate(
+    model: ModelOpt = DEFAULT_MODEL,
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4")] = None,
+    method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
+    samples: Annotated[int, typer.Option(help="calibration windows")] = 64,
+    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    seed: int = 0,
+    batch_size: int = 4,
+    text_field: TextFieldOpt = "text",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Collect K/V statistics on calibration text and choose scales for each KV format."""
+    from trtkv.calibration.run import run_calibration
+
+    if method not in ("max", "percentile", "mse"):
+        raise TrtkvError(f"unknown calibration method {method!r}", "use --method max, percentile or mse")
+    path = run_calibration(
+        model,
+        dataset,
+        out,
+        formats=kv or ["int8-static", "fp8", "int4"],
+        method=method,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        text_field=text_field,
+        batch_size=batch_size,
+    )
+    console.print(f"calibration written to [bold]{path}[/]")
+
+
+@app.command("eval")
+@handle_errors
+def eval_(
+    model: ModelOpt = DEFAULT_MODEL,
+    dataset: DatasetOpt = DEFAULT_DATASET,
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to compare (repeatable); default: fp16, int8, int4")] = None,
+    calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate`")] = None,
+    windows: Annotated[int, typer.Option(help="evaluation windows")] = 64,
+    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    seed: int = 0,
+    generate: Annotated[int, typer.Option(help="prompts for the greedy-generation check (0: skip)")] = 4,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results as JSON here")] = None,
+    text_field: TextFieldOpt = "text",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Perplexity, KL divergence and top-1 agreement of each KV format against the unquantized model."""
+    from trtkv.evaluate import render_table, run_eval, write_json
+
+    formats = kv or ["fp16", "int8", "int4"]
+    results = run_eval(
+        model,
+        dataset,
+        formats,
+        calibration=calibration,
+        windows=windows,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        text_field=text_field,
+        generate_prompts=generate,
+    )
+    console.print(render_table(results))
+    if json_out is not None:
+        write_json(results, json_out)
+        console.print(f"results written to [bold]{json_out}[/]")
+
+
+@app.command()
+@handle_errors
+def plan(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="model to plan for (or give --layers/--kv-heads/--head-dim)")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="number of layers")] = None,
+    kv_heads: Annotated[Optional[int], typer.Option(help="number of KV heads")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(help="head dimension")] = None,
+    weights_gib: Annotated[Optional[float], typer.Option(help="weight memory in GiB (default: from the model, fp16)")] = None,
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats (repeatable); default: fp16, int8, fp8, int4")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4-24GB, RTX4090-24GB")] = None,
+    gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GiB (instead of --gpu)")] = None,
+    context: Annotated[int, typer.Option(help="context length per sequence")] = 4096,
+    reserve: Annotated[float, typer.Option(help="fraction of GPU memory kept for activations and workspace")] = 0.1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the plan as JSON here")] = None,
+) -> None:
+    """KV bytes per token for each format and the largest batch x context that fits a GPU."""
+    from trtkv.formats import get_format
+    from trtkv.plan import GIB, ModelShape, gpu_memory_bytes
+    from trtkv.plan import plan as make_plan
+
+    shape = _plan_shape(model, layers, kv_heads, head_dim, weights_gib)
+    formats = [get_format(f) for f in (kv or ["fp16", "int8", "fp8", "int4"])]
+    gpu_bytes = gpu_memory_bytes(gpu, gpu_mem)
+    budget, rows = make_plan(shape, formats, context_len=context, gpu_bytes=gpu_bytes, reserve_fraction=reserve)
+    table = Table(
+        title=f"{shape.name}: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; "
+        f"GPU {gpu_bytes / GIB:.1f} GiB, weights {shape.weight_bytes / GIB:.2f} GiB, KV budget {budget / GIB:.2f} GiB, context {context}"
+    )
+    for col in ("format", "bits/elem", "KiB/token", "max tokens", f"max batch @ {context}", "capacity vs fp16"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for r in rows:
+        table.add_row(
+            r.format,
+            f"{r.bits_per_element:.3f}",
+            f"{r.kv_bytes_per_token / 1024:.2f}",
+            f"{r.max_tokens:,}",
+            f"{r.max_batch:,}",
+            f"{r.capacity_vs_fp16:.2f}x",
+        )
+    console.print(table)
+    if json_out is not None:
+        payload = {
+            "model": shape.__dict__,
+            "gpu_bytes": gpu_bytes,
+            "kv_budget_bytes": budget,
+            "context": context,
+            "rows": [r.__dict__ for r in rows],
+        }
+        _atomic_write_text(json_out, json.dumps(payload, indent=2))
+
+
+def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):
+    from trtkv.plan import GIB, ModelShape
+
+    flags = (layers, kv_heads, head_dim)
+    if model is None and None in flags:
+        raise TrtkvError("plan needs a model or all of --layers, --kv-heads, --head-dim", "pass --model smollm2-135m or the three flags")
+    if model is not None:
+        from trtkv.models import model_info
+
+        info = model_info(model)
+        weight_bytes = info.num_params * 2
+        shape = ModelShape(info.name, info.num_layers, info.num_kv_heads, info.head_dim, weight_bytes)
+    else:
+        shape = ModelShape("custom", layers, kv_heads, head_dim, 0)
+    overrides = {k: v for k, v in zip(("num_layers", "num_kv_heads", "head_dim"), flags) if v is not None}
+    for key, value in overrides.items():
+        if value <= 0:
+            raise TrtkvError(f"--{key.replace('num_', '').replace('_', '-')} must be positive, got {value}", "pass a positive integer")
+    if weights_gib is not None:
+        overrides["weight_bytes"] = int(weights_gib * GIB)
+    return ModelShape(**{**shape.__dict__, **overrides})
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write next to the target and rename, so a failed write never leaves a half file."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        raise TrtkvError(f"cannot write {path}: {exc.strerror}", "choose a writable output path") from None
+
+
+if __name__ == "__main__":
+    sys.exit(app())
