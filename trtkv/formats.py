@@ -224,6 +224,7 @@ PRESETS: dict[str, KVFormat] = {
     ]
 }
 
+_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token"}
 SPEC_HELP = (
     "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:g64:asym:smooth:hadamard,v=int4:token:asym[,recent=N][,shared]'"
@@ -235,7 +236,7 @@ def parse_tensor_spec(text: str) -> TensorFormat:
     parts = [p.strip() for p in text.split(":") if p.strip()]
     if not parts:
         raise ValueError("empty tensor spec")
-    fields: dict = {"dtype": parts[0]}
+    fields: dict = {"dtype": _DTYPE_ALIASES.get(parts[0], parts[0])}
     for word in parts[1:]:
         if word in _GRAN_WORDS:
             fields["granularity"] = _GRAN_WORDS[word]
