@@ -72,8 +72,8 @@ class TensorFormat(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "TensorFormat":
         if self.dtype == "fp16":
-            if self.granularity != "none" or self.smooth or self.hadamard:
-                raise ValueError("fp16 storage takes no scales or transforms (granularity 'none')")
+            if self.granularity != "none" or self.group_size is not None or not self.symmetric or self.smooth or self.hadamard:
+                raise ValueError("fp16 storage takes no scales, zero-points or transforms (granularity 'none')")
             return self
         if self.granularity == "none":
             raise ValueError(f"{self.dtype} needs a scale granularity: one of {STATIC_GRANULARITIES + DYNAMIC_GRANULARITIES}")
