@@ -281,5 +281,17 @@ def get_format(spec: str | KVFormat) -> KVFormat:
     except TrtkvError:
         raise
     except (ValidationError, ValueError, json.JSONDecodeError) as exc:
-        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        raise TrtkvError(f"invalid KV format {spec!r}: {reason}", SPEC_HELP) from None
+        raise TrtkvError(f"invalid KV format {spec!r}: {_reason(exc)}", SPEC_HELP) from None
+
+
+def _reason(exc: Exception) -> str:
+    """One line naming the offending field and value (pydantic's bare message names neither)."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    err = exc.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")
+    loc = ".".join(str(p) for p in err["loc"])
+    if not loc:
+        return msg
+    got = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" (got {err['input']!r})"
+    return f"{loc}: {msg}{got}"
