@@ -178,9 +178,10 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = N
         q = _round_codes(g * inv, fmt, tr.sym_min, tr.sym_max)
         return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, True), scale=scale.squeeze(-1).half())
     mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    half = (mx - mn) * clip / 2
-    zero = _to_fp16((mx + mn) / 2 - half)
-    scale = _to_fp16(2 * half / tr.asym_max)
+    rng = mx - mn
+    # clip shrinks [mn, mx] about its centre; written from mn so that clip=1 gives zero == fp16(mn) exactly
+    zero = _to_fp16(mn + rng * (1 - clip) / 2)
+    scale = _to_fp16(rng * clip / tr.asym_max)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = _round_codes((g - zero) * inv, fmt, 0, tr.asym_max)
     return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, False), scale=scale.squeeze(-1).half(), zero=zero.squeeze(-1).half())
