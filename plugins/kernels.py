@@ -32,7 +32,6 @@ kernels, AOT) and once as an interpreter copy for CPU tensors, independent of wh
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from types import ModuleType
 
@@ -128,6 +127,7 @@ def quantize_append_kernel(
     SMOOTH: tl.constexpr,
     HAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = (cdiv(tokens, BLOCK_T), kv_heads). Quantizes BLOCK_T rows of one KV head and scatters them."""
     pid_t = tl.program_id(0)
@@ -140,17 +140,24 @@ def quantize_append_kernel(
     dst = (slot // block_size * num_kv_heads + h) * block_size + slot % block_size  # [BLOCK_T] pool rows
     cols = tl.arange(0, HEAD_DIM)
     src = (t.to(tl.int64) * num_kv_heads + h) * HEAD_DIM
-    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-
     if DTYPE == "fp16":
+        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
         tl.store(data_ptr + dst[:, None] * HEAD_DIM + cols[None, :], x.to(tl.float16), mask=valid[:, None])
     else:
-        if SMOOTH:
-            s = tl.load(smooth_ptr + h * HEAD_DIM + cols)
-            x = tl.div_rn(x, s[None, :])
         if HAD:
-            hm = tl.load(had_ptr + cols[:, None] * HEAD_DIM + cols[None, :])
-            x = tl.dot(x, hm, input_precision="ieee")
+            # x @ H accumulated over HAD_CHUNK input channels: registers hold a [HAD_CHUNK, HEAD_DIM] slice of H
+            x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+            for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+                kk = c0 + tl.arange(0, HAD_CHUNK)
+                xc = tl.load(x_ptr + src[:, None] + kk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                if SMOOTH:
+                    xc = tl.div_rn(xc, tl.load(smooth_ptr + h * HEAD_DIM + kk)[None, :])
+                hm = tl.load(had_ptr + kk[:, None] * HEAD_DIM + cols[None, :])
+                x = tl.dot(xc, hm, x, input_precision="ieee")
+        else:
+            x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            if SMOOTH:
+                x = tl.div_rn(x, tl.load(smooth_ptr + h * HEAD_DIM + cols)[None, :])
 
         if DTYPE == "int8":
             lo_c: tl.constexpr = -128.0
@@ -181,9 +188,10 @@ def quantize_append_kernel(
             else:
                 mn = tl.min(xg, axis=2)
                 mx = tl.max(xg, axis=2)
-                half = (mx - mn) * clip * 0.5
-                zero = _fp16_round((mx + mn) * 0.5 - half)
-                scale = _fp16_round(tl.div_rn(2.0 * half, tl.full([BLOCK_T, G], amax_c, tl.float32)))
+                rng = mx - mn
+                # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
+                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5)
+                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_T, G], amax_c, tl.float32)))
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_T, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 yg = tl.minimum(tl.maximum((xg - zero[:, :, None]) * inv[:, :, None], 0.0), amax_c)
                 g_off = tl.arange(0, G)
@@ -221,11 +229,13 @@ def _load_halves(data_ptr, scale_ptr, zero_ptr, row, mask,
                  HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, STATIC: tl.constexpr, SYM: tl.constexpr,
                  GS: tl.constexpr):
     """Even / odd channels of pool rows ``row`` [N] as fp32 [N, HEAD_DIM//2], dynamic scales applied
-    (static scales are folded into the query / output by the callers)."""
+    (static scales are folded into the query / output by the callers). Rows are read contiguously
+    (vectorized) and split in registers."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    j = tl.arange(0, HALF)
     m2 = mask[:, None]
+    N: tl.constexpr = row.shape[0]
     if DTYPE == "int4":
+        j = tl.arange(0, HALF)
         b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
         lo = (b & 15).to(tl.float32)
         hi = (b >> 4).to(tl.float32)
@@ -233,45 +243,66 @@ def _load_halves(data_ptr, scale_ptr, zero_ptr, row, mask,
             lo = lo - 8.0
             hi = hi - 8.0
     else:
-        base = data_ptr + row[:, None] * HEAD_DIM + 2 * j[None, :]
-        lo = _codes_to_float(tl.load(base, mask=m2, other=0), DTYPE)
-        hi = _codes_to_float(tl.load(base + 1, mask=m2, other=0), DTYPE)
+        cols = tl.arange(0, HEAD_DIM)
+        c = _codes_to_float(tl.load(data_ptr + row[:, None] * HEAD_DIM + cols[None, :], mask=m2, other=0), DTYPE)
+        lo, hi = tl.split(tl.reshape(c, [N, HALF, 2]))
     if DTYPE != "fp16":
         if not STATIC:
             G: tl.constexpr = HEAD_DIM // GS
             if G == 1:
                 s = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
+                lo = lo * s
+                hi = hi * s
                 if not SYM:
                     z = tl.load(zero_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
+                    lo = lo + z
+                    hi = hi + z
             else:
-                gidx = row[:, None] * G + (j // (GS // 2))[None, :]
-                s = tl.load(scale_ptr + gidx, mask=m2, other=0.0).to(tl.float32)
+                g = tl.arange(0, G)
+                gptr = row[:, None] * G + g[None, :]
+                s = tl.load(scale_ptr + gptr, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+                lo = tl.reshape(lo, [N, G, GS // 2]) * s
+                hi = tl.reshape(hi, [N, G, GS // 2]) * s
                 if not SYM:
-                    z = tl.load(zero_ptr + gidx, mask=m2, other=0.0).to(tl.float32)
-            lo = lo * s
-            hi = hi * s
-            if not SYM:
-                lo = lo + z
-                hi = hi + z
+                    z = tl.load(zero_ptr + gptr, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+                    lo = lo + z
+                    hi = hi + z
+                lo = tl.reshape(lo, [N, HALF])
+                hi = tl.reshape(hi, [N, HALF])
     return lo, hi
 
 
 @triton.jit
-def _prep_query(q, kvh, smooth_ptr, static_ptr, had_ptr, qk_scale,
+def _load_query(q_ptr, qrow, qmask, kvh, smooth_ptr, static_ptr, had_ptr, qk_scale,
                 M: tl.constexpr, HEAD_DIM: tl.constexpr, K_STATIC: tl.constexpr, K_SMOOTH: tl.constexpr,
-                K_HAD: tl.constexpr):
-    """Fold K's transforms and static scale into the query: ((q * smooth) @ H) * static * qk_scale,
-    returned as even / odd channel halves [M, HEAD_DIM//2]."""
-    cols = tl.arange(0, HEAD_DIM)
-    if K_SMOOTH:
-        q = q * tl.load(smooth_ptr + kvh * HEAD_DIM + cols)[None, :]
+                K_HAD: tl.constexpr, HAD_CHUNK: tl.constexpr):
+    """Query rows ``qrow`` [M] with K's transforms and static scale folded in:
+    ((q * smooth) @ H) * static * qk_scale, as even / odd channel halves [M, HEAD_DIM//2] fp32.
+    The rotation is accumulated over HAD_CHUNK input channels (a [HAD_CHUNK, HEAD_DIM] slice of H
+    in registers, not all of it)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF)
+    base = q_ptr + qrow[:, None] * HEAD_DIM
     if K_HAD:
-        hm = tl.load(had_ptr + cols[:, None] * HEAD_DIM + cols[None, :])
-        q = tl.dot(q, hm, input_precision="ieee")
-    q = q * qk_scale
-    q_lo, q_hi = tl.split(tl.reshape(q, [M, HEAD_DIM // 2, 2]))
+        q_lo = tl.zeros([M, HALF], tl.float32)
+        q_hi = tl.zeros([M, HALF], tl.float32)
+        for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+            kk = c0 + tl.arange(0, HAD_CHUNK)
+            qc = tl.load(base + kk[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+            if K_SMOOTH:
+                qc = qc * tl.load(smooth_ptr + kvh * HEAD_DIM + kk)[None, :]
+            h_ptr = had_ptr + kk[:, None] * HEAD_DIM + 2 * j[None, :]
+            q_lo = tl.dot(qc, tl.load(h_ptr), q_lo, input_precision="ieee")
+            q_hi = tl.dot(qc, tl.load(h_ptr + 1), q_hi, input_precision="ieee")
+    else:
+        q_lo = tl.load(base + 2 * j[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        q_hi = tl.load(base + 2 * j[None, :] + 1, mask=qmask[:, None], other=0.0).to(tl.float32)
+        if K_SMOOTH:
+            q_lo = q_lo * tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j)[None, :]
+            q_hi = q_hi * tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j + 1)[None, :]
+    q_lo = q_lo * qk_scale
+    q_hi = q_hi * qk_scale
     if K_STATIC:
-        j = tl.arange(0, HEAD_DIM // 2)
         q_lo = q_lo * tl.load(static_ptr + kvh * HEAD_DIM + 2 * j)[None, :]
         q_hi = q_hi * tl.load(static_ptr + kvh * HEAD_DIM + 2 * j + 1)[None, :]
     return q_lo, q_hi
@@ -311,22 +342,33 @@ def _attend(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
 
 
 @triton.jit
-def _finish_output(acc_lo, acc_hi, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
-                   M: tl.constexpr, HEAD_DIM: tl.constexpr, V_STATIC: tl.constexpr, V_SMOOTH: tl.constexpr,
-                   V_HAD: tl.constexpr):
-    """Normalized halves -> output rows [M, HEAD_DIM] in channel space: * static, @ H^T, * smooth."""
-    j = tl.arange(0, HEAD_DIM // 2)
-    if V_STATIC:
-        acc_lo = acc_lo * tl.load(v_static_ptr + kvh * HEAD_DIM + 2 * j)[None, :]
-        acc_hi = acc_hi * tl.load(v_static_ptr + kvh * HEAD_DIM + 2 * j + 1)[None, :]
-    out = tl.reshape(tl.join(acc_lo, acc_hi), [M, HEAD_DIM])
+def _join_halves(lo, hi, M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return tl.reshape(tl.join(lo, hi), [M, HEAD_DIM])
+
+
+@triton.jit
+def _store_output(out_ptr, orow, omask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
+                  HEAD_DIM: tl.constexpr, V_STATIC: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+                  HAD_CHUNK: tl.constexpr):
+    """Store normalized rows out [M, HEAD_DIM] (stored channel space) at ``orow`` in model space:
+    * static scale, @ H^T (HAD_CHUNK output channels at a time), * smoothing."""
     cols = tl.arange(0, HEAD_DIM)
+    if V_STATIC:
+        out = out * tl.load(v_static_ptr + kvh * HEAD_DIM + cols)[None, :]
     if V_HAD:
-        ht = tl.load(had_ptr + cols[None, :] * HEAD_DIM + cols[:, None])  # H^T
-        out = tl.dot(out, ht, input_precision="ieee")
-    if V_SMOOTH:
-        out = out * tl.load(v_smooth_ptr + kvh * HEAD_DIM + cols)[None, :]
-    return out
+        for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+            cc = c0 + tl.arange(0, HAD_CHUNK)
+            ht = tl.load(had_ptr + cc[None, :] * HEAD_DIM + cols[:, None])  # H^T[:, cc]
+            o = tl.dot(out, ht, input_precision="ieee")
+            if V_SMOOTH:
+                o = o * tl.load(v_smooth_ptr + kvh * HEAD_DIM + cc)[None, :]
+            tl.store(out_ptr + orow[:, None] * HEAD_DIM + cc[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=omask[:, None])
+    else:
+        if V_SMOOTH:
+            out = out * tl.load(v_smooth_ptr + kvh * HEAD_DIM + cols)[None, :]
+        tl.store(out_ptr + orow[:, None] * HEAD_DIM + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=omask[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,6 +403,7 @@ def paged_decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
     PREC: tl.constexpr,
+    HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = (batch, kv_heads, num_partitions). One program: all query heads of one KV head over
     PARTITION context tokens; partitions past the context write nothing (the reduction skips them)."""
@@ -376,10 +419,8 @@ def paged_decode_partition_kernel(
         hmask = hh < ratio
         qh = kvh * ratio + hh
         cols = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + (b * num_heads + qh)[:, None].to(tl.int64) * HEAD_DIM + cols[None, :],
-                    mask=hmask[:, None], other=0.0).to(tl.float32)
-        q_lo, q_hi = _prep_query(q, kvh, k_smooth_ptr, k_static_ptr, had_ptr, qk_scale,
-                                 BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD)
+        q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
+                                 had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = tl.zeros([BLOCK_H], tl.int32) + (ctx - 1)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -393,10 +434,8 @@ def paged_decode_partition_kernel(
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
-        j = tl.arange(0, HEAD_DIM // 2)
-        abase = part_acc_ptr + prow[:, None] * HEAD_DIM + 2 * j[None, :]
-        tl.store(abase, acc_lo, mask=hmask[:, None])
-        tl.store(abase + 1, acc_hi, mask=hmask[:, None])
+        acc = _join_halves(acc_lo, acc_hi, BLOCK_H, HEAD_DIM)
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + cols[None, :], acc, mask=hmask[:, None])
 
 
 @triton.jit
@@ -414,6 +453,7 @@ def paged_decode_reduce_kernel(
     V_STATIC: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PARTITION: tl.constexpr,
+    HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = (batch, kv_heads). Merges the partitions of each query head (log-sum-exp), normalizes,
     undoes V's static scale / Hadamard / smoothing. A context of length 0 gives zeros."""
@@ -425,34 +465,25 @@ def paged_decode_reduce_kernel(
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < ratio
     qh = kvh * ratio + hh
-    j = tl.arange(0, HEAD_DIM // 2)
+    cols = tl.arange(0, HEAD_DIM)
     base = (b * num_heads + qh).to(tl.int64) * num_partitions
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc_lo = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
-    acc_hi = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for p in range(0, used):
         m_p = tl.load(part_m_ptr + base + p, mask=hmask, other=float("-inf"))
         l_p = tl.load(part_l_ptr + base + p, mask=hmask, other=0.0)
-        a_ptr = part_acc_ptr + (base + p)[:, None] * HEAD_DIM + 2 * j[None, :]
-        a_lo = tl.load(a_ptr, mask=hmask[:, None], other=0.0)
-        a_hi = tl.load(a_ptr + 1, mask=hmask[:, None], other=0.0)
+        a_p = tl.load(part_acc_ptr + (base + p)[:, None] * HEAD_DIM + cols[None, :], mask=hmask[:, None], other=0.0)
         m_new = tl.maximum(m, m_p)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
         beta = tl.exp2(m_p - m_safe)
         l = l * alpha + l_p * beta
-        acc_lo = acc_lo * alpha[:, None] + a_lo * beta[:, None]
-        acc_hi = acc_hi * alpha[:, None] + a_hi * beta[:, None]
+        acc = acc * alpha[:, None] + a_p * beta[:, None]
         m = m_new
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
-    acc_lo = acc_lo * inv_l[:, None]
-    acc_hi = acc_hi * inv_l[:, None]
-    out = _finish_output(acc_lo, acc_hi, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
-                         BLOCK_H, HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD)
-    cols = tl.arange(0, HEAD_DIM)
-    optr = out_ptr + (b * num_heads + qh)[:, None].to(tl.int64) * HEAD_DIM + cols[None, :]
-    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    _store_output(out_ptr, (b * num_heads + qh).to(tl.int64), hmask, acc * inv_l[:, None], kvh, v_static_ptr,
+                  v_smooth_ptr, had_ptr, HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD, HAD_CHUNK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,6 +516,7 @@ def paged_prefill_kernel(
     BLOCK_H: tl.constexpr,  # query heads per KV head, padded to a power of two
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = (cdiv(max_seqlen_q, BLOCK_M), kv_heads, batch). Rows of a program are (token, head)
     pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once)."""
@@ -503,10 +535,8 @@ def paged_prefill_kernel(
         hh = r % BLOCK_H
         rmask = (tok < num_new) & (hh < ratio)
         qrow = ((q_begin + tok) * num_heads + kvh * ratio + hh).to(tl.int64)
-        cols = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + qrow[:, None] * HEAD_DIM + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        q_lo, q_hi = _prep_query(q, kvh, k_smooth_ptr, k_static_ptr, had_ptr, qk_scale,
-                                 M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD)
+        q_lo, q_hi = _load_query(q_ptr, qrow, rmask, kvh, k_smooth_ptr, k_static_ptr, had_ptr, qk_scale,
+                                 M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = ctx - num_new + tok
         kv_end = tl.minimum(ctx, ctx - num_new + m0 + BLOCK_M)
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -519,10 +549,9 @@ def paged_prefill_kernel(
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        out = _finish_output(acc_lo * inv_l[:, None], acc_hi * inv_l[:, None], kvh, v_static_ptr, v_smooth_ptr,
-                             had_ptr, M, HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD)
-        tl.store(out_ptr + qrow[:, None] * HEAD_DIM + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+        out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
+        _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
+                      HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD, HAD_CHUNK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,7 +586,7 @@ def append_config(spec, head_dim: int, interpret: bool = False) -> dict:
     c = format_constexprs(spec)
     return {
         "constexprs": dict(HEAD_DIM=head_dim, DTYPE=c["DTYPE"], STATIC=c["STATIC"], SYM=c["SYM"], GS=_gs(c, head_dim),
-                           SMOOTH=c["SMOOTH"], HAD=c["HAD"], BLOCK_T=64 if interpret else 16),
+                           SMOOTH=c["SMOOTH"], HAD=c["HAD"], BLOCK_T=64 if interpret else 16, HAD_CHUNK=32),
         "num_warps": 4,
     }
 
@@ -588,9 +617,9 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     if partition_size % block_n or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
     part = {k: v for k, v in kv.items() if k not in ("V_SMOOTH", "V_HAD")}
-    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision)
+    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32)
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
-               BLOCK_H=block_h, PARTITION=partition_size)
+               BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
     return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
 
 
@@ -612,7 +641,7 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
     if block_m * block_h < 16:
         block_m = 16 // block_h
     block_n = 64 if (interpret or head_dim <= 64) else 32
-    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision)
+    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32)
     return {"constexprs": kv, "num_warps": 4}
 
 
@@ -669,5 +698,4 @@ __all__ = [
     "prefill_grid",
     "load_kernels",
     "LOG2E",
-    "math",
 ]

@@ -1,0 +1,310 @@
+"""Ahead-of-time compilation of the plugin kernels to PTX / cubin for sm_80 and sm_90 (no GPU needed).
+
+``kernel_configs()`` enumerates the kernel configurations (kernel x KV format x head_dim x GQA bucket);
+``compile_config(cfg, arch)`` runs triton's compiler for a ``GPUTarget`` and returns the PTX, the cubin,
+the kernel's entry name, num_warps, dynamic shared memory and the ptxas resource usage (registers,
+spill bytes, stack frame), plus the launch grid as a formula over input shapes. This is what the
+TensorRT plugin glue consumes (``tensorrt.plugin`` ``aot_impl`` takes a kernel name, PTX and launch
+parameters).
+
+Kernel parameter order in the PTX: the runtime (non-constexpr) arguments of the Triton function in
+declaration order (inputs, then outputs, then scalars; see ``KernelConfig.args``), followed by the
+two scratch pointers triton >= 3.3 appends to every kernel (``global_scratch``, ``profile_scratch``;
+pass null, both sizes are recorded and are 0 for these kernels).
+
+    python -m trtkv.plugins.aot --out DIR [--arch 80 90] [--head-dims 64 128] [--lean]
+
+writes ``DIR/<arch>/<config>.ptx|.cubin`` and ``DIR/kernels.json`` (one row per config and arch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trtkv.formats import PRESETS, KVFormat, TensorFormat
+
+_REPO_CACHE = Path(__file__).resolve().parents[1] / ".triton_cache"
+if (_REPO_CACHE.parent / "pyproject.toml").is_file():
+    os.environ.setdefault("TRITON_CACHE_DIR", str(_REPO_CACHE))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from . import kernels as _k  # noqa: E402
+
+ARCHS = (80, 90)
+HEAD_DIMS = (64, 128)
+GQA_RATIOS = (1, 4, 8)  # prefill buckets (BLOCK_H = next power of two); decode covers ratios <= 16 with one config
+DEFAULT_PRECISION = "tf32x3"
+SPILL_LIMIT_BYTES = 64  # ptxas spill stores above this fail tests/test_kernels_aot.py
+
+
+def _data_type(fmt: TensorFormat) -> str:
+    if fmt.dtype == "fp16":
+        return "*fp16"
+    if fmt.dtype == "int8" and (fmt.symmetric or fmt.is_static):
+        return "*i8"
+    return "*u8"
+
+
+def _tag(fmt: TensorFormat) -> str:
+    return fmt.short().replace(":", "_")
+
+
+@dataclass
+class KernelConfig:
+    """One compilable kernel configuration."""
+
+    kernel: str  # name of the @triton.jit function in trtkv.plugins.kernels
+    name: str  # unique id: file stem of its PTX / cubin
+    constexprs: dict
+    signature: dict  # runtime argument -> triton type ("*fp16", "i32", "fp32", ...)
+    num_warps: int
+    grid: list[str]  # grid formula over the kernel's input dims (see GRID_VARS)
+    args: list[str] = field(default_factory=list)  # runtime arguments in PTX parameter order
+
+    def fn(self):
+        return getattr(_k, self.kernel)
+
+
+GRID_VARS = {
+    "tokens": "rows.shape[0]",
+    "batch": "q.shape[0] (decode) / context_lens.shape[0] (prefill)",
+    "kv_heads": "k_data.shape[1]",
+    "max_context_len": "block_table.shape[1] * k_data.shape[2], or a tighter bound",
+    "max_seqlen_q": "max query tokens of one sequence, or total_q = q.shape[0]",
+}
+
+
+def _signature(kernel: str, types: dict, constexprs: dict) -> tuple[dict, list[str]]:
+    fn = getattr(_k, kernel)
+    sig, args = {}, []
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+            args.append(name)
+    return sig, args
+
+
+def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
+    return dict(q_ptr=f"*{q_dtype}", out_ptr=f"*{q_dtype}", k_data_ptr=_data_type(kf), v_data_ptr=_data_type(vf),
+                k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16",
+                k_static_ptr="*fp32", k_smooth_ptr="*fp32", v_static_ptr="*fp32", v_smooth_ptr="*fp32",
+                had_ptr="*fp32", block_table_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
+                part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", qk_scale="fp32")
+
+
+def append_kernel_config(fmt: TensorFormat, head_dim: int, x_dtype: str = "fp16") -> KernelConfig:
+    cfg = _k.append_config(fmt, head_dim)
+    c = cfg["constexprs"]
+    types = dict(x_ptr=f"*{x_dtype}", slot_ptr="*i32", data_ptr=_data_type(fmt), scale_ptr="*fp16",
+                 zero_ptr="*fp16", static_scale_ptr="*fp32", smooth_ptr="*fp32", clip_ptr="*fp32", had_ptr="*fp32")
+    sig, args = _signature("quantize_append_kernel", types, c)
+    return KernelConfig("quantize_append_kernel", f"quantize_append.{_tag(fmt)}.d{head_dim}.{x_dtype}", c, sig,
+                        cfg["num_warps"], ["cdiv(tokens, %d)" % c["BLOCK_T"], "kv_heads", "1"], args)
+
+
+def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dtype: str = "fp16",
+                          partition_size: int = _k.DEFAULT_PARTITION,
+                          precision: str = DEFAULT_PRECISION) -> list[KernelConfig]:
+    cfg = _k.decode_config(fmt.k, fmt.v, head_dim, gqa_ratio, partition_size, precision)
+    types = _kv_types(fmt.k, fmt.v, q_dtype)
+    tag = f"k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{cfg['partition']['constexprs']['BLOCK_H']}.{q_dtype}"
+    pc = cfg["partition"]["constexprs"]
+    sig, args = _signature("paged_decode_partition_kernel", types, pc)
+    part = KernelConfig("paged_decode_partition_kernel", f"paged_decode_partition.{tag}.p{partition_size}.{precision}",
+                        pc, sig, cfg["partition"]["num_warps"],
+                        ["batch", "kv_heads", f"cdiv(max_context_len, {partition_size})"], args)
+    rc = cfg["reduce"]["constexprs"]
+    vtag = f"v-{_tag(fmt.v)}.d{head_dim}.h{rc['BLOCK_H']}.{q_dtype}.p{partition_size}"
+    sig, args = _signature("paged_decode_reduce_kernel", types, rc)
+    red = KernelConfig("paged_decode_reduce_kernel", f"paged_decode_reduce.{vtag}", rc, sig,
+                       cfg["reduce"]["num_warps"], ["batch", "kv_heads", "1"], args)
+    return [part, red]
+
+
+def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype: str = "fp16",
+                          precision: str = DEFAULT_PRECISION) -> KernelConfig:
+    cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision)
+    c = cfg["constexprs"]
+    sig, args = _signature("paged_prefill_kernel", _kv_types(fmt.k, fmt.v, q_dtype), c)
+    name = f"paged_prefill.k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{c['BLOCK_H']}.{q_dtype}.{precision}"
+    return KernelConfig("paged_prefill_kernel", name, c, sig, cfg["num_warps"],
+                        [f"cdiv(max_seqlen_q, {c['BLOCK_M']})", "kv_heads", "batch"], args)
+
+
+def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS,
+                   q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION) -> list[KernelConfig]:
+    """Every kernel configuration of the given formats (default: all presets), deduplicated by name."""
+    formats = list(PRESETS.values()) if formats is None else formats
+    out: dict[str, KernelConfig] = {}
+    for d in head_dims:
+        for fmt in formats:
+            for tf in (fmt.k, fmt.v):
+                c = append_kernel_config(tf, d, q_dtype)
+                out.setdefault(c.name, c)
+            for c in decode_kernel_configs(fmt, d, max(gqa_ratios), q_dtype, precision=precision):
+                out.setdefault(c.name, c)
+            for r in gqa_ratios:
+                c = prefill_kernel_config(fmt, d, r, q_dtype, precision)
+                out.setdefault(c.name, c)
+    return list(out.values())
+
+
+def lean_configs() -> list[KernelConfig]:
+    """The subset tests/test_kernels_aot.py compiles: every kernel and format at head_dim 128, plus int4 at 64."""
+    cfgs = kernel_configs(head_dims=(128,), gqa_ratios=(8,))
+    cfgs += kernel_configs([PRESETS["int4"]], head_dims=(64,), gqa_ratios=(1,))
+    seen, out = set(), []
+    for c in cfgs:
+        if c.name not in seen:
+            seen.add(c.name)
+            out.append(c)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# compilation
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompiledConfig:
+    config: str
+    kernel: str
+    arch: int
+    name: str  # entry point in the PTX / cubin
+    num_warps: int
+    shared: int  # dynamic shared memory bytes to launch with
+    n_regs: int
+    spill_stores: int  # bytes, from ptxas -v
+    spill_loads: int
+    stack: int  # stack frame bytes
+    grid: list[str]
+    args: list[str]
+    global_scratch_size: int
+    profile_scratch_size: int
+    ptx_version: str
+    compile_s: float
+    ptx: str = field(repr=False, default="")
+    cubin: bytes = field(repr=False, default=b"")
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d.pop("ptx")
+        d.pop("cubin")
+        return d
+
+
+def _ptxas_usage(ptx: str, arch_name: str, ptxas: str) -> dict:
+    """Registers / spills / stack from ``ptxas -v`` with triton's own flags."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([ptxas, "-v", "-lineinfo", "--regAllocOptLevel=2", f"--gpu-name={arch_name}", str(src),
+                              "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True, check=True)
+    log = res.stderr + res.stdout
+
+    def grab(pat: str) -> int:
+        m = re.search(pat, log)
+        return int(m.group(1)) if m else 0
+
+    return {"n_regs": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+
+
+def _pointer_attrs(cfg: KernelConfig) -> dict:
+    """Every pointer argument is 16-byte aligned (torch / TensorRT allocations are 256-byte aligned):
+    the hint triton's JIT adds at launch, which lets loads and stores vectorize."""
+    names = cfg.fn().arg_names
+    return {(names.index(a),): [["tt.divisibility", 16]] for a in cfg.args if cfg.signature[a].startswith("*")}
+
+
+def compile_config(cfg: KernelConfig, arch: int, options: dict | None = None) -> CompiledConfig:
+    """Compile one configuration for sm_<arch> (80 or 90) on any machine."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    t0 = time.time()
+    src = ASTSource(cfg.fn(), signature=cfg.signature, constexprs=cfg.constexprs, attrs=_pointer_attrs(cfg))
+    opts = {"num_warps": cfg.num_warps, **(options or {})}
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    ptx = ck.asm["ptx"]
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
+    version = re.search(r"^\.version\s+([\d.]+)", ptx, re.M)
+    usage = _ptxas_usage(ptx, target.group(1) if target else f"sm_{arch}", get_ptxas(arch).path)
+    md = ck.metadata
+    return CompiledConfig(
+        config=cfg.name, kernel=cfg.kernel, arch=arch, name=md.name, num_warps=md.num_warps, shared=md.shared,
+        grid=cfg.grid, args=cfg.args, global_scratch_size=getattr(md, "global_scratch_size", 0) or 0,
+        profile_scratch_size=getattr(md, "profile_scratch_size", 0) or 0,
+        ptx_version=version.group(1) if version else "", compile_s=round(time.time() - t0, 2),
+        ptx=ptx, cubin=ck.asm["cubin"], **usage)
+
+
+def compile_all(configs: list[KernelConfig], archs=ARCHS, out_dir: str | Path | None = None,
+                verbose: bool = False) -> list[CompiledConfig]:
+    results = []
+    for arch in archs:
+        for cfg in configs:
+            res = compile_config(cfg, arch)
+            results.append(res)
+            if verbose:
+                print(f"sm_{arch} {cfg.name}: regs {res.n_regs} spills {res.spill_stores}/{res.spill_loads} "
+                      f"smem {res.shared} ({res.compile_s}s)", file=sys.stderr)
+            if out_dir is not None:
+                d = Path(out_dir) / f"sm_{arch}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"{cfg.name}.ptx").write_text(res.ptx)
+                (d / f"{cfg.name}.cubin").write_bytes(res.cubin)
+    if out_dir is not None:
+        table = {"triton_version": triton.__version__, "grid_vars": GRID_VARS,
+                 "kernels": [r.row() for r in results],
+                 "configs": {c.name: {"kernel": c.kernel, "constexprs": c.constexprs, "signature": c.signature}
+                             for c in configs}}
+        Path(out_dir, "kernels.json").write_text(json.dumps(table, indent=1))
+    return results
+
+
+def format_table(results: list[CompiledConfig]) -> str:
+    lines = [f"{'config':90s} {'arch':>5s} {'regs':>5s} {'spill':>6s} {'stack':>6s} {'smem':>7s}"]
+    for r in results:
+        lines.append(f"{r.config:90s} sm_{r.arch:<2d} {r.n_regs:5d} {r.spill_stores:6d} {r.stack:6d} {r.shared:7d}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trtkv.plugins.aot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    ap.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
+    ap.add_argument("--gqa-ratios", type=int, nargs="+", default=list(GQA_RATIOS))
+    ap.add_argument("--formats", nargs="+", default=None, help="preset names (default: all presets)")
+    ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=["ieee", "tf32", "tf32x3"])
+    ap.add_argument("--lean", action="store_true", help="the test subset only")
+    a = ap.parse_args(argv)
+    if a.lean:
+        configs = lean_configs()
+    else:
+        fmts = None if a.formats is None else [PRESETS[f] for f in a.formats]
+        configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), precision=a.precision)
+    results = compile_all(configs, tuple(a.arch), a.out, verbose=True)
+    print(format_table(results))
+    bad = [r for r in results if r.spill_stores > SPILL_LIMIT_BYTES]
+    print(f"{len(results)} kernels compiled to {a.out}; {len(bad)} spill more than {SPILL_LIMIT_BYTES} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
