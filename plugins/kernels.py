@@ -52,6 +52,28 @@ ASYM_MAX = {"int8": 255.0, "int4": 15.0}
 # --------------------------------------------------------------------------------------------
 
 
+# Reductions call tl.reduce with triton.language.standard's own combine functions -- exactly what
+# tl.max / tl.min / tl.sum do -- instead of those @jit wrappers (and tl.zeros / tl.cdiv, also @jit in
+# triton.language.standard): the standard library is interpreted only if TRITON_INTERPRET was set
+# before triton was first imported, while this module's interpreter copy must work either way. The
+# interpreter recognizes these combine functions and reduces with numpy.
+
+
+@triton.jit
+def _rmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _rmin(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
 @triton.jit
 def _rint(x):
     """Round half to even (torch.round) for |x| < 2**23; every step is exact in fp32."""
@@ -146,7 +168,7 @@ def quantize_append_kernel(
     else:
         if HAD:
             # x @ H accumulated over HAD_CHUNK input channels: registers hold a [HAD_CHUNK, HEAD_DIM] slice of H
-            x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+            x = tl.full([BLOCK_T, HEAD_DIM], 0.0, tl.float32)
             for c0 in range(0, HEAD_DIM, HAD_CHUNK):
                 kk = c0 + tl.arange(0, HAD_CHUNK)
                 xc = tl.load(x_ptr + src[:, None] + kk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -181,13 +203,13 @@ def quantize_append_kernel(
             xg = tl.reshape(x, [BLOCK_T, G, GS])
             clip = tl.load(clip_ptr + h)
             if SYM:
-                amax = tl.max(tl.abs(xg), axis=2)
+                amax = _rmax(tl.abs(xg), 2)
                 scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_T, G], hi_c, tl.float32)))
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_T, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 yg = tl.minimum(tl.maximum(xg * inv[:, :, None], lo_c), hi_c)
             else:
-                mn = tl.min(xg, axis=2)
-                mx = tl.max(xg, axis=2)
+                mn = _rmin(xg, 2)
+                mx = _rmax(xg, 2)
                 rng = mx - mn
                 # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
                 zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5)
@@ -284,8 +306,8 @@ def _load_query(q_ptr, qrow, qmask, kvh, smooth_ptr, static_ptr, had_ptr, qk_sca
     j = tl.arange(0, HALF)
     base = q_ptr + qrow[:, None] * HEAD_DIM
     if K_HAD:
-        q_lo = tl.zeros([M, HALF], tl.float32)
-        q_hi = tl.zeros([M, HALF], tl.float32)
+        q_lo = tl.full([M, HALF], 0.0, tl.float32)
+        q_hi = tl.full([M, HALF], 0.0, tl.float32)
         for c0 in range(0, HEAD_DIM, HAD_CHUNK):
             kk = c0 + tl.arange(0, HAD_CHUNK)
             qc = tl.load(base + kk[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
@@ -328,11 +350,11 @@ def _attend(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
         s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=PREC)
         ok = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, _rmax(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + _rsum(p, 1)
         v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, kmask,
                                   HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
@@ -421,11 +443,11 @@ def paged_decode_partition_kernel(
         cols = tl.arange(0, HEAD_DIM)
         q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
                                  had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
-        qpos = tl.zeros([BLOCK_H], tl.int32) + (ctx - 1)
+        qpos = tl.full([BLOCK_H], 0, tl.int32) + (ctx - 1)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc_lo = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
-        acc_hi = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
+        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+        acc_lo = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
+        acc_hi = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         m_i, l_i, acc_lo, acc_hi = _attend(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
             block_table_ptr + b.to(tl.int64) * max_blocks, kvh, num_kv_heads, block_size,
@@ -460,7 +482,7 @@ def paged_decode_reduce_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)
-    used = tl.cdiv(ctx, PARTITION)
+    used = (ctx + PARTITION - 1) // PARTITION
     ratio = num_heads // num_kv_heads
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < ratio
@@ -468,8 +490,8 @@ def paged_decode_reduce_kernel(
     cols = tl.arange(0, HEAD_DIM)
     base = (b * num_heads + qh).to(tl.int64) * num_partitions
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    l = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, HEAD_DIM], 0.0, tl.float32)
     for p in range(0, used):
         m_p = tl.load(part_m_ptr + base + p, mask=hmask, other=float("-inf"))
         l_p = tl.load(part_l_ptr + base + p, mask=hmask, other=0.0)
@@ -540,9 +562,9 @@ def paged_prefill_kernel(
         qpos = ctx - num_new + tok
         kv_end = tl.minimum(ctx, ctx - num_new + m0 + BLOCK_M)
         m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc_lo = tl.zeros([M, HEAD_DIM // 2], tl.float32)
-        acc_hi = tl.zeros([M, HEAD_DIM // 2], tl.float32)
+        l_i = tl.full([M], 0.0, tl.float32)
+        acc_lo = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
+        acc_hi = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         m_i, l_i, acc_lo, acc_hi = _attend(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, kv_end,
             block_table_ptr + b.to(tl.int64) * max_blocks, kvh, num_kv_heads, block_size,
