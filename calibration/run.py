@@ -1,0 +1,182 @@
+"""``trtkv calibrate``: model + calibration text -> K/V statistics -> scales -> artifact directory."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from trtkv import __version__
+from trtkv.artifacts import CalibrationRecipe, FormatCalibration, LayerChoice, LayerParams, ModelIdentity, json_floats, save_calibration
+from trtkv.calibration.export import export_all
+from trtkv.calibration.report import render_report
+from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
+from trtkv.calibration.stats import DEFAULT_RESERVOIR, KVStats, collect_stats
+from trtkv.errors import TrtkvError
+from trtkv.formats import KVFormat, get_format
+
+DEFAULT_FORMATS = ("int8-static", "fp8", "int4")
+
+
+def wants_params(fmt: KVFormat, method: str) -> bool:
+    """Calibrate a format when it needs static scales / smoothing, or (mse) when it has dynamic scales to clip."""
+    return fmt.needs_calibration or (method == "mse" and any(t.is_quantized and t.is_dynamic for t in (fmt.k, fmt.v)))
+
+
+def resolve_formats(formats: Sequence[str | KVFormat] | None) -> list[KVFormat]:
+    """Default formats plus the requested ones, de-duplicated by name, in order."""
+    out: dict[str, KVFormat] = {}
+    for spec in [*DEFAULT_FORMATS, *(formats or [])]:
+        f = get_format(spec)
+        out.setdefault(f.name, f)
+    return list(out.values())
+
+
+def _summary(t) -> list[float] | float | None:
+    """Scale / clip tensor for recipe.json: per_channel [H, D] is summarised as the per-head max."""
+    if t is None:
+        return None
+    if t.dim() == 2:
+        t = t.amax(-1)
+    return json_floats(t)
+
+
+def layer_choices(params: Sequence[LayerParams], ratios: dict[str, list[float | None]]) -> list[LayerChoice]:
+    out = []
+    for i, lp in enumerate(params):
+        out.append(LayerChoice(
+            layer=i,
+            k_scale=_summary(lp.k.scale), v_scale=_summary(lp.v.scale),
+            k_clip=_summary(lp.k.clip), v_clip=_summary(lp.v.clip),
+            k_smooth_max=None if lp.k.smooth is None else float(lp.k.smooth.max()),
+            v_smooth_max=None if lp.v.smooth is None else float(lp.v.smooth.max()),
+            k_clip_ratio=(ratios.get("k") or [None] * len(params))[i],
+            v_clip_ratio=(ratios.get("v") or [None] * len(params))[i],
+        ))
+    return out
+
+
+def calibrate_formats(
+    stats: KVStats,
+    formats: Sequence[KVFormat],
+    method: str = "mse",
+    **knobs: Any,
+) -> tuple[dict[str, list[LayerParams]], dict[str, FormatCalibration], dict[str, dict], dict[str, dict]]:
+    """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors)."""
+    params: dict[str, list[LayerParams]] = {}
+    entries: dict[str, FormatCalibration] = {}
+    ratios: dict[str, dict] = {}
+    errors: dict[str, dict] = {}
+    for fmt in formats:
+        if not wants_params(fmt, method):
+            continue
+        p = choose_params(stats, fmt, method, **knobs)
+        params[fmt.name] = p
+        ratios[fmt.name] = clip_ratio(stats, fmt, p)
+        err = reservoir_error(stats, fmt, p)
+        if method != "max":
+            base = reservoir_error(stats, fmt, choose_params(stats, fmt, "max", smooth_alpha=knobs.get("smooth_alpha", 0.5)))
+            err.update({"k_max": base["k"], "v_max": base["v"]})
+        errors[fmt.name] = err
+        entries[fmt.name] = FormatCalibration(definition=fmt, method=method, layers=layer_choices(p, ratios[fmt.name]), mse=err)
+    return params, entries, ratios, errors
+
+
+def run_calibration(
+    model: str,
+    dataset: str,
+    out: Path,
+    *,
+    formats: Sequence[str] | None = None,
+    method: str = "mse",
+    samples: int = 64,
+    seq_len: int = 512,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+    text_field: str = "text",
+    batch_size: int = 4,
+    progress: bool = True,
+    percentile: float = 99.9,
+    smooth_alpha: float = 0.5,
+    reservoir: int = DEFAULT_RESERVOIR,
+    loaded: Any = None,
+) -> Path:
+    """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
+
+    Calibrates ``DEFAULT_FORMATS`` plus ``formats``; returns the artifact path. ``loaded`` (a
+    ``trtkv.models.LoadedModel`` of ``model``) skips loading the model again.
+    """
+    from rich.console import Console  # noqa: PLC0415
+
+    from trtkv.data import describe_dataset, token_windows  # noqa: PLC0415
+    from trtkv.models import load_model  # noqa: PLC0415
+
+    if method not in METHODS:
+        raise TrtkvError(f"unknown calibration method {method!r}", f"use --method {' | '.join(METHODS)}")
+    if batch_size < 1:
+        raise TrtkvError(f"--batch-size must be at least 1, got {batch_size}", "pass e.g. --batch-size 4")
+    fmts = resolve_formats(formats)
+    console = Console(stderr=True, quiet=not progress, soft_wrap=True)
+
+    if loaded is None:
+        loaded = load_model(model, device=device, dtype=dtype)
+    windows = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=samples, seed=seed, split="calib", text_field=text_field)
+    console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype})")
+
+    stats = collect_stats(loaded, windows, batch_size=batch_size, progress=progress, reservoir=reservoir, seed=seed)
+    tokens_per_s = stats.count / stats.seconds if stats.seconds else 0.0
+
+    t0 = time.perf_counter()
+    knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha)
+    params, entries, ratios, errors = calibrate_formats(stats, fmts, method, **knobs)
+    search_s = time.perf_counter() - t0
+
+    exports: dict[str, list[str]] = {}
+    files: dict[str, bytes] = {}
+    for f in fmts:
+        if f.name in params:
+            ex = export_all(f, params[f.name], loaded.info)
+            if ex:
+                exports[f.name] = sorted(ex)
+                files.update(ex)
+
+    recipe = CalibrationRecipe(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        trtkv_version=__version__,
+        model=ModelIdentity.of(asdict(loaded.info)),
+        dataset=describe_dataset(dataset, text_field),
+        samples=int(windows.shape[0]),
+        seq_len=seq_len,
+        seed=seed,
+        tokens=stats.count,
+        method=method,
+        options={**knobs, "reservoir": stats.reservoir_size, "batch_size": batch_size, "device": str(loaded.device),
+                 "dtype": str(loaded.dtype).replace("torch.", ""),
+                 "static_grid": [round(x, 4) for x in default_static_grid().tolist()],
+                 "clip_grid": [round(x, 4) for x in default_clip_grid().tolist()]},
+        formats=entries,
+        requested_formats=[f.name for f in fmts],
+        throughput={"tokens": float(stats.count), "seconds": round(stats.seconds, 3), "tokens_per_s": round(tokens_per_s, 1),
+                    "search_seconds": round(search_s, 3)},
+        exports=exports,
+    )
+    files.update(render_report(recipe, stats, ratios, errors, exports))
+    path = save_calibration(out, recipe, params, stats.to_tensors(), files)
+
+    console.print(f"{stats.count:,} tokens in {stats.seconds:.1f} s ({tokens_per_s:,.0f} tokens/s); scale search {search_s:.1f} s")
+    for name, err in errors.items():
+        k = sum(err["k"]) / max(len(err["k"]), 1)
+        v = sum(err["v"]) / max(len(err["v"]), 1)
+        line = f"  {name:<14} K MSE {k:.3g}  V MSE {v:.3g}"
+        if "k_max" in err:
+            kb = sum(err["k_max"]) / max(len(err["k_max"]), 1)
+            vb = sum(err["v_max"]) / max(len(err["v_max"]), 1)
+            line += f"  (max calibration: {kb:.3g} / {vb:.3g})"
+        console.print(line)
+    skipped = [f.name for f in fmts if f.name not in params]
+    if skipped:
+        console.print(f"  no parameters needed: {', '.join(skipped)}")
+    return path

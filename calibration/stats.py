@@ -1,0 +1,475 @@
+"""Streamed K/V statistics: what the model caches, collected over calibration windows.
+
+For every layer, KV head and head_dim channel, and for three tensors
+
+* ``k``     -- K as cached (post-RoPE), seen by a ``transformers`` Cache whose ``update()`` gets it,
+* ``k_pre`` -- K before RoPE (forward hook on ``self_attn.k_proj``),
+* ``v``     -- V as cached,
+
+``KVStats`` keeps running min/max (so absmax) per channel, per-channel sums and sums of squares
+(float64 moments), a histogram of ``|x|`` per (layer, head) on fixed log2-spaced bins, and a
+fixed-size reservoir sample of token rows (``k`` and ``v``, the same tokens in every layer) for
+MSE searches. Memory does not grow with the number of samples, and two ``KVStats`` merge.
+
+Histogram bins (fixed, so histograms from different runs merge by addition): bin 0 holds
+``|x| < 2**HIST_LOG2_MIN`` (zeros included), bins ``1..HIST_BINS-2`` split
+``[2**HIST_LOG2_MIN, 2**HIST_LOG2_MAX)`` into ``HIST_BINS_PER_OCTAVE`` equal steps of log2 per
+octave (relative bin width 2**(1/32) - 1 = 2.2%), and the last bin holds everything larger.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from trtkv.errors import TrtkvError
+
+KINDS = ("k", "k_pre", "v")
+RESERVOIR_KINDS = ("k", "v")
+HIST_LOG2_MIN = -20
+HIST_LOG2_MAX = 16
+HIST_BINS_PER_OCTAVE = 32
+HIST_BINS = (HIST_LOG2_MAX - HIST_LOG2_MIN) * HIST_BINS_PER_OCTAVE + 2
+DEFAULT_RESERVOIR = 512
+
+
+def hist_edges() -> torch.Tensor:
+    """Upper edges of the histogram bins (float64, length HIST_BINS; the last is +inf)."""
+    inner = torch.arange(1, HIST_BINS - 1, dtype=torch.float64)
+    upper = torch.pow(2.0, HIST_LOG2_MIN + inner / HIST_BINS_PER_OCTAVE)
+    return torch.cat([torch.tensor([2.0**HIST_LOG2_MIN], dtype=torch.float64), upper, torch.tensor([math.inf], dtype=torch.float64)])
+
+
+def hist_lower_edges() -> torch.Tensor:
+    """Lower edges of the bins (bin 0 starts at 0)."""
+    up = hist_edges()
+    return torch.cat([torch.zeros(1, dtype=torch.float64), up[:-1]])
+
+
+def hist_bin_index(absx: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of each ``|x|`` (int64, same shape)."""
+    # log2(|x|) * bins_per_octave shifted so that bin 1 starts at 2**HIST_LOG2_MIN; values below
+    # clamp to 0.5 before truncation, so truncation toward zero equals floor for every kept value
+    lg = torch.log2(absx.float()).mul_(HIST_BINS_PER_OCTAVE).add_(1 - HIST_LOG2_MIN * HIST_BINS_PER_OCTAVE)
+    return torch.nan_to_num_(lg, nan=HIST_BINS - 1.0).clamp_(0.5, HIST_BINS - 0.5).long()
+
+
+def hist_percentile(hist: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q``-th percentile (0..100) of |x| from histograms ``[..., HIST_BINS]``.
+
+    Interpolates geometrically inside the bin that crosses the target rank, so the result is
+    within one bin (2.2% relative) of the exact value. The overflow bin returns its lower edge.
+    """
+    h = hist.double()
+    total = h.sum(-1, keepdim=True)
+    cdf = h.cumsum(-1)
+    target = total * (q / 100.0)
+    b = torch.searchsorted(cdf.contiguous(), target.contiguous()).clamp_(0, HIST_BINS - 1)  # first bin with cdf >= target
+    lo_e, up_e = hist_lower_edges().to(h.device), hist_edges().to(h.device)
+    before = torch.where(b > 0, cdf.gather(-1, (b - 1).clamp_min(0)), torch.zeros_like(target))
+    in_bin = h.gather(-1, b).clamp_min(1e-30)
+    frac = ((target - before) / in_bin).clamp(0, 1)
+    lo, up = lo_e[b], up_e[b]
+    geo = lo * torch.pow(up / lo.clamp_min(1e-300), frac)
+    val = torch.where(b == 0, up * frac, torch.where(b == HIST_BINS - 1, lo, geo))
+    val = torch.where(total > 0, val, torch.zeros_like(val))
+    return val.squeeze(-1).float()
+
+
+@dataclass
+class TensorStats:
+    """Streamed statistics of one of k / k_pre / v: shapes [L, H, D] (hist: [L, H, HIST_BINS])."""
+
+    amin: torch.Tensor
+    amax: torch.Tensor
+    sum: torch.Tensor  # float64
+    sumsq: torch.Tensor  # float64
+    hist: torch.Tensor  # int64
+
+    @classmethod
+    def empty(cls, layers: int, heads: int, dim: int, device: Any = "cpu") -> "TensorStats":
+        f = dict(device=device)
+        return cls(
+            amin=torch.full((layers, heads, dim), math.inf, **f),
+            amax=torch.full((layers, heads, dim), -math.inf, **f),
+            sum=torch.zeros(layers, heads, dim, dtype=torch.float64, **f),
+            sumsq=torch.zeros(layers, heads, dim, dtype=torch.float64, **f),
+            hist=torch.zeros(layers, heads, HIST_BINS, dtype=torch.int64, **f),
+        )
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        """Per (layer, head, channel) max |x| [L, H, D]."""
+        return torch.maximum(self.amax.abs(), self.amin.abs()).where(torch.isfinite(self.amax), torch.zeros_like(self.amax))
+
+    def update(self, layer: int, x: torch.Tensor) -> None:
+        """Add rows ``x`` of shape [N, H, D] (tokens, heads, channels) to layer ``layer``."""
+        x = x.float()
+        self.amin[layer] = torch.minimum(self.amin[layer], x.amin(0))
+        self.amax[layer] = torch.maximum(self.amax[layer], x.amax(0))
+        self.sum[layer] += x.sum(0, dtype=torch.float64)
+        self.sumsq[layer] += x.square().sum(0, dtype=torch.float64)
+        heads = x.shape[1]
+        idx = hist_bin_index(x.abs()) + (torch.arange(heads, device=x.device) * HIST_BINS).view(1, heads, 1)
+        self.hist[layer] += torch.bincount(idx.flatten(), minlength=heads * HIST_BINS).view(heads, HIST_BINS)
+
+    def merge(self, other: "TensorStats") -> None:
+        self.amin = torch.minimum(self.amin, other.amin)
+        self.amax = torch.maximum(self.amax, other.amax)
+        self.sum = self.sum + other.sum
+        self.sumsq = self.sumsq + other.sumsq
+        self.hist = self.hist + other.hist
+
+    def to(self, device: Any) -> "TensorStats":
+        return TensorStats(*(getattr(self, f).to(device) for f in ("amin", "amax", "sum", "sumsq", "hist")))
+
+
+@dataclass
+class KVStats:
+    """Statistics of a model's K/V cache over a calibration set (see module docstring)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tensors: dict[str, TensorStats]
+    count: int = 0  # tokens seen per layer (each token contributes H*D values per tensor)
+    reservoir: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [L, R, H, D] float32
+    reservoir_capacity: int = DEFAULT_RESERVOIR
+    seconds: float = 0.0  # time spent in forward passes
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, reservoir: int = DEFAULT_RESERVOIR, device: Any = "cpu") -> "KVStats":
+        return cls(
+            num_layers, num_kv_heads, head_dim,
+            tensors={k: TensorStats.empty(num_layers, num_kv_heads, head_dim, device) for k in KINDS},
+            reservoir={k: torch.zeros(num_layers, 0, num_kv_heads, head_dim, device=device) for k in RESERVOIR_KINDS},
+            reservoir_capacity=reservoir,
+        )
+
+    # ---------------------------------------------------------------- derived statistics
+
+    def absmax(self, kind: str = "k", granularity: str = "per_channel") -> torch.Tensor:
+        """max |x| per layer at a granularity: per_tensor [L], per_head [L, H], per_channel [L, H, D]."""
+        a = self.tensors[kind].absmax
+        if granularity == "per_channel":
+            return a
+        if granularity == "per_head":
+            return a.amax(-1)
+        if granularity == "per_tensor":
+            return a.flatten(1).amax(-1)
+        raise ValueError(f"unknown granularity {granularity}")
+
+    def mean(self, kind: str = "k") -> torch.Tensor:
+        return (self.tensors[kind].sum / max(self.count, 1)).float()
+
+    def std(self, kind: str = "k") -> torch.Tensor:
+        n = max(self.count, 1)
+        m = self.tensors[kind].sum / n
+        var = (self.tensors[kind].sumsq / n - m * m).clamp_min(0)
+        return var.sqrt().float()
+
+    def percentile(self, kind: str = "k", q: float = 99.9, granularity: str = "per_head") -> torch.Tensor:
+        """Percentile of |x| from the histograms: per_tensor [L] or per_head [L, H]."""
+        h = self.tensors[kind].hist
+        if granularity == "per_tensor":
+            return hist_percentile(h.sum(1), q)
+        if granularity == "per_head":
+            return hist_percentile(h, q)
+        raise ValueError(f"histogram percentiles are per_tensor or per_head, not {granularity}")
+
+    def samples(self, kind: str, layer: int) -> torch.Tensor:
+        """Reservoir rows of one layer: [R, H, D] float32 (kind: k or v)."""
+        if kind not in self.reservoir:
+            raise TrtkvError(f"the statistics hold no reservoir sample of {kind}", "recollect statistics with a reservoir")
+        return self.reservoir[kind][layer].float()
+
+    @property
+    def reservoir_size(self) -> int:
+        return int(self.reservoir["k"].shape[1]) if "k" in self.reservoir else 0
+
+    # ---------------------------------------------------------------- combining
+
+    def merge(self, other: "KVStats", generator: torch.Generator | None = None) -> "KVStats":
+        """Fold ``other`` into ``self`` (in place; also returned).
+
+        Min/max, moments and histograms combine exactly. The reservoirs combine into a sample of
+        the union: each slot is drawn from one side with probability proportional to its token count.
+        """
+        if (self.num_layers, self.num_kv_heads, self.head_dim) != (other.num_layers, other.num_kv_heads, other.head_dim):
+            raise ValueError("cannot merge statistics of differently shaped models")
+        for k in KINDS:
+            self.tensors[k].merge(other.tensors[k].to(self.tensors[k].amin.device))
+        ra, rb = self.reservoir_size, other.reservoir_size
+        cap = self.reservoir_capacity
+        if ra + rb <= cap:
+            for k in RESERVOIR_KINDS:
+                self.reservoir[k] = torch.cat([self.reservoir[k], other.reservoir[k].to(self.reservoir[k].device)], 1)
+        else:
+            na, nb = max(self.count, 1), max(other.count, 1)
+            g = generator or torch.Generator().manual_seed(0)
+            take_a = torch.rand(cap, generator=g) < na / (na + nb)
+            ia = torch.randperm(ra, generator=g)[: min(int(take_a.sum()), ra)]
+            ib = torch.randperm(rb, generator=g)[: min(cap - len(ia), rb)]
+            for k in RESERVOIR_KINDS:
+                self.reservoir[k] = torch.cat([self.reservoir[k][:, ia], other.reservoir[k][:, ib].to(self.reservoir[k].device)], 1)
+        self.count += other.count
+        self.seconds += other.seconds
+        return self
+
+    # ---------------------------------------------------------------- serialization
+
+    def to_tensors(self, reservoir_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+        """Flat tensors for stats.safetensors (the reservoir is stored in ``reservoir_dtype``)."""
+        out: dict[str, torch.Tensor] = {
+            "meta.shape": torch.tensor([self.num_layers, self.num_kv_heads, self.head_dim], dtype=torch.int64),
+            "meta.count": torch.tensor([self.count], dtype=torch.int64),
+            "meta.reservoir_capacity": torch.tensor([self.reservoir_capacity], dtype=torch.int64),
+            "meta.seconds": torch.tensor([self.seconds], dtype=torch.float64),
+            "meta.hist": torch.tensor([HIST_LOG2_MIN, HIST_LOG2_MAX, HIST_BINS_PER_OCTAVE], dtype=torch.int64),
+        }
+        for k, ts in self.tensors.items():
+            for f in ("amin", "amax", "sum", "sumsq", "hist"):
+                out[f"{k}.{f}"] = getattr(ts, f).cpu().contiguous()
+        for k, r in self.reservoir.items():
+            lim = torch.finfo(reservoir_dtype).max if reservoir_dtype.is_floating_point else None
+            rr = r.clamp(-lim, lim) if lim is not None else r
+            out[f"reservoir.{k}"] = rr.to(reservoir_dtype).cpu().contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "KVStats":
+        hist_meta = t["meta.hist"].tolist()
+        if hist_meta != [HIST_LOG2_MIN, HIST_LOG2_MAX, HIST_BINS_PER_OCTAVE]:
+            raise TrtkvError(f"statistics use histogram bins {hist_meta}, this trtkv uses others", "recollect the statistics")
+        L, H, D = (int(v) for v in t["meta.shape"].tolist())
+        tensors = {k: TensorStats(*(t[f"{k}.{f}"] for f in ("amin", "amax", "sum", "sumsq", "hist"))) for k in KINDS}
+        res = {k: t[f"reservoir.{k}"].float() for k in RESERVOIR_KINDS if f"reservoir.{k}" in t}
+        return cls(
+            L, H, D, tensors, count=int(t["meta.count"].item()), reservoir=res,
+            reservoir_capacity=int(t["meta.reservoir_capacity"].item()), seconds=float(t["meta.seconds"].item()),
+        )
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        save_file(self.to_tensors(), str(path))
+
+    @classmethod
+    def load(cls, path: str) -> "KVStats":
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        return cls.from_tensors(load_file(str(path)))
+
+
+# --------------------------------------------------------------------------- streaming collector
+
+
+class StatsCollector:
+    """Feeds K/V of each forward pass into a ``KVStats`` and keeps the reservoir sample.
+
+    ``begin_batch(n_tokens)`` draws which of the next ``n_tokens`` rows (flattened batch x seq)
+    enter the reservoir (algorithm R, the same rows for every layer and tensor); ``add(kind,
+    layer, x)`` takes ``x`` as [N, H, D] rows in that order.
+    """
+
+    def __init__(self, stats: KVStats, seed: int = 0):
+        self.stats = stats
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seen = 0  # tokens offered to the reservoir so far
+        self._slots = torch.empty(0, dtype=torch.long)
+        self._rows = torch.empty(0, dtype=torch.long)
+        self._grow = 0
+
+    def begin_batch(self, n_tokens: int) -> None:
+        cap, filled = self.stats.reservoir_capacity, self.stats.reservoir_size
+        t = torch.arange(self.seen, self.seen + n_tokens, dtype=torch.float64)
+        fill = torch.clamp(torch.tensor(cap - filled), 0, n_tokens).item()
+        # the first `fill` rows append; the rest replace a random slot with probability cap / (t + 1)
+        j = torch.floor(torch.rand(n_tokens, generator=self.gen, dtype=torch.float64) * (t + 1)).long()
+        replace = (j < cap) & (torch.arange(n_tokens) >= fill)
+        slots: dict[int, int] = {}
+        for row in torch.nonzero(replace).flatten().tolist():  # few rows: expected cap * ln(growth)
+            slots[int(j[row])] = row  # a later row overwrites an earlier one in the same slot
+        self._grow = int(fill)
+        self._slots = torch.tensor(list(slots.keys()), dtype=torch.long)
+        self._rows = torch.tensor(list(slots.values()), dtype=torch.long)
+        self.seen += n_tokens
+
+    def add(self, kind: str, layer: int, x: torch.Tensor) -> None:
+        self.stats.tensors[kind].update(layer, x)
+        if kind not in self.stats.reservoir:
+            return
+        res = self.stats.reservoir[kind]
+        xc = x.detach().float().to(res.device)
+        if self._grow and layer == 0:
+            # grow the reservoir tensor once per batch (for all layers) before filling layer 0
+            pad = torch.zeros(res.shape[0], self._grow, *res.shape[2:], device=res.device)
+            res = self.stats.reservoir[kind] = torch.cat([res, pad], 1)
+        start = res.shape[1] - self._grow
+        if self._grow:
+            res[layer, start:] = xc[: self._grow]
+        if len(self._slots):
+            res[layer, self._slots.to(res.device)] = xc[self._rows.to(xc.device)]
+
+    def end_batch(self) -> None:
+        self._grow = 0
+        self._slots = torch.empty(0, dtype=torch.long)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] (transformers cache layout) -> [B*S, H, D] token rows, batch-major."""
+    return x.detach().permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = None
+    for name in ("model.layers", "model.model.layers", "transformer.h"):
+        obj: Any = model
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        layers = obj
+        break
+    if layers is None:
+        raise TrtkvError(f"cannot find the decoder layers of {type(model).__name__}", "use a Llama, Mistral or Qwen2 model")
+    return [layer.self_attn for layer in layers]
+
+
+def make_stats_cache(model: torch.nn.Module, collector: StatsCollector):
+    """A ``DynamicCache`` that reports each layer's key/value states (post-RoPE K, V) to ``collector``."""
+    from transformers.cache_utils import DynamicCache  # noqa: PLC0415
+
+    class _StatsCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            collector.add("k", layer_idx, _rows(key_states))
+            collector.add("v", layer_idx, _rows(value_states))
+            # calibration windows are single full forward passes: nothing needs to be stored
+            return key_states, value_states
+
+    return _StatsCache(config=model.config)
+
+
+def collect_stats(
+    loaded: Any,
+    windows: torch.Tensor,
+    batch_size: int = 4,
+    progress: bool = True,
+    *,
+    reservoir: int = DEFAULT_RESERVOIR,
+    seed: int = 0,
+) -> KVStats:
+    """Run ``loaded.model`` over token ``windows`` [n, seq_len] and collect ``KVStats``.
+
+    ``loaded`` is a ``trtkv.models.LoadedModel`` (``model``, ``info``, ``device``). Statistics
+    accumulate on the model's device and are returned on the CPU.
+    """
+    model, info, device = loaded.model, loaded.info, loaded.device
+    if windows.dim() != 2 or windows.numel() == 0:
+        raise TrtkvError(f"calibration windows must be a non-empty [n, seq_len] tensor, got shape {tuple(windows.shape)}", "check --samples and --seq-len")
+    attn = _attention_modules(model)
+    if len(attn) != info.num_layers:
+        raise TrtkvError(f"model has {len(attn)} attention layers, its info says {info.num_layers}", "reload the model")
+    stats = KVStats.empty(info.num_layers, info.num_kv_heads, info.head_dim, reservoir=reservoir, device=device)
+    collector = StatsCollector(stats, seed=seed)
+    H, D = info.num_kv_heads, info.head_dim
+
+    hooks = []
+    for i, a in enumerate(attn):
+        def hook(_mod, _inp, out, i=i):
+            collector.add("k_pre", i, out.detach().reshape(-1, H, D))
+        hooks.append(a.k_proj.register_forward_hook(hook))
+
+    n, seq_len = windows.shape
+    total_tokens = n * seq_len
+    t_start = time.perf_counter()
+    try:
+        with _progress(progress, total_tokens) as advance, torch.inference_mode():
+            for start in range(0, n, batch_size):
+                batch = windows[start : start + batch_size].to(device)
+                collector.begin_batch(batch.numel())
+                t0 = time.perf_counter()
+                model(input_ids=batch, cache=make_stats_cache(model, collector), use_cache=True)
+                stats.seconds += time.perf_counter() - t0
+                collector.end_batch()
+                stats.count += batch.numel()
+                advance(batch.numel())
+    finally:
+        for h in hooks:
+            h.remove()
+    wall = time.perf_counter() - t_start
+    stats.seconds = stats.seconds or wall
+    out = KVStats(
+        stats.num_layers, stats.num_kv_heads, stats.head_dim,
+        tensors={k: v.to("cpu") for k, v in stats.tensors.items()},
+        count=stats.count, reservoir={k: v.cpu() for k, v in stats.reservoir.items()},
+        reservoir_capacity=reservoir, seconds=wall,
+    )
+    for kind, ts in out.tensors.items():
+        if not (torch.isfinite(ts.amax).all() and torch.isfinite(ts.amin).all()):
+            raise TrtkvError(
+                f"the model produced NaN or inf {kind} values during calibration",
+                "run in float32 (--dtype float32); fp16 can overflow",
+            )
+    if out.tensors["k_pre"].hist.sum() == 0:
+        raise TrtkvError("the k_proj hooks saw no activations", "this model's attention layout is not supported")
+    return out
+
+
+class _progress:
+    """Context manager yielding ``advance(n_tokens)``; a rich bar with tokens/s when enabled."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self._p = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: PLC0415
+
+        class _Rate(TextColumn):
+            def render(self, task):
+                elapsed = task.finished_time if task.finished else task.elapsed
+                speed = task.completed / elapsed if elapsed and task.completed else None
+                return TextColumn(f"{speed:,.0f} tok/s" if speed else "… tok/s").render(task)
+
+        self._p = Progress(
+            TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+            _Rate(""), TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
+        )
+        self._p.__enter__()
+        task = self._p.add_task("calibrate", total=self.total)
+        return lambda n: self._p.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)
+        return False
+
+
+def stats_from_rows(rows: dict[str, Iterable[torch.Tensor]], reservoir: int = DEFAULT_RESERVOIR, seed: int = 0) -> KVStats:
+    """Build ``KVStats`` from synthetic data: ``rows[kind]`` is a list over layers of [N, H, D] tensors.
+
+    Used by tests and by callers that capture K/V some other way. ``k_pre`` defaults to ``k``.
+    """
+    k = [torch.as_tensor(x).float() for x in rows["k"]]
+    v = [torch.as_tensor(x).float() for x in rows["v"]]
+    kp = [torch.as_tensor(x).float() for x in rows.get("k_pre", k)]
+    L = len(k)
+    N, H, D = k[0].shape
+    stats = KVStats.empty(L, H, D, reservoir=reservoir)
+    col = StatsCollector(stats, seed=seed)
+    col.begin_batch(N)
+    for i in range(L):
+        col.add("k", i, k[i])
+        col.add("v", i, v[i])
+        col.add("k_pre", i, kp[i])
+    col.end_batch()
+    stats.count = N
+    return stats
