@@ -45,7 +45,8 @@ from . import kernels as _k  # noqa: E402
 ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
 GQA_RATIOS = (1, 4, 8)  # prefill buckets (BLOCK_H = next power of two); decode covers ratios <= 16 with one config
-DEFAULT_PRECISION = "tf32x3"
+DEFAULT_PRECISION = "tf32x3"  # decode (ops.DECODE_PRECISION)
+PREFILL_PRECISION = "tf32"  # prefill (ops.PREFILL_PRECISION)
 SPILL_LIMIT_BYTES = 64  # ptxas spill stores above this fail tests/test_kernels_aot.py
 
 
@@ -136,7 +137,7 @@ def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dt
 
 
 def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype: str = "fp16",
-                          precision: str = DEFAULT_PRECISION) -> KernelConfig:
+                          precision: str = PREFILL_PRECISION) -> KernelConfig:
     cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision)
     c = cfg["constexprs"]
     sig, args = _signature("paged_prefill_kernel", _kv_types(fmt.k, fmt.v, q_dtype), c)
@@ -146,7 +147,8 @@ def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype:
 
 
 def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS,
-                   q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION) -> list[KernelConfig]:
+                   q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION,
+                   prefill_precision: str = PREFILL_PRECISION) -> list[KernelConfig]:
     """Every kernel configuration of the given formats (default: all presets), deduplicated by name."""
     formats = list(PRESETS.values()) if formats is None else formats
     out: dict[str, KernelConfig] = {}
@@ -158,7 +160,7 @@ def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, g
             for c in decode_kernel_configs(fmt, d, max(gqa_ratios), q_dtype, precision=precision):
                 out.setdefault(c.name, c)
             for r in gqa_ratios:
-                c = prefill_kernel_config(fmt, d, r, q_dtype, precision)
+                c = prefill_kernel_config(fmt, d, r, q_dtype, prefill_precision)
                 out.setdefault(c.name, c)
     return list(out.values())
 
@@ -291,14 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
     ap.add_argument("--gqa-ratios", type=int, nargs="+", default=list(GQA_RATIOS))
     ap.add_argument("--formats", nargs="+", default=None, help="preset names (default: all presets)")
-    ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=["ieee", "tf32", "tf32x3"])
+    ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=["ieee", "tf32", "tf32x3"], help="decode dots")
+    ap.add_argument("--prefill-precision", default=PREFILL_PRECISION, choices=["ieee", "tf32", "tf32x3"])
     ap.add_argument("--lean", action="store_true", help="the test subset only")
     a = ap.parse_args(argv)
     if a.lean:
         configs = lean_configs()
     else:
         fmts = None if a.formats is None else [PRESETS[f] for f in a.formats]
-        configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), precision=a.precision)
+        configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), precision=a.precision,
+                                 prefill_precision=a.prefill_precision)
     results = compile_all(configs, tuple(a.arch), a.out, verbose=True)
     print(format_table(results))
     bad = [r for r in results if r.spill_stores > SPILL_LIMIT_BYTES]

@@ -656,15 +656,21 @@ def decode_grids(batch: int, num_kv_heads: int, max_context_len: int, partition_
 
 def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str = "ieee",
                    interpret: bool = False) -> dict:
+    """Constexprs of the prefill kernel. Rows of a program = BLOCK_M tokens x BLOCK_H heads (>= 16).
+
+    Tile sizes keep ptxas from spilling on sm_80 / sm_90 (see plugins/aot.py): "tf32" dots take 64 rows,
+    "tf32x3" / "ieee" (3x the operand registers) 16 rows."""
     kv = _kv_constexprs(k_spec, v_spec, head_dim)
     block_h = next_pow2(gqa_ratio)
-    rows = 64 if (interpret or head_dim <= 64) else 32
-    block_m = max(1, rows // block_h)
-    if block_m * block_h < 16:
-        block_m = 16 // block_h
-    block_n = 64 if (interpret or head_dim <= 64) else 32
+    if interpret:
+        rows, block_n, warps = 64, 64, 4  # the interpreter pays per operation, not per element
+    elif precision == "tf32":
+        rows, block_n, warps = 64, (64 if head_dim <= 64 else 32), (4 if head_dim <= 64 else 8)
+    else:
+        rows, block_n, warps = 16, 32, 4
+    block_m = max(1, rows // block_h, 16 // block_h)
     kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32)
-    return {"constexprs": kv, "num_warps": 4}
+    return {"constexprs": kv, "num_warps": warps}
 
 
 def prefill_grid(max_seqlen_q: int, num_kv_heads: int, batch: int, constexprs: dict) -> tuple[int, int, int]:

@@ -25,7 +25,9 @@ reference (``trtkv.plugins.reference``: write_paged / gather_paged + float64 att
 ("fake") implementations give shapes for torch.compile / export.
 
 ``precision`` is the ``tl.dot`` input precision of the attention products: "auto" = "ieee" under the
-interpreter and "tf32x3" on GPUs (tensor cores, ~fp32 accuracy); "tf32" is faster and ~1e-3 relative.
+interpreter; on GPUs "tf32x3" for decode (3-pass tf32 on tensor cores, ~fp32 accurate; decode is memory
+bound) and "tf32" for prefill (one pass: operands rounded to 10 mantissa bits like fp16 flash attention,
+fp32 accumulation, ~1e-3 relative on scores). Any of "ieee", "tf32", "tf32x3" may be forced.
 A context of length 0 yields zeros. Decode partitions default to 512 tokens: the grid is
 (batch, kv_heads, cdiv(max_context_len, 512)), so one 128k sequence with 8 KV heads runs 2048 programs.
 """
@@ -50,6 +52,10 @@ from . import reference as _ref
 _REPO_CACHE = Path(__file__).resolve().parents[1] / ".triton_cache"
 if (_REPO_CACHE.parent / "pyproject.toml").is_file():
     os.environ.setdefault("TRITON_CACHE_DIR", str(_REPO_CACHE))
+
+
+DECODE_PRECISION = "tf32x3"  # "auto" on GPUs: decode is memory bound, so ~fp32-accurate 3-pass tf32 is nearly free
+PREFILL_PRECISION = "tf32"  # prefill is compute bound: one tf32 pass (fp16-like operand rounding, fp32 accumulate)
 
 
 def interpret_requested() -> bool:
@@ -82,9 +88,9 @@ def _per_channel(t: torch.Tensor | None, kv_heads: int, head_dim: int, device, w
     return t.contiguous()
 
 
-def _precision(precision: str, interpret: bool) -> str:
+def _precision(precision: str, interpret: bool, gpu_default: str) -> str:
     if precision == "auto":
-        return "ieee" if interpret else "tf32x3"
+        return "ieee" if interpret else gpu_default
     if precision not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"precision must be auto, ieee, tf32 or tf32x3, got {precision!r}")
     return precision
@@ -108,6 +114,13 @@ def _check_pool(fmt: TensorFormat, data, scale, zero, head_dim: int, what: str) 
         raise TrtkvError("int4 needs an even head_dim")
 
 
+def check_head_dim(head_dim: int) -> None:
+    """The kernels tile head_dim whole (tl.arange) and split it in even / odd halves fed to tl.dot (K >= 16)."""
+    if head_dim < 32 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise TrtkvError(f"the Triton KV kernels support head_dim 32, 64, 128 or 256, got {head_dim}",
+                         "use the torch reference path (trtkv.plugins.reference) or the native attention mode")
+
+
 def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
@@ -123,6 +136,7 @@ def launch_quantize_append(rows, slot_mapping, data, scale, zero, fmt, static_sc
     interpret = (not rows.is_cuda) if interpret is None else interpret
     tf = _fmt(fmt)
     tokens, kvh, head_dim = rows.shape
+    check_head_dim(head_dim)
     _check_pool(tf, data, scale, zero, head_dim, "pool")
     for t in (data, scale, zero):
         if t is not None and not t.is_contiguous():
@@ -155,6 +169,7 @@ def _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_f
                  k_static_scale, k_smooth, v_static_scale, v_smooth):
     kf, vf = _fmt(k_fmt), _fmt(v_fmt)
     head_dim = q.shape[-1]
+    check_head_dim(head_dim)
     kvh = k_data.shape[1]
     if q.shape[1] % kvh:
         raise TrtkvError(f"query heads {q.shape[1]} are not a multiple of kv heads {kvh}")
@@ -191,7 +206,8 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, blo
     max_blocks = block_table.shape[1]
     if max_context_len is None:
         max_context_len = max_blocks * block_size
-    cfg = _k.decode_config(kf, vf, head_dim, heads // kvh, partition_size, _precision(precision, interpret), interpret)
+    cfg = _k.decode_config(kf, vf, head_dim, heads // kvh, partition_size,
+                           _precision(precision, interpret, DECODE_PRECISION), interpret)
     grid_p, grid_r = _k.decode_grids(batch, kvh, max_context_len, partition_size)
     nparts = grid_p[2]
     out = torch.empty_like(q)
@@ -235,7 +251,8 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync; pass it to avoid
     out.zero_()  # rows of sequences with an empty context stay zero
-    cfg = _k.prefill_config(kf, vf, head_dim, heads // kvh, _precision(precision, interpret), interpret)
+    cfg = _k.prefill_config(kf, vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
+                            interpret)
     grid = _k.prefill_grid(max_seqlen_q, kvh, batch, cfg["constexprs"])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     kmod = _k.load_kernels(interpret)
