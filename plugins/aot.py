@@ -255,6 +255,29 @@ def compile_config(cfg: KernelConfig, arch: int, options: dict | None = None) ->
         ptx=ptx, cubin=ck.asm["cubin"], **usage)
 
 
+def eval_grid(grid: list[str], **dims: int) -> tuple[int, int, int]:
+    """Evaluate a grid formula (``KernelConfig.grid``) for concrete dims, e.g. ``eval_grid(g, batch=2, kv_heads=8,
+    max_context_len=4096)``."""
+    env = {"cdiv": lambda a, b: -(-int(a) // int(b)), **dims}
+    return tuple(int(eval(expr, {"__builtins__": {}}, env)) for expr in grid)  # noqa: S307 (our own formulas)
+
+
+def compile_for(fmt: KVFormat | str, head_dim: int, gqa_ratio: int, arch: int, q_dtype: str = "fp16",
+                decode_precision: str = DEFAULT_PRECISION,
+                prefill_precision: str = PREFILL_PRECISION) -> dict[str, CompiledConfig]:
+    """Everything one model layer needs, compiled for sm_<arch>: keys "append_k", "append_v",
+    "decode_partition", "decode_reduce", "prefill" (what the TensorRT plugin glue calls)."""
+    from trtkv.formats import get_format
+
+    fmt = get_format(fmt)
+    part, red = decode_kernel_configs(fmt, head_dim, gqa_ratio, q_dtype, precision=decode_precision)
+    cfgs = {"append_k": append_kernel_config(fmt.k, head_dim, q_dtype),
+            "append_v": append_kernel_config(fmt.v, head_dim, q_dtype),
+            "decode_partition": part, "decode_reduce": red,
+            "prefill": prefill_kernel_config(fmt, head_dim, gqa_ratio, q_dtype, prefill_precision)}
+    return {key: compile_config(c, arch) for key, c in cfgs.items()}
+
+
 def compile_all(configs: list[KernelConfig], archs=ARCHS, out_dir: str | Path | None = None,
                 verbose: bool = False) -> list[CompiledConfig]:
     results = []
@@ -295,14 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", nargs="+", default=None, help="preset names (default: all presets)")
     ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=["ieee", "tf32", "tf32x3"], help="decode dots")
     ap.add_argument("--prefill-precision", default=PREFILL_PRECISION, choices=["ieee", "tf32", "tf32x3"])
+    ap.add_argument("--q-dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="query / new K,V dtype")
     ap.add_argument("--lean", action="store_true", help="the test subset only")
     a = ap.parse_args(argv)
     if a.lean:
         configs = lean_configs()
     else:
         fmts = None if a.formats is None else [PRESETS[f] for f in a.formats]
-        configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), precision=a.precision,
-                                 prefill_precision=a.prefill_precision)
+        configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), q_dtype=a.q_dtype,
+                                 precision=a.precision, prefill_precision=a.prefill_precision)
     results = compile_all(configs, tuple(a.arch), a.out, verbose=True)
     print(format_table(results))
     bad = [r for r in results if r.spill_stores > SPILL_LIMIT_BYTES]

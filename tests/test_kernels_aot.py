@@ -64,6 +64,15 @@ def test_configs_cover_every_preset_and_grid_formulas():
     # a batch of 1 at 128k with 8 KV heads fills the GPU: 2048 programs
     grid_p, grid_r = K.decode_grids(1, 8, 128 * 1024)
     assert grid_p[0] * grid_p[1] * grid_p[2] == 2048 and grid_r == (1, 8, 1)
+    assert aot.eval_grid(dec.grid, batch=1, kv_heads=8, max_context_len=128 * 1024) == grid_p
+    pre = next(c for c in configs if c.kernel == "paged_prefill_kernel")
+    assert aot.eval_grid(pre.grid, max_seqlen_q=100, kv_heads=2, batch=3) == K.prefill_grid(100, 2, 3, pre.constexprs)
+
+
+def test_compile_for_one_layer_bf16():
+    got = aot.compile_for("int4", 64, 3, 90, q_dtype="bf16")
+    assert set(got) == {"append_k", "append_v", "decode_partition", "decode_reduce", "prefill"}
+    assert all(r.spill_stores <= aot.SPILL_LIMIT_BYTES for r in got.values())
 
 
 def test_cli_writes_ptx_cubin_and_metadata(tmp_path):
