@@ -7,6 +7,9 @@ spill bytes, stack frame), plus the launch grid as a formula over input shapes. 
 TensorRT plugin glue consumes (``tensorrt.plugin`` ``aot_impl`` takes a kernel name, PTX and launch
 parameters).
 
+Attention configurations are compiled with ``NEW_ROWS=True``, the pure-engine contract of the TensorRT
+plugins (the newest positions come from this step's rows, the pool is read only; docs/plugins.md).
+
 Kernel parameter order in the PTX: the runtime (non-constexpr) arguments of the Triton function in
 declaration order (inputs, then outputs, then scalars; see ``KernelConfig.args``), followed by the
 two scratch pointers triton >= 3.3 appends to every kernel (``global_scratch``, ``profile_scratch``;
@@ -102,6 +105,8 @@ def _signature(kernel: str, types: dict, constexprs: dict) -> tuple[dict, list[s
 def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
     return dict(q_ptr=f"*{q_dtype}", out_ptr=f"*{q_dtype}", k_data_ptr=_data_type(kf), v_data_ptr=_data_type(vf),
                 k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16",
+                k_new_data_ptr=_data_type(kf), v_new_data_ptr=_data_type(vf), k_new_scale_ptr="*fp16",
+                k_new_zero_ptr="*fp16", v_new_scale_ptr="*fp16", v_new_zero_ptr="*fp16",
                 k_static_ptr="*fp32", k_smooth_ptr="*fp32", v_static_ptr="*fp32", v_smooth_ptr="*fp32",
                 had_ptr="*fp32", block_table_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", qk_scale="fp32")

@@ -332,18 +332,24 @@ def _load_query(q_ptr, qrow, qmask, kvh, smooth_ptr, static_ptr, had_ptr, qk_sca
 
 @triton.jit
 def _attend(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
-            bt_row_ptr, kvh, num_kv_heads, block_size,
+            bt_row_ptr, kvh, num_kv_heads, block_size, new_row0, past,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             HEAD_DIM: tl.constexpr,
             K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
             V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
-            BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax (base 2) of the query rows over keys [kv_start, kv_end), causal on ``qpos`` [M]."""
+            BLOCK_N: tl.constexpr, PREC: tl.constexpr, FROM_NEW: tl.constexpr):
+    """Online softmax (base 2) of the query rows over keys [kv_start, kv_end), causal on ``qpos`` [M].
+
+    Keys come from the paged pool through the block table, or (FROM_NEW) from this step's new rows
+    ``[tokens, kv_heads, ...]``: position ``pos`` is new row ``new_row0 + pos - past``."""
     for start in range(kv_start, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
-        blk = tl.load(bt_row_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
-        row = (blk * num_kv_heads + kvh) * block_size + kpos % block_size
+        if FROM_NEW:
+            row = (new_row0 + (kpos - past)).to(tl.int64) * num_kv_heads + kvh
+        else:
+            blk = tl.load(bt_row_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
+            row = (blk * num_kv_heads + kvh) * block_size + kpos % block_size
         k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, kmask,
                                   HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS)
         s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC)
@@ -401,8 +407,10 @@ def _store_output(out_ptr, orow, omask, out, kvh, v_static_ptr, v_smooth_ptr, ha
 @triton.jit
 def paged_decode_partition_kernel(
     q_ptr,  # [batch, heads, head_dim] fp16 / bf16 / fp32, contiguous
-    k_data_ptr, k_scale_ptr, k_zero_ptr,
+    k_data_ptr, k_scale_ptr, k_zero_ptr,  # the paged pool (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
+    k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr,  # NEW_ROWS: this step's rows [batch, kv_heads, ...]
+    v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,  # (else dummies)
     k_static_ptr,  # [kv_heads, head_dim] fp32 (K_STATIC; else dummy)
     k_smooth_ptr,  # [kv_heads, head_dim] fp32 (K_SMOOTH; else dummy)
     had_ptr,  # [head_dim, head_dim] fp32 (K_HAD; else dummy)
@@ -426,9 +434,12 @@ def paged_decode_partition_kernel(
     PARTITION: tl.constexpr,
     PREC: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    NEW_ROWS: tl.constexpr = False,
 ):
     """grid = (batch, kv_heads, num_partitions). One program: all query heads of one KV head over
-    PARTITION context tokens; partitions past the context write nothing (the reduction skips them)."""
+    PARTITION context tokens; partitions past the context write nothing (the reduction skips them).
+    NEW_ROWS (pure-engine contract): the last position, context_len - 1, is read from new row ``b``
+    instead of the pool (the pool is not written before the step)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -448,11 +459,25 @@ def paged_decode_partition_kernel(
         l_i = tl.full([BLOCK_H], 0.0, tl.float32)
         acc_lo = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
-        m_i, l_i, acc_lo, acc_hi = _attend(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
-            block_table_ptr + b.to(tl.int64) * max_blocks, kvh, num_kv_heads, block_size,
-            k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC)
+        bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
+        if NEW_ROWS:
+            past = ctx - 1
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, past),
+                bt_row, kvh, num_kv_heads, block_size, b, past,
+                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, past), kv_end,
+                bt_row, kvh, num_kv_heads, block_size, b, past,
+                k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr, v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, True)
+        else:
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
+                bt_row, kvh, num_kv_heads, block_size, 0, 0,
+                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
@@ -517,8 +542,10 @@ def paged_decode_reduce_kernel(
 def paged_prefill_kernel(
     q_ptr,  # [total_q, heads, head_dim], contiguous
     cu_seqlens_q_ptr,  # [batch + 1] int32: sequence b's queries are rows cu[b] .. cu[b+1]-1
-    k_data_ptr, k_scale_ptr, k_zero_ptr,
+    k_data_ptr, k_scale_ptr, k_zero_ptr,  # the paged pool (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
+    k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr,  # NEW_ROWS: this step's rows [total_q, kv_heads, ...]
+    v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,  # (else dummies)
     k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,  # [kv_heads, head_dim] fp32 or dummies
     had_ptr,  # [head_dim, head_dim] fp32 or dummy
     block_table_ptr,  # [batch, max_blocks] int32
@@ -539,9 +566,12 @@ def paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    NEW_ROWS: tl.constexpr = False,
 ):
     """grid = (cdiv(max_seqlen_q, BLOCK_M), kv_heads, batch). Rows of a program are (token, head)
-    pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once)."""
+    pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once).
+    NEW_ROWS (pure-engine contract): positions context_len - num_new .. context_len - 1 are read from
+    new rows cu[b] .. cu[b+1]-1 instead of the pool."""
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -565,11 +595,25 @@ def paged_prefill_kernel(
         l_i = tl.full([M], 0.0, tl.float32)
         acc_lo = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
-        m_i, l_i, acc_lo, acc_hi = _attend(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, kv_end,
-            block_table_ptr + b.to(tl.int64) * max_blocks, kvh, num_kv_heads, block_size,
-            k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC)
+        bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
+        past = ctx - num_new
+        if NEW_ROWS:
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, tl.minimum(kv_end, past),
+                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
+                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(past, 0), kv_end,
+                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
+                k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr, v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, True)
+        else:
+            m_i, l_i, acc_lo, acc_hi = _attend(
+                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, kv_end,
+                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
+                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
         _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -630,8 +674,11 @@ DEFAULT_PARTITION = 512
 
 
 def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size: int = DEFAULT_PARTITION,
-                  precision: str = "ieee", interpret: bool = False) -> dict:
-    """Constexprs of the two decode kernels. ``partition_size`` is a multiple of BLOCK_N."""
+                  precision: str = "ieee", interpret: bool = False, new_rows: bool = True) -> dict:
+    """Constexprs of the two decode kernels. ``partition_size`` is a power of two >= 16.
+
+    ``new_rows`` (default: the pure-engine contract of the TensorRT plugins) reads the newest token from
+    this step's new rows instead of the pool; the torch launchers pass False when the pool already holds it."""
     kv = _kv_constexprs(k_spec, v_spec, head_dim)
     block_h = max(16, next_pow2(gqa_ratio))
     block_n = 64 if (interpret or head_dim <= 64) else 32
@@ -639,7 +686,8 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     if partition_size % block_n or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
     part = {k: v for k, v in kv.items() if k not in ("V_SMOOTH", "V_HAD")}
-    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32)
+    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32,
+                NEW_ROWS=bool(new_rows))
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
     return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
@@ -655,7 +703,7 @@ def decode_grids(batch: int, num_kv_heads: int, max_context_len: int, partition_
 
 
 def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str = "ieee",
-                   interpret: bool = False) -> dict:
+                   interpret: bool = False, new_rows: bool = True) -> dict:
     """Constexprs of the prefill kernel. Rows of a program = BLOCK_M tokens x BLOCK_H heads (>= 16).
 
     Tile sizes keep ptxas from spilling on sm_80 / sm_90 (see plugins/aot.py): "tf32" dots take 64 rows,
@@ -669,7 +717,8 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
     else:
         rows, block_n, warps = 16, 32, 4
     block_m = max(1, rows // block_h, 16 // block_h)
-    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32)
+    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32,
+              NEW_ROWS=bool(new_rows))
     return {"constexprs": kv, "num_warps": warps}
 
 

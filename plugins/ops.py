@@ -8,12 +8,19 @@ Custom ops (importing this module registers them):
                                            block_table, context_lens, k_fmt, v_fmt,
                                            k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
                                            sm_scale=None, partition_size=512, max_context_len=None,
-                                           precision="auto") -> Tensor[batch, heads, head_dim]
+                                           precision="auto", k_new_data=None, k_new_scale=None, k_new_zero=None,
+                                           v_new_data=None, v_new_scale=None, v_new_zero=None)
+                                           -> Tensor[batch, heads, head_dim]
     torch.ops.trtkv.paged_prefill_attention(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
                                             block_table, context_lens, k_fmt, v_fmt,
                                             k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
-                                            sm_scale=None, max_seqlen_q=None,
-                                            precision="auto") -> Tensor[total_q, heads, head_dim]
+                                            sm_scale=None, max_seqlen_q=None, precision="auto",
+                                            k_new_data=None, ..., v_new_zero=None) -> Tensor[total_q, heads, head_dim]
+
+New rows (optional, all six or none): this step's quantized K/V in pool-row form ``[rows, kv_heads, ...]``
+(decode: row b; prefill: rows cu[b] .. cu[b+1]-1) replace the pool for each sequence's last positions,
+so attention sees the pool *after* the append without the pool being written (the pure-engine
+contract of docs/plugins.md). Without them the pool must already hold every position.
 
 Formats are ``TensorFormat.short()`` spec strings (``"int4:g64:asym:smooth:hadamard"``). Static scales may be
 ``[]``, ``[kv_heads]`` or ``[kv_heads, head_dim]``; smoothing factors ``[kv_heads, head_dim]``; ``clip`` ``[]``
@@ -191,23 +198,55 @@ def _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_f
     return kf, vf, tensors
 
 
+def _new_rows(t: dict, kf: TensorFormat, vf: TensorFormat, rows: int, kvh: int, head_dim: int, new: tuple) -> bool:
+    """Validate this step's new rows (pool-row form, ``[rows, kv_heads, ...]``) and add them to ``t``;
+    without them the pool tensors stand in (never read: NEW_ROWS is off)."""
+    k_data, k_scale, k_zero, v_data, v_scale, v_zero = new
+    names = ("k_new_data_ptr", "k_new_scale_ptr", "k_new_zero_ptr", "v_new_data_ptr", "v_new_scale_ptr",
+             "v_new_zero_ptr")
+    if k_data is None and v_data is None:
+        for n, src in zip(names, ("k_data_ptr", "k_scale_ptr", "k_zero_ptr", "v_data_ptr", "v_scale_ptr",
+                                  "v_zero_ptr")):
+            t[n] = t[src]
+        return False
+    if k_data is None or v_data is None:
+        raise TrtkvError("new rows need both K and V (k_new_data and v_new_data)")
+    for fmt, data, scale, zero, what in ((kf, k_data, k_scale, k_zero, "K"), (vf, v_data, v_scale, v_zero, "V")):
+        if data.dim() != 3 or data.shape[0] != rows or data.shape[1] != kvh:
+            raise TrtkvError(f"new {what} rows have shape {tuple(data.shape)}, expected [{rows}, {kvh}, packed_dim]")
+        as_pool = lambda x: None if x is None else x.reshape(x.shape[0], x.shape[1], 1, x.shape[2])  # noqa: E731
+        _check_pool(fmt, as_pool(data), as_pool(scale), as_pool(zero), head_dim, f"new {what} rows")
+    f16 = _dummy(k_data.device, torch.float16)
+    for n, x in zip(names, new):
+        t[n] = x.contiguous() if x is not None else f16
+    return True
+
+
 def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
                         k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
                         partition_size: int = _k.DEFAULT_PARTITION, max_context_len: int | None = None,
-                        precision: str = "auto", interpret: bool | None = None) -> torch.Tensor:
-    """Split-K decode attention: q [batch, heads, head_dim] -> [batch, heads, head_dim] (q's dtype)."""
+                        precision: str = "auto", interpret: bool | None = None,
+                        k_new_data=None, k_new_scale=None, k_new_zero=None, v_new_data=None, v_new_scale=None,
+                        v_new_zero=None) -> torch.Tensor:
+    """Split-K decode attention: q [batch, heads, head_dim] -> [batch, heads, head_dim] (q's dtype).
+
+    With ``*_new_*`` (this step's quantized rows ``[batch, kv_heads, ...]``, the pool-row form
+    ``quantize_append`` writes) the newest position ``context_len - 1`` is read from new row b instead of
+    the pool: attention over the pool *after* the append, without writing it (pure-engine contract)."""
     interpret = (not q.is_cuda) if interpret is None else interpret
     kf, vf, t = _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_fmt,
                              k_static_scale, k_smooth, v_static_scale, v_smooth)
     batch, heads, head_dim = q.shape
     kvh, block_size = k_data.shape[1], k_data.shape[2]
+    new_rows = _new_rows(t, kf, vf, batch, kvh, head_dim,
+                         (k_new_data, k_new_scale, k_new_zero, v_new_data, v_new_scale, v_new_zero))
     block_table = block_table.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     max_blocks = block_table.shape[1]
     if max_context_len is None:
         max_context_len = max_blocks * block_size
     cfg = _k.decode_config(kf, vf, head_dim, heads // kvh, partition_size,
-                           _precision(precision, interpret, DECODE_PRECISION), interpret)
+                           _precision(precision, interpret, DECODE_PRECISION), interpret, new_rows=new_rows)
     grid_p, grid_r = _k.decode_grids(batch, kvh, max_context_len, partition_size)
     nparts = grid_p[2]
     out = torch.empty_like(q)
@@ -222,6 +261,8 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, blo
     q = q.contiguous()
     kmod.paged_decode_partition_kernel[grid_p](
         q, t["k_data_ptr"], t["k_scale_ptr"], t["k_zero_ptr"], t["v_data_ptr"], t["v_scale_ptr"], t["v_zero_ptr"],
+        t["k_new_data_ptr"], t["k_new_scale_ptr"], t["k_new_zero_ptr"], t["v_new_data_ptr"], t["v_new_scale_ptr"],
+        t["v_new_zero_ptr"],
         t["k_static_ptr"], t["k_smooth_ptr"], t["had_ptr"], block_table, context_lens, part_m, part_l, part_acc,
         scale * _k.LOG2E, heads, kvh, block_size, max_blocks, nparts,
         **cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
@@ -234,13 +275,19 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, blo
 def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens,
                          k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
                          sm_scale=None, max_seqlen_q: int | None = None, precision: str = "auto",
-                         interpret: bool | None = None) -> torch.Tensor:
-    """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype)."""
+                         interpret: bool | None = None, k_new_data=None, k_new_scale=None, k_new_zero=None,
+                         v_new_data=None, v_new_scale=None, v_new_zero=None) -> torch.Tensor:
+    """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype).
+
+    With ``*_new_*`` (``[total_q, kv_heads, ...]``) positions ``context_len - num_new ..`` of sequence b are
+    read from new rows ``cu[b] ..`` instead of the pool (pure-engine contract, see launch_paged_decode)."""
     interpret = (not q.is_cuda) if interpret is None else interpret
     kf, vf, t = _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_fmt,
                              k_static_scale, k_smooth, v_static_scale, v_smooth)
     total_q, heads, head_dim = q.shape
     kvh, block_size = k_data.shape[1], k_data.shape[2]
+    new_rows = _new_rows(t, kf, vf, total_q, kvh, head_dim,
+                         (k_new_data, k_new_scale, k_new_zero, v_new_data, v_new_scale, v_new_zero))
     batch = context_lens.shape[0]
     block_table = block_table.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
@@ -252,13 +299,14 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync; pass it to avoid
     out.zero_()  # rows of sequences with an empty context stay zero
     cfg = _k.prefill_config(kf, vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
-                            interpret)
+                            interpret, new_rows=new_rows)
     grid = _k.prefill_grid(max_seqlen_q, kvh, batch, cfg["constexprs"])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     kmod = _k.load_kernels(interpret)
     kmod.paged_prefill_kernel[grid](
         q.contiguous(), cu_seqlens_q, t["k_data_ptr"], t["k_scale_ptr"], t["k_zero_ptr"], t["v_data_ptr"],
-        t["v_scale_ptr"], t["v_zero_ptr"], t["k_static_ptr"], t["k_smooth_ptr"], t["v_static_ptr"], t["v_smooth_ptr"],
+        t["v_scale_ptr"], t["v_zero_ptr"], t["k_new_data_ptr"], t["k_new_scale_ptr"], t["k_new_zero_ptr"],
+        t["v_new_data_ptr"], t["v_new_scale_ptr"], t["v_new_zero_ptr"], t["k_static_ptr"], t["k_smooth_ptr"], t["v_static_ptr"], t["v_smooth_ptr"],
         t["had_ptr"], block_table, context_lens, out, scale * _k.LOG2E, heads, kvh, block_size,
         block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
     return out
@@ -298,20 +346,36 @@ def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, 
                            k_static_scale: OT = None, k_smooth: OT = None, v_static_scale: OT = None,
                            v_smooth: OT = None, sm_scale: Optional[float] = None,
                            partition_size: int = _k.DEFAULT_PARTITION, max_context_len: Optional[int] = None,
-                           precision: str = "auto") -> T:
+                           precision: str = "auto", k_new_data: OT = None, k_new_scale: OT = None,
+                           k_new_zero: OT = None, v_new_data: OT = None, v_new_scale: OT = None,
+                           v_new_zero: OT = None) -> T:
     args = (q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
             k_static_scale, k_smooth, v_static_scale, v_smooth, sm_scale, partition_size, max_context_len, precision)
+    new = dict(k_new_data=k_new_data, k_new_scale=k_new_scale, k_new_zero=k_new_zero, v_new_data=v_new_data,
+               v_new_scale=v_new_scale, v_new_zero=v_new_zero)
     if q.is_cuda or interpret_requested():
-        return launch_paged_decode(*args, interpret=not q.is_cuda)
-    return _ref.paged_attention_ref(q, None, KVPool(k_data, k_scale, k_zero), KVPool(v_data, v_scale, v_zero),
-                                    block_table, context_lens, k_fmt, v_fmt, _ref_params(k_static_scale, k_smooth),
-                                    _ref_params(v_static_scale, v_smooth), sm_scale)
+        return launch_paged_decode(*args, interpret=not q.is_cuda, **new)
+    kp, vp = _ref_pools(k_data, k_scale, k_zero, v_data, v_scale, v_zero, new, block_table, context_lens, None)
+    return _ref.paged_attention_ref(q, None, kp, vp, block_table, context_lens, k_fmt, v_fmt,
+                                    _ref_params(k_static_scale, k_smooth), _ref_params(v_static_scale, v_smooth),
+                                    sm_scale)
+
+
+def _ref_pools(k_data, k_scale, k_zero, v_data, v_scale, v_zero, new: dict, block_table, context_lens, cu):
+    kp, vp = KVPool(k_data, k_scale, k_zero), KVPool(v_data, v_scale, v_zero)
+    if new["k_new_data"] is None:
+        return kp, vp
+    kn = KVPool(new["k_new_data"], new["k_new_scale"], new["k_new_zero"])
+    vn = KVPool(new["v_new_data"], new["v_new_scale"], new["v_new_zero"])
+    return (_ref.pool_with_new_rows(kp, kn, block_table, context_lens, cu),
+            _ref.pool_with_new_rows(vp, vn, block_table, context_lens, cu))
 
 
 @paged_decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
       k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
-      partition_size=_k.DEFAULT_PARTITION, max_context_len=None, precision="auto"):
+      partition_size=_k.DEFAULT_PARTITION, max_context_len=None, precision="auto", k_new_data=None,
+      k_new_scale=None, k_new_zero=None, v_new_data=None, v_new_scale=None, v_new_zero=None):
     return torch.empty_like(q)
 
 
@@ -320,20 +384,26 @@ def paged_prefill_attention(q: T, cu_seqlens_q: T, k_data: T, k_scale: OT, k_zer
                             v_zero: OT, block_table: T, context_lens: T, k_fmt: str, v_fmt: str,
                             k_static_scale: OT = None, k_smooth: OT = None, v_static_scale: OT = None,
                             v_smooth: OT = None, sm_scale: Optional[float] = None,
-                            max_seqlen_q: Optional[int] = None, precision: str = "auto") -> T:
+                            max_seqlen_q: Optional[int] = None, precision: str = "auto", k_new_data: OT = None,
+                            k_new_scale: OT = None, k_new_zero: OT = None, v_new_data: OT = None,
+                            v_new_scale: OT = None, v_new_zero: OT = None) -> T:
     args = (q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt,
             v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision)
+    new = dict(k_new_data=k_new_data, k_new_scale=k_new_scale, k_new_zero=k_new_zero, v_new_data=v_new_data,
+               v_new_scale=v_new_scale, v_new_zero=v_new_zero)
     if q.is_cuda or interpret_requested():
-        return launch_paged_prefill(*args, interpret=not q.is_cuda)
-    return _ref.paged_attention_ref(q, cu_seqlens_q, KVPool(k_data, k_scale, k_zero), KVPool(v_data, v_scale, v_zero),
-                                    block_table, context_lens, k_fmt, v_fmt, _ref_params(k_static_scale, k_smooth),
-                                    _ref_params(v_static_scale, v_smooth), sm_scale)
+        return launch_paged_prefill(*args, interpret=not q.is_cuda, **new)
+    kp, vp = _ref_pools(k_data, k_scale, k_zero, v_data, v_scale, v_zero, new, block_table, context_lens, cu_seqlens_q)
+    return _ref.paged_attention_ref(q, cu_seqlens_q, kp, vp, block_table, context_lens, k_fmt, v_fmt,
+                                    _ref_params(k_static_scale, k_smooth), _ref_params(v_static_scale, v_smooth),
+                                    sm_scale)
 
 
 @paged_prefill_attention.register_fake
 def _(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
       k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q=None,
-      precision="auto"):
+      precision="auto", k_new_data=None, k_new_scale=None, k_new_zero=None, v_new_data=None, v_new_scale=None,
+      v_new_zero=None):
     return torch.empty_like(q)
 
 

@@ -57,6 +57,29 @@ def dequantized_sequence(layout: PagedKVLayout, which: str, pool: KVPool, block_
     return gather_paged(layout, which, pool, block_row, ctx, params)  # type: ignore[return-value]
 
 
+def pool_with_new_rows(pool: KVPool, new: KVPool, block_table: torch.Tensor, context_lens: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor | None = None) -> KVPool:
+    """A copy of ``pool`` with this step's rows written at their slots (what the runtime does after a step).
+
+    ``new`` holds rows in pool-row form ``[rows, kv_heads, ...]``; sequence b's rows (row b for decode,
+    rows ``cu[b] .. cu[b+1]-1`` for prefill) are its last positions ``context_len - n ..``."""
+    out = KVPool(pool.data.clone(), None if pool.scale is None else pool.scale.clone(),
+                 None if pool.zero is None else pool.zero.clone())
+    bs = pool.data.shape[2]
+    for b in range(context_lens.shape[0]):
+        ctx = int(context_lens[b])
+        r0, r1 = (b, b + 1) if cu_seqlens_q is None else (int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        n = r1 - r0
+        if n == 0 or ctx == 0:
+            continue
+        pos = torch.arange(ctx - n, ctx)
+        blk, off = block_table[b, pos // bs].long(), pos % bs
+        for dst, src in ((out.data, new.data), (out.scale, new.scale), (out.zero, new.zero)):
+            if dst is not None:
+                dst[blk, :, off] = src[r0:r1].to(dst.dtype)
+    return out
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None,

@@ -27,7 +27,6 @@ Error thresholds
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -379,7 +378,7 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
     case = Case("int4", 128, 4, [70, 5], seed=8)
     q = torch.randn(2, case.heads, 128, generator=case.gen)
     k_data, k_scale, k_zero, v_data, v_scale, v_zero = case.pool_args()
-    cfg = K.decode_config(case.fmt.k, case.fmt.v, 128, 4, 64, "tf32x3", interpret=False)
+    cfg = K.decode_config(case.fmt.k, case.fmt.v, 128, 4, 64, "tf32x3", interpret=False, new_rows=False)
     assert cfg["partition"]["constexprs"]["BLOCK_N"] == 32
     kmod = K.load_kernels(True)
     f32 = torch.zeros(1)
@@ -389,7 +388,8 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
     (gp, gr) = K.decode_grids(2, case.kvh, 80, 64)
     pm, pl, pa = torch.empty(2, case.heads, gp[2]), torch.empty(2, case.heads, gp[2]), torch.empty(2, case.heads, gp[2], 128)
     out = torch.empty_like(q)
-    kmod.paged_decode_partition_kernel[gp](q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, f32, case.kp.smooth,
+    kmod.paged_decode_partition_kernel[gp](q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
+                                           k_data, k_scale, k_zero, v_data, v_scale, v_zero, f32, case.kp.smooth,
                                            had, case.block_table, case.context_lens, pm, pl, pa,
                                            K.LOG2E / math.sqrt(128), case.heads, case.kvh, 16,
                                            case.block_table.shape[1], gp[2], **cfg["partition"]["constexprs"])
@@ -441,6 +441,71 @@ def test_prefill_garbage_and_padding_rows():
     dirty = case.prefill(q, cu, max_seqlen_q=40)  # an upper bound is fine: extra programs exit
     assert torch.equal(clean, dirty)
     assert _rel_err(dirty, case.reference(q, cu)) < ATTN_RTOL
+
+
+# ------------------------------------------------------------------------------------------------
+# pure-engine contract: this step's new rows passed beside the read-only pool
+# ------------------------------------------------------------------------------------------------
+
+
+def _rows_form(fmt: TensorFormat, rows: torch.Tensor, params: TensorParams):
+    """Quantize rows [n, kv_heads, D] into pool-row form ([n, kv_heads, packed], [n, kv_heads, groups]) with
+    the append kernel on a pool of one-token blocks (what the PagedKVAppend plugin returns)."""
+    n, kvh, d = rows.shape
+    layout = PagedKVLayout(KVFormat(name="t", k=fmt, v=TensorFormat(dtype="fp16")), kvh, d, 1, max(n, 1))
+    pool = layout.allocate("k")
+    ops.launch_quantize_append(rows, torch.arange(n), pool.data, pool.scale, pool.zero, fmt, params.scale,
+                               params.smooth, params.clip, interpret=True)
+    sq = lambda t: None if t is None else t[:, :, 0]  # noqa: E731
+    return sq(pool.data), sq(pool.scale), sq(pool.zero)
+
+
+@pytest.mark.parametrize("fmt,d,ratio", [("int4", 64, 3), ("k=int8:channel:sym:smooth,v=fp8:token:sym:hadamard", 128, 8),
+                                         ("fp16", 64, 1)])
+def test_new_rows_equal_attention_over_the_pool_after_the_write(fmt, d, ratio, monkeypatch):
+    ctxs = [1, 17, 0, 100, 257]
+    case = Case(fmt, d, ratio, ctxs, seed=d + 7)
+    gen = case.gen
+    # decode: the newest position of every sequence is garbage in the pool; the new row holds it
+    k_rows = torch.randn(len(ctxs), case.kvh, d, generator=gen)
+    v_rows = torch.randn(len(ctxs), case.kvh, d, generator=gen)
+    kn = _rows_form(case.fmt.k, k_rows, case.kp)
+    vn = _rows_form(case.fmt.v, v_rows, case.vp)
+    new = dict(zip(("k_new_data", "k_new_scale", "k_new_zero", "v_new_data", "v_new_scale", "v_new_zero"), kn + vn))
+    q = torch.randn(len(ctxs), case.heads, d, generator=gen)
+    out = case.decode(q, partition_size=64, **new)
+    after_k = R.pool_with_new_rows(case.k_pool, KVPool(*kn), case.block_table, case.context_lens)
+    after_v = R.pool_with_new_rows(case.v_pool, KVPool(*vn), case.block_table, case.context_lens)
+    ref = R.paged_attention_ref(q, None, after_k, after_v, case.block_table, case.context_lens, case.fmt.k,
+                                case.fmt.v, case.kp, case.vp)
+    assert _rel_err(out, ref) < ATTN_RTOL
+    # the same rows written by the append kernel into the pool (runtime path) give the same attention
+    for which, rows, pool, params in (("k", k_rows, case.k_pool, case.kp), ("v", v_rows, case.v_pool, case.vp)):
+        slots = torch.tensor([int(case.block_table[b, (c - 1) // 16]) * 16 + (c - 1) % 16 if c else -1
+                              for b, c in enumerate(ctxs)])
+        ops.launch_quantize_append(rows, slots, pool.data, pool.scale, pool.zero, case.layout.tensor_format(which),
+                                   params.scale, params.smooth, params.clip, interpret=True)
+    assert _rel_err(case.decode(q, partition_size=64), out) < ATTN_RTOL
+
+    # prefill / chunked prefill: the last num_new positions come from the new rows
+    num_new = [1, 5, 0, 100, 33]
+    cu = torch.tensor([0] + list(torch.tensor(num_new).cumsum(0)), dtype=torch.int32)
+    tq = int(cu[-1])
+    kr, vr = torch.randn(tq, case.kvh, d, generator=gen), torch.randn(tq, case.kvh, d, generator=gen)
+    kn, vn = _rows_form(case.fmt.k, kr, case.kp), _rows_form(case.fmt.v, vr, case.vp)
+    new = dict(zip(new, kn + vn))
+    qp = torch.randn(tq, case.heads, d, generator=gen)
+    out = case.prefill(qp, cu, **new)
+    after_k = R.pool_with_new_rows(case.k_pool, KVPool(*kn), case.block_table, case.context_lens, cu)
+    after_v = R.pool_with_new_rows(case.v_pool, KVPool(*vn), case.block_table, case.context_lens, cu)
+    ref = R.paged_attention_ref(qp, cu, after_k, after_v, case.block_table, case.context_lens, case.fmt.k,
+                                case.fmt.v, case.kp, case.vp)
+    assert _rel_err(out, ref) < ATTN_RTOL
+    # the custom op's reference branch (no TRITON_INTERPRET) applies the same contract
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    via_op = torch.ops.trtkv.paged_prefill_attention(qp, cu, *case.pool_args(), case.block_table, case.context_lens,
+                                                     *case.fmt_args(), **new)
+    assert _rel_err(via_op, ref) < 1e-12
 
 
 # ------------------------------------------------------------------------------------------------
