@@ -53,8 +53,14 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, parse_tensor_spec
 from trtkv.quant import TensorParams, hadamard_matrix
 
-from . import kernels as _k
 from . import reference as _ref
+
+try:
+    from . import kernels as _k
+except ImportError:  # triton not installed (the `kernels` extra): the CPU reference path still works
+    _k = None
+
+DEFAULT_PARTITION = 512  # == kernels.DEFAULT_PARTITION
 
 _REPO_CACHE = Path(__file__).resolve().parents[1] / ".triton_cache"
 if (_REPO_CACHE.parent / "pyproject.toml").is_file():
@@ -63,6 +69,12 @@ if (_REPO_CACHE.parent / "pyproject.toml").is_file():
 
 DECODE_PRECISION = "tf32x3"  # "auto" on GPUs: decode is memory bound, so ~fp32-accurate 3-pass tf32 is nearly free
 PREFILL_PRECISION = "tf32"  # prefill is compute bound: one tf32 pass (fp16-like operand rounding, fp32 accumulate)
+
+
+def _kernels():
+    if _k is None:
+        raise TrtkvError("the Triton kernels need the triton package", "pip install 'trtkv[kernels]'")
+    return _k
 
 
 def interpret_requested() -> bool:
@@ -140,6 +152,7 @@ def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
 def launch_quantize_append(rows, slot_mapping, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None,
                            interpret: bool | None = None) -> None:
     """Quantize rows [tokens, kv_heads, head_dim] into the pool tensors (in place) with the Triton kernel."""
+    _k = _kernels()
     interpret = (not rows.is_cuda) if interpret is None else interpret
     tf = _fmt(fmt)
     tokens, kvh, head_dim = rows.shape
@@ -224,7 +237,7 @@ def _new_rows(t: dict, kf: TensorFormat, vf: TensorFormat, rows: int, kvh: int, 
 
 def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
                         k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
-                        partition_size: int = _k.DEFAULT_PARTITION, max_context_len: int | None = None,
+                        partition_size: int = DEFAULT_PARTITION, max_context_len: int | None = None,
                         precision: str = "auto", interpret: bool | None = None,
                         k_new_data=None, k_new_scale=None, k_new_zero=None, v_new_data=None, v_new_scale=None,
                         v_new_zero=None) -> torch.Tensor:
@@ -233,6 +246,7 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, blo
     With ``*_new_*`` (this step's quantized rows ``[batch, kv_heads, ...]``, the pool-row form
     ``quantize_append`` writes) the newest position ``context_len - 1`` is read from new row b instead of
     the pool: attention over the pool *after* the append, without writing it (pure-engine contract)."""
+    _k = _kernels()
     interpret = (not q.is_cuda) if interpret is None else interpret
     kf, vf, t = _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_fmt,
                              k_static_scale, k_smooth, v_static_scale, v_smooth)
@@ -281,6 +295,7 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
 
     With ``*_new_*`` (``[total_q, kv_heads, ...]``) positions ``context_len - num_new ..`` of sequence b are
     read from new rows ``cu[b] ..`` instead of the pool (pure-engine contract, see launch_paged_decode)."""
+    _k = _kernels()
     interpret = (not q.is_cuda) if interpret is None else interpret
     kf, vf, t = _attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_fmt,
                              k_static_scale, k_smooth, v_static_scale, v_smooth)
@@ -345,7 +360,7 @@ def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, 
                            block_table: T, context_lens: T, k_fmt: str, v_fmt: str,
                            k_static_scale: OT = None, k_smooth: OT = None, v_static_scale: OT = None,
                            v_smooth: OT = None, sm_scale: Optional[float] = None,
-                           partition_size: int = _k.DEFAULT_PARTITION, max_context_len: Optional[int] = None,
+                           partition_size: int = DEFAULT_PARTITION, max_context_len: Optional[int] = None,
                            precision: str = "auto", k_new_data: OT = None, k_new_scale: OT = None,
                            k_new_zero: OT = None, v_new_data: OT = None, v_new_scale: OT = None,
                            v_new_zero: OT = None) -> T:
@@ -374,7 +389,7 @@ def _ref_pools(k_data, k_scale, k_zero, v_data, v_scale, v_zero, new: dict, bloc
 @paged_decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_table, context_lens, k_fmt, v_fmt,
       k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
-      partition_size=_k.DEFAULT_PARTITION, max_context_len=None, precision="auto", k_new_data=None,
+      partition_size=DEFAULT_PARTITION, max_context_len=None, precision="auto", k_new_data=None,
       k_new_scale=None, k_new_zero=None, v_new_data=None, v_new_scale=None, v_new_zero=None):
     return torch.empty_like(q)
 
@@ -429,7 +444,7 @@ def append_kv(layout: PagedKVLayout, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def decode_attention(q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: KVPool, v_pool: KVPool,
                      block_table: torch.Tensor, context_lens: torch.Tensor, k_params: TensorParams | None = None,
                      v_params: TensorParams | None = None, sm_scale: float | None = None,
-                     partition_size: int = _k.DEFAULT_PARTITION, max_context_len: int | None = None,
+                     partition_size: int = DEFAULT_PARTITION, max_context_len: int | None = None,
                      precision: str = "auto") -> torch.Tensor:
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
     return torch.ops.trtkv.paged_decode_attention(

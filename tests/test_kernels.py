@@ -173,6 +173,7 @@ def test_code_ranges_mirror_the_dtype_registry():
         assert DTYPES[name].sym_max == mx and DTYPES[name].sym_min == K.SYM_MIN[name]
     for name, mx in K.ASYM_MAX.items():
         assert DTYPES[name].asym_max == mx
+    assert ops.DEFAULT_PARTITION == K.DEFAULT_PARTITION
 
 
 # ------------------------------------------------------------------------------------------------
