@@ -1,0 +1,389 @@
+"""``trtkv eval``: how much a KV format changes the model, measured against the unquantized model.
+
+All formats run on the same held-out windows (the dataset's ``eval`` split — never the calibration
+split) through ``trtkv.kv_cache.QuantizedKVCache``, which really stores the cache in the format and
+dequantizes on read (write-then-read, see that module). The unquantized baseline runs through the
+same code path with ``fp16`` storage (identical to plain transformers), once per batch, and its
+logits are reused for every format.
+
+Metrics, over every predicted position (``seq_len - 1`` per window):
+
+* ``ppl``: exp(mean negative log-likelihood of the next token); ``ppl_delta_pct`` = 100 (ppl / ppl_fp16 - 1).
+* ``kld_mean``: mean KL(p_fp16 || p_format) of the next-token distributions, in nats.
+* ``top1_agreement``: share of positions whose argmax equals the baseline's argmax.
+* ``generation_match``: greedy decoding from ``generate_prompts`` prompts (the first 64 tokens of
+  eval windows), ``generate_tokens`` new tokens each; the share of generated tokens *before the first
+  divergence* from the baseline's output (1.0: identical continuations). After a divergence the two
+  runs condition on different text, so later matches are not meaningful; the position-wise share over
+  all positions is reported too (``generation_match_all``).
+* ``bits_per_element`` / ``kv_bytes_per_token``: from the format definition at the measured context
+  length (``seq_len``), scales and zero-points included; ``bits_per_element_long_context`` is the
+  long-context limit (differs only for formats with a window of unquantized recent tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from trtkv.errors import TrtkvError
+from trtkv.formats import KVFormat, get_format
+from trtkv.kv_cache import QuantizedKVCache
+
+BASELINE = "fp16"
+PROMPT_TOKENS = 64
+
+
+class EvalResult(BaseModel):
+    """One KV format's accuracy against the unquantized model."""
+
+    format: str
+    spec: str
+    bits_per_element: float
+    bits_per_element_long_context: float
+    kv_bytes_per_token: float
+    ppl: float
+    ppl_delta_pct: float
+    kld_mean: float
+    kld_p99: float = 0.0  # 99th percentile of the per-position KL (tail of the damage)
+    top1_agreement: float
+    generation_match: float | None = None  # share of generated tokens before the first divergence
+    generation_match_all: float | None = None  # position-wise share over all generated tokens
+    windows: int = 0
+    seq_len: int = 0
+    tokens: int = 0  # predicted positions
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of ``targets`` [...] under ``logits`` [..., V] (float32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref || p) per position [...], in nats, from logits [..., V]."""
+    ref = torch.log_softmax(ref_logits.float(), dim=-1)
+    cur = torch.log_softmax(logits.float(), dim=-1)
+    return (ref.exp() * (ref - cur)).sum(-1).clamp_min(0.0)
+
+
+def top1_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """1.0 where the argmax of ``logits`` equals the reference argmax, per position."""
+    return (ref_logits.argmax(-1) == logits.argmax(-1)).float()
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    return math.exp(nll.double().mean().item())
+
+
+def prefix_match(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Per row [n]: number of leading tokens of ``out`` [n, T] equal to ``ref`` [n, T]."""
+    same = (ref == out).int()
+    return same.cumprod(-1).sum(-1)
+
+
+@dataclass
+class _Acc:
+    """Per-position metrics of one format, gathered over batches."""
+
+    nll: list[torch.Tensor]
+    kld: list[torch.Tensor]
+    top1: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls) -> "_Acc":
+        return cls([], [], [])
+
+    def add(self, ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        for r, q, t in zip(ref_logits, logits, targets):  # one window at a time keeps memory bounded
+            self.nll.append(token_nll(q, t).cpu())
+            self.kld.append(kl_divergence(r, q).cpu())
+            self.top1.append(top1_agreement(r, q).cpu())
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.cat(self.nll), torch.cat(self.kld), torch.cat(self.top1)
+
+
+# --------------------------------------------------------------------------- running the model
+
+
+def _forward(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of ``model`` on ``input_ids`` with ``cache`` (``cache=`` on transformers 5, else ``past_key_values=``)."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=input_ids, use_cache=True, **{key: cache}).logits
+
+
+def _num_layers(model) -> int:
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+ParamsFor = Callable[[KVFormat], Any]  # format -> list[LayerParams] | None
+
+
+def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None, *, chunk: int | None = None) -> torch.Tensor:
+    """Logits [B, S, V] for ``input_ids`` [B, S] with the KV cache stored in ``fmt``.
+
+    One prefill by default. Formats with a recent-token window run as a chunked prefill (chunks of
+    ``recent_tokens // 2``), so each query sees between R/2 and R unquantized neighbours as in decoding.
+    """
+    fmt = get_format(fmt)
+    cache = QuantizedKVCache(fmt, _num_layers(model), params)
+    if chunk is None and fmt.recent_tokens:
+        chunk = max(1, fmt.recent_tokens // 2)
+    if not chunk or chunk >= input_ids.shape[1]:
+        return _forward(model, input_ids, cache)
+    outs = [_forward(model, input_ids[:, i : i + chunk], cache) for i in range(0, input_ids.shape[1], chunk)]
+    return torch.cat(outs, dim=1)
+
+
+def greedy_generate(model, prompts: torch.Tensor, fmt: KVFormat | str, params=None, *, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation [n, new_tokens] of ``prompts`` [n, P] with the KV cache stored in ``fmt``."""
+    fmt = get_format(fmt)
+    cache = QuantizedKVCache(fmt, _num_layers(model), params)
+    logits = _forward(model, prompts, cache)
+    out = []
+    for _ in range(new_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        if len(out) == new_tokens:
+            break
+        logits = _forward(model, nxt, cache)
+    return torch.cat(out, dim=1)
+
+
+def evaluate_formats(
+    model,
+    windows: torch.Tensor,
+    formats: Sequence[KVFormat | str],
+    params_for: ParamsFor | None = None,
+    *,
+    num_layers: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    batch_size: int = 4,
+    generate_prompts: int = 4,
+    generate_tokens: int = 32,
+    progress: bool = False,
+) -> list[EvalResult]:
+    """Evaluate ``formats`` on token ``windows`` [n, S] against the unquantized baseline (always first in the output).
+
+    ``params_for(fmt)`` returns the per-layer calibrated params of a format (or None).
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    num_layers = num_layers or cfg.num_hidden_layers
+    num_kv_heads = num_kv_heads or cfg.num_key_value_heads
+    head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    fmts = [get_format(f) for f in formats]
+    fmts = [get_format(BASELINE)] + [f for f in fmts if f.name != BASELINE]
+    params = {f.name: (params_for(f) if params_for is not None and f.is_quantized else None) for f in fmts}
+    device = next(model.parameters()).device
+    windows = windows.to(device)
+    n, seq_len = windows.shape
+    if seq_len < 2:
+        raise TrtkvError(f"windows need at least 2 tokens, got {seq_len}", "pass a larger --seq-len")
+
+    accs = {f.name: _Acc.empty() for f in fmts}
+    seconds = {f.name: 0.0 for f in fmts}
+    bar = _progress(progress, total=math.ceil(n / batch_size) * len(fmts))
+    with torch.inference_mode():
+        for start in range(0, n, batch_size):
+            ids = windows[start : start + batch_size]
+            targets = ids[:, 1:]
+            t0 = time.perf_counter()
+            ref = model_logits(model, ids, fmts[0])[:, :-1]
+            seconds[fmts[0].name] += time.perf_counter() - t0
+            accs[fmts[0].name].add(ref, ref, targets)
+            bar.advance()
+            for f in fmts[1:]:
+                t0 = time.perf_counter()
+                logits = model_logits(model, ids, f, params[f.name])[:, :-1]
+                seconds[f.name] += time.perf_counter() - t0
+                accs[f.name].add(ref, logits, targets)
+                del logits
+                bar.advance()
+            del ref
+        gen = _generation_check(model, windows, fmts, params, generate_prompts, generate_tokens)
+    bar.close()
+
+    base_ppl = perplexity(accs[fmts[0].name].tensors()[0])
+    results = []
+    for f in fmts:
+        nll, kld, top1 = accs[f.name].tensors()
+        ppl = perplexity(nll)
+        g = gen.get(f.name, (None, None))
+        results.append(
+            EvalResult(
+                format=f.name,
+                spec=f.spec(),
+                bits_per_element=f.bits_per_element(head_dim, seq_len),
+                bits_per_element_long_context=f.bits_per_element(head_dim),
+                kv_bytes_per_token=f.kv_bytes_per_token(num_layers, num_kv_heads, head_dim, seq_len),
+                ppl=ppl,
+                ppl_delta_pct=100.0 * (ppl / base_ppl - 1.0),
+                kld_mean=kld.double().mean().item(),
+                kld_p99=torch.quantile(kld.double(), 0.99).item() if kld.numel() else 0.0,
+                top1_agreement=top1.double().mean().item(),
+                generation_match=g[0],
+                generation_match_all=g[1],
+                windows=n,
+                seq_len=seq_len,
+                tokens=nll.numel(),
+                seconds=round(seconds[f.name], 2),
+            )
+        )
+    return results
+
+
+def _generation_check(model, windows, fmts, params, prompts: int, new_tokens: int) -> dict[str, tuple[float, float]]:
+    if prompts <= 0 or new_tokens <= 0:
+        return {}
+    p = windows[:prompts, : min(PROMPT_TOKENS, windows.shape[1])]
+    ref = greedy_generate(model, p, fmts[0], None, new_tokens=new_tokens)
+    out = {fmts[0].name: (1.0, 1.0)}
+    for f in fmts[1:]:
+        gen = greedy_generate(model, p, f, params[f.name], new_tokens=new_tokens)
+        out[f.name] = (
+            prefix_match(ref, gen).double().mean().item() / new_tokens,
+            (ref == gen).double().mean().item(),
+        )
+    return out
+
+
+class _progress:
+    """A rich progress bar on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, total: int):
+        self._p = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._p = Progress(console=Console(stderr=True), transient=True)
+            self._p.start()
+            self._task = self._p.add_task("evaluating", total=total)
+
+    def advance(self) -> None:
+        if self._p is not None:
+            self._p.advance(self._task)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_eval(
+    model: str,
+    dataset: str,
+    formats: list[str],
+    *,
+    calibration: Path | None = None,
+    windows: int = 64,
+    seq_len: int = 512,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+    text_field: str = "text",
+    batch_size: int = 4,
+    generate_prompts: int = 4,
+    generate_tokens: int = 32,
+    progress: bool = True,
+) -> list[EvalResult]:
+    """Load ``model``, take ``windows`` eval-split windows of ``dataset`` and evaluate ``formats`` (fp16 baseline first)."""
+    from trtkv.data import token_windows
+    from trtkv.models import load_model
+
+    fmts = [get_format(f) for f in formats]  # validate before loading anything
+    needs = [f.name for f in fmts if f.needs_calibration]
+    if needs and calibration is None:
+        raise TrtkvError(
+            f"KV format(s) {', '.join(needs)} need calibrated scales or smoothing factors",
+            "pass --calibration DIR (made by `trtkv calibrate --model MODEL --dataset DATA --out DIR`)",
+        )
+    artifact = None
+    if needs:
+        from trtkv.artifacts import load_calibration
+
+        artifact = load_calibration(calibration)
+    loaded = load_model(model, device, dtype)
+    info = loaded.info
+    for f in fmts:
+        for t in (f.k, f.v):
+            t.groups(info.head_dim)  # group size must divide head_dim
+    params_for = (lambda f: artifact.params_for(f, info)) if artifact is not None else None
+    if artifact is not None:
+        for f in fmts:  # fail before the long run, not in the middle of it
+            if f.needs_calibration:
+                params_for(f)
+    ids = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field)
+    return evaluate_formats(
+        loaded.model,
+        ids,
+        fmts,
+        params_for,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        batch_size=batch_size,
+        generate_prompts=generate_prompts,
+        generate_tokens=generate_tokens,
+        progress=progress,
+    )
+
+
+# --------------------------------------------------------------------------- output
+
+
+def render_table(results: Sequence[EvalResult], title: str | None = None):
+    """A rich Table of the results (one row per format)."""
+    from rich.table import Table
+
+    if results:
+        r0 = results[0]
+        title = title or f"KV cache accuracy ({r0.windows} windows x {r0.seq_len} tokens, eval split)"
+    table = Table(title=title)
+    for col in ("format", "bits/elem", "KV bytes/token", "ppl", "Δppl %", "KL mean", "top-1", "gen match"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for r in results:
+        bits = f"{r.bits_per_element:.3g}"
+        if abs(r.bits_per_element_long_context - r.bits_per_element) > 1e-9:
+            bits += f" ({r.bits_per_element_long_context:.3g} long)"
+        table.add_row(
+            r.format,
+            bits,
+            f"{r.kv_bytes_per_token:,.0f}",
+            f"{r.ppl:.4f}",
+            f"{r.ppl_delta_pct:+.3f}",
+            f"{r.kld_mean:.5f}",
+            f"{100 * r.top1_agreement:.2f} %",
+            "-" if r.generation_match is None else f"{100 * r.generation_match:.1f} %",
+        )
+    return table
+
+
+def results_to_dict(results: Sequence[EvalResult], meta: dict | None = None) -> dict:
+    return {"meta": meta or {}, "results": [r.model_dump() for r in results]}
+
+
+def write_json(results: Sequence[EvalResult], path: Path | str, meta: dict | None = None) -> Path:
+    """Write the results (and optional metadata) as JSON; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results_to_dict(results, meta), indent=2) + "\n")
+    return path
