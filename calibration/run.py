@@ -84,6 +84,9 @@ def calibrate_formats(
     return params, entries, ratios, errors
 
 
+DEFAULT_MAX_SAMPLES = 64  # windows used when --samples is not given (fewer if the calib split is smaller)
+
+
 def run_calibration(
     model: str,
     dataset: str,
@@ -91,7 +94,7 @@ def run_calibration(
     *,
     formats: Sequence[str] | None = None,
     method: str = "mse",
-    samples: int = 64,
+    samples: int | None = None,
     seq_len: int = 512,
     seed: int = 0,
     device: str = "auto",
@@ -111,7 +114,7 @@ def run_calibration(
     """
     from rich.console import Console  # noqa: PLC0415
 
-    from trtkv.data import describe_dataset, token_windows  # noqa: PLC0415
+    from trtkv.data import describe_dataset, token_windows, window_count  # noqa: PLC0415
     from trtkv.models import load_model  # noqa: PLC0415
 
     if method not in METHODS:
@@ -123,6 +126,8 @@ def run_calibration(
 
     if loaded is None:
         loaded = load_model(model, device=device, dtype=dtype)
+    if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
+        samples = min(window_count(loaded.tokenizer, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES)
     windows = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=samples, seed=seed, split="calib", text_field=text_field)
     console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype})")
 

@@ -394,7 +394,8 @@ def collect_stats(
                 batch = windows[start : start + batch_size].to(device)
                 collector.begin_batch(batch.numel())
                 t0 = time.perf_counter()
-                model(input_ids=batch, cache=make_stats_cache(model, collector), use_cache=True)
+                # the decoder stack alone: K/V are all we need, so the vocabulary projection is skipped
+                model.base_model(input_ids=batch, cache=make_stats_cache(model, collector), use_cache=True)
                 stats.seconds += time.perf_counter() - t0
                 collector.end_batch()
                 stats.count += batch.numel()

@@ -83,7 +83,7 @@ def calibrate(
     out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
     kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4")] = None,
     method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
-    samples: Annotated[int, typer.Option(help="calibration windows")] = 64,
+    samples: Annotated[Optional[int], typer.Option(help="calibration windows (default: every window of the calib split, at most 64)")] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     seed: int = 0,
     batch_size: int = 4,
