@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from trtkv.errors import TrtkvError
@@ -749,7 +749,7 @@ class Binding:
     consts: Callable[[Attrs], dict[str, Any]]  # kernel parameters compiled in as constexprs
     grid: Callable[[Attrs, dict, dict, SymOps], tuple]  # (attrs, input shapes by name, constexprs, ops)
     scalar_values: Callable[[Attrs, dict, dict, SymOps], tuple]  # values of ``scalars``, same signature
-    requires: tuple[str, ...] = field(default=())  # kernel parameters the binding needs that may be pending
+    new_rows: bool = False  # an attention kernel compiled with NEW_ROWS=True (the pure-engine contract)
 
 
 LOG2E = 1.4426950408889634
@@ -787,8 +787,7 @@ BINDINGS: dict[str, Binding] = {
         grid=lambda a, s, c, ops: (s["block_tables"][0], a["num_kv_heads"],
                                    num_partitions(s["block_tables"][1], a, ops)),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1], num_partitions(s["block_tables"][1], a, ops)),
-        requires=("k_new_data_ptr", "k_new_scale_ptr", "k_new_zero_ptr",
-                  "v_new_data_ptr", "v_new_scale_ptr", "v_new_zero_ptr"),
+        new_rows=True,
     ),
     "PagedDecodeReduce": Binding(
         kernel="paged_decode_reduce_kernel",
@@ -817,10 +816,15 @@ BINDINGS: dict[str, Binding] = {
         # any query count bounds one sequence's: programs past a sequence's queries exit at once
         grid=lambda a, s, c, ops: (ops.cdiv(s["q"][0], c["BLOCK_M"]), a["num_kv_heads"], s["context_lens"][0]),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1],),
-        requires=("k_new_data_ptr", "k_new_scale_ptr", "k_new_zero_ptr",
-                  "v_new_data_ptr", "v_new_scale_ptr", "v_new_zero_ptr"),
+        new_rows=True,
     ),
 }
+
+
+# Dynamic shared memory a kernel may use without opting in: a launch asking for more fails
+# (CUDA_ERROR_INVALID_VALUE) unless the function's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES was raised
+# first (Triton's launcher and bench/gpu_check.py do; for TensorRT see docs/plugins.md, "Block and shared memory").
+SHARED_MEM_DEFAULT_LIMIT = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -865,7 +869,8 @@ def kernel_signature(op: OpSpec | str, attrs: Attrs, arg_names: Sequence[str], k
 
     ``kernel_constexprs`` are the kernel's own ``tl.constexpr`` values (from its launch config).
     Raises TrtkvError naming kernel parameters the binding leaves unbound or names that the kernel
-    lacks (e.g. kernels without the new-rows inputs of the pure attention contract).
+    lacks (the binding table and trtkv.plugins.kernels disagree), and, for the attention ops, when the
+    kernel constexprs do not select the new-rows path (``NEW_ROWS=True``) the contract needs.
     """
     op = get_op(op) if isinstance(op, str) else op
     b = BINDINGS[op.name]
@@ -873,10 +878,12 @@ def kernel_signature(op: OpSpec | str, attrs: Attrs, arg_names: Sequence[str], k
     names = list(arg_names)
     missing = [p for p in list(b.params) + list(b.scalars) + list(b.consts(attrs)) if p not in names]
     if missing:
-        raise TrtkvError(
-            f"{op.name}: kernel {b.kernel} has no parameter(s) {', '.join(missing)}",
-            "the pure attention contract needs kernels that also read this step's new rows "
-            "(docs/plugins.md, 'Kernel requirements')")
+        raise TrtkvError(f"{op.name}: kernel {b.kernel} has no parameter(s) {', '.join(missing)}",
+                         "update contract.BINDINGS to the kernel's signature (docs/plugins.md, 'Argument order')")
+    if b.new_rows and consts.get("NEW_ROWS") is not True:
+        raise TrtkvError(f"{op.name}: kernel {b.kernel} is not configured with NEW_ROWS=True",
+                         "the attention plugins read this step's new rows beside the read-only pool: compile "
+                         "with kernels.decode_config / prefill_config(new_rows=True)")
     unbound = [p for p in names if p not in b.params and p not in b.scalars and p not in consts]
     if unbound:
         raise TrtkvError(f"{op.name}: kernel {b.kernel} parameter(s) {', '.join(unbound)} are not bound", FIX)
@@ -964,7 +971,8 @@ def ptx_to_trt_abi(ptx: str, kernel_name: str, ptx_order: Sequence[str], trt_ord
 __all__ = [
     "DOMAIN", "PLUGIN_VERSION", "OPS", "APPEND", "DECODE_PARTITION", "DECODE_REDUCE", "PREFILL", "BINDINGS",
     "Sym", "SymOps", "INT_OPS", "SYM_OPS", "sym_shape", "value", "TensorSpec", "AttrSpec", "OpSpec", "Attrs",
-    "Launch", "KernelSignature", "get_op", "validate_attrs", "attrs_for", "codes_dtype", "input_dtypes",
+    "Launch", "KernelSignature", "SHARED_MEM_DEFAULT_LIMIT",
+    "get_op", "validate_attrs", "attrs_for", "codes_dtype", "input_dtypes",
     "output_dtypes", "placeholder_shape", "check_inputs", "num_partitions", "output_shapes",
     "expected_input_shapes", "onnx_attributes", "make_node", "make_decode_nodes", "opset_imports",
     "value_infos", "launch", "kernel_signature", "ptx_entry_params", "ptx_reqntid", "ptx_to_trt_abi",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -61,9 +62,18 @@ class AotKernel:
     n_regs: int | None = None  # from a cubin compile when ptxas ran
     n_spills: int | None = None
 
+    @property
+    def needs_shared_opt_in(self) -> bool:
+        """More dynamic shared memory than a launch gets without raising the function's
+        MAX_DYNAMIC_SHARED_SIZE_BYTES attribute (docs/plugins.md, "Block and shared memory")."""
+        return self.shared > C.SHARED_MEM_DEFAULT_LIMIT
+
 
 def kernel_config(op: C.OpSpec, attrs: C.Attrs, interpret: bool = False) -> dict:
-    """``{"constexprs": ..., "num_warps": ...}`` of the op's kernel, from trtkv.plugins.kernels."""
+    """``{"constexprs": ..., "num_warps": ...}`` of the op's kernel, from trtkv.plugins.kernels.
+
+    The attention kernels are configured with ``NEW_ROWS=True``: the plugins read the newest positions
+    from this step's new rows (the PagedKVAppend outputs) and never the pool slots they will occupy."""
     from . import kernels as K
 
     b = C.BINDINGS[op.name]
@@ -73,11 +83,11 @@ def kernel_config(op: C.OpSpec, attrs: C.Attrs, interpret: bool = False) -> dict
     if b.config.startswith("decode."):
         prec = attrs.get("precision", "ieee")
         cfg = K.decode_config(attrs.get("k_format", attrs["v_format"]), attrs["v_format"], attrs["head_dim"], ratio,
-                              attrs["partition_size"], prec, interpret=interpret)
+                              attrs["partition_size"], prec, interpret=interpret, new_rows=True)
         return cfg[b.config.split(".")[1]]
     if b.config == "prefill":
         return K.prefill_config(attrs["k_format"], attrs["v_format"], attrs["head_dim"], ratio, attrs["precision"],
-                                interpret=interpret)
+                                interpret=interpret, new_rows=True)
     raise AssertionError(b.config)
 
 
@@ -233,11 +243,19 @@ def _make_aot_impl(op: C.OpSpec, trt, trtp):
         k = compile_kernel(op, attrs, arch=None,
                            input_dtypes=[from_trt[d.dtype] for d in descs],
                            output_dtypes=[from_trt[d.dtype] for d in outputs])
+        if k.needs_shared_opt_in:
+            warnings.warn(f"{op.name}: kernel {k.name} uses {k.shared} B of dynamic shared memory (> 48 KiB). "
+                          "If the engine's launch fails with an invalid-argument error, TensorRT did not raise "
+                          "the function's limit; precision='tf32x3' keeps the quantized formats under 48 KiB "
+                          "(docs/plugins.md, 'Block and shared memory')", stacklevel=2)
         shapes = [tuple(d.shape_expr) for d in descs]
         L = C.launch(op, attrs, shapes, k.constexprs, k.num_warps, k.shared, ops)
         params = trtp.KernelLaunchParams()
         params.grid_x, params.grid_y, params.grid_z = L.grid
         params.block_x = L.block
+        # dynamic shared memory in bytes (IKernelLaunchParams::setSharedMem); tensorrt.plugin passes it on
+        # as is. Whether TensorRT raises the function's MAX_DYNAMIC_SHARED_SIZE_BYTES for > 48 KiB is not
+        # documented (docs/plugins.md, "Block and shared memory"); k.needs_shared_opt_in flags such kernels.
         params.shared_mem = L.shared_mem
         extra = trtp.SymIntExprs(len(L.scalars))
         for i, s in enumerate(L.scalars):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtkv.cache_layout import PagedKVLayout
+from trtkv.cache_layout import KVPool, PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
 from trtkv.plugins import contract as C
@@ -296,10 +296,6 @@ def test_bindings_cover_the_kernel_parameters(op):
     fn = getattr(K, b.kernel)
     a = attrs(op, "int4")
     cfg = T.kernel_config(C.get_op(op), a)
-    if any(p not in fn.arg_names for p in b.requires):
-        with pytest.raises(TrtkvError, match="new rows"):
-            C.kernel_signature(op, a, fn.arg_names, cfg["constexprs"])
-        pytest.skip(f"{b.kernel} does not read this step's new rows yet (pure attention contract)")
     sig = C.kernel_signature(op, a, fn.arg_names, cfg["constexprs"])
     assert set(sig.signature) == set(fn.arg_names)
     assert sorted(sig.trt_order) == sorted(sig.ptx_order)
@@ -310,6 +306,150 @@ def test_bindings_cover_the_kernel_parameters(op):
     assert [b.params[p] for p in sig.trt_order[-n_out:]] == [t.name for t in opspec.outputs]
     assert all(sig.signature[p] == "i32" for p in b.scalars)
     assert all(v == "constexpr" for k, v in sig.signature.items() if k in cfg["constexprs"])
+    if b.new_rows:  # the pure-engine contract: new-row tensors bound, the kernel reads them
+        assert sig.constexprs["NEW_ROWS"] is True
+        for which in ("k", "v"):
+            for part in ("data", "scale", "zero"):
+                assert b.params[f"{which}_new_{part}_ptr"] == f"{which}_new_{part}"
+                assert sig.signature[f"{which}_new_{part}_ptr"] == sig.signature[f"{which}_{part}_ptr"]
+        with pytest.raises(TrtkvError, match="NEW_ROWS=True"):
+            C.kernel_signature(op, a, fn.arg_names, {**cfg["constexprs"], "NEW_ROWS": False})
+    else:
+        assert "NEW_ROWS" not in sig.constexprs
+
+
+def test_kernel_signature_names_a_kernel_binding_mismatch():
+    K = pytest.importorskip("trtkv.plugins.kernels")
+    from trtkv.plugins import trt_plugins as T
+
+    a = attrs("PagedPrefillAttention", "int4")
+    cfg = T.kernel_config(C.PREFILL, a)
+    names = [n for n in K.paged_prefill_kernel.arg_names if n != "v_new_zero_ptr"]
+    with pytest.raises(TrtkvError, match="has no parameter.*v_new_zero_ptr"):
+        C.kernel_signature(C.PREFILL, a, names, cfg["constexprs"])
+    with pytest.raises(TrtkvError, match="extra_ptr are not bound"):
+        C.kernel_signature(C.PREFILL, a, [*K.paged_prefill_kernel.arg_names, "extra_ptr"], cfg["constexprs"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the pure-engine attention contract, launched in TensorRT's argument order (Triton interpreter)
+# ------------------------------------------------------------------------------------------------
+
+_TORCH = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
+          "int32": torch.int32}
+
+
+def _trt_order_launch(op: str, a, tensors: dict) -> list:
+    """Launch the op's kernel as a TensorRT AOT plugin would -- contract inputs (placeholders for unused
+    ones), the binding's int32 scalars, outputs, in that order, with the contract's grid and the
+    compiled (GPU) constexprs -- but on the Triton interpreter: arguments are matched to kernel
+    parameters through ``KernelSignature.trt_order``, the order ``ptx_to_trt_abi`` gives the PTX."""
+    from trtkv.plugins import kernels as K
+    from trtkv.plugins import trt_plugins as T
+
+    spec = C.get_op(op)
+    cfg = T.kernel_config(spec, a)  # the config compile_kernel uses, not the interpreter's
+    fn = getattr(K.load_kernels(True), C.BINDINGS[op].kernel)
+    sig = C.kernel_signature(spec, a, fn.arg_names, cfg["constexprs"])
+    ins = []
+    for t, dt in zip(spec.inputs, C.input_dtypes(spec, a)):
+        x = tensors[t.name] if t.used(a) else torch.zeros(C.placeholder_shape(t), dtype=_TORCH[dt])
+        assert x.dtype == _TORCH[dt] and x.dim() == t.rank, (t.name, x.dtype, x.shape)
+        ins.append(x.contiguous())
+    shapes = [tuple(x.shape) for x in ins]
+    outs = [torch.full(s, 7.0).to(_TORCH[dt]) for s, dt in zip(C.output_shapes(spec, a, shapes),
+                                                                C.output_dtypes(spec, a))]
+    L = C.launch(spec, a, shapes, cfg["constexprs"], cfg["num_warps"], 0)
+    args = [*ins, *L.scalars, *outs]
+    assert len(args) == len(sig.trt_order)
+    fn[L.grid](**dict(zip(sig.trt_order, args)), **sig.constexprs, num_warps=cfg["num_warps"])
+    return outs
+
+
+def _pure_engine_case(fmt_name: str, new: list[int] | None, *, hq=4, hkv=2, d=64, bs=16, ctxs=(37, 5, 16), seed=3):
+    """Contract tensors of one attention op under the pure-engine contract and its reference output.
+
+    The pool holds each sequence's first ``ctx - n`` positions; the slots of its last ``n`` positions
+    hold other (garbage) rows, as they do before the runtime writes this step's rows. The new rows
+    are quantized into pool-row form exactly as PagedKVAppend returns them. ``new`` None: decode (one
+    new row per sequence). The reference is attention over the pool after the write."""
+    from trtkv.plugins import reference as R
+    from trtkv.quant import TensorParams, hadamard_matrix
+
+    f = get_format(fmt_name)
+    g = torch.Generator().manual_seed(seed)
+    B = len(ctxs)
+    n = [1] * B if new is None else list(new)
+    blocks = [-(-c // bs) for c in ctxs]
+    layout = PagedKVLayout(f, hkv, d, bs, sum(blocks) + 2)
+    perm = torch.randperm(layout.num_blocks, generator=g)
+    bt = torch.zeros(B, max(blocks), dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(blocks):
+        bt[b, :nb] = perm[i:i + nb]
+        i += nb
+    cl = torch.tensor(ctxs, dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)
+    slots, is_new = [], []
+    for b, c in enumerate(ctxs):
+        pos = torch.arange(c)
+        slots.append(bt[b, pos // bs].long() * bs + pos % bs)
+        is_new.append(pos >= c - n[b])
+    slots, is_new = torch.cat(slots), torch.cat(is_new)
+    params, pools, new_rows = {}, {}, {}
+    for which in ("k", "v"):
+        tf = f.k if which == "k" else f.v
+        p = TensorParams(scale=torch.tensor(0.04) if tf.is_static else None,
+                         smooth=(torch.rand(hkv, d, generator=g) * 1.5 + 0.5) if tf.smooth else None)
+        rows = torch.randn(len(slots), hkv, d, generator=g)
+        pool = layout.allocate(which)
+        args = (tf.short(), p.scale, p.smooth)
+        R.quantize_append_ref(rows[~is_new], slots[~is_new], pool.data, pool.scale, pool.zero, *args)
+        R.quantize_append_ref(rows[is_new] * 30, slots[is_new], pool.data, pool.scale, pool.zero, *args)  # garbage
+        one = PagedKVLayout(f, hkv, d, 1, int(is_new.sum())).allocate(which)  # one-token blocks: PagedKVAppend
+        R.quantize_append_ref(rows[is_new], torch.arange(int(is_new.sum())), one.data, one.scale, one.zero, *args)
+        sq = lambda t: None if t is None else t[:, :, 0]  # noqa: E731
+        params[which], pools[which], new_rows[which] = p, pool, KVPool(sq(one.data), sq(one.scale), sq(one.zero))
+    q = torch.randn(int(cu[-1]) if new is not None else B, hq, d, generator=g).half()
+    after = {w: R.pool_with_new_rows(pools[w], new_rows[w], bt, cl, None if new is None else cu) for w in "kv"}
+    ref = R.paged_attention_ref(q, None if new is None else cu, after["k"], after["v"], bt, cl, f.k.short(),
+                                f.v.short(), params["k"], params["v"])
+    hd = lambda x: None if x is None else x.float().expand(hkv, d).contiguous()  # noqa: E731
+    t = dict(q=q, cu_seqlens=cu, block_tables=bt, context_lens=cl, hadamard=hadamard_matrix(d, torch.float32))
+    for w in "kv":
+        t.update({f"{w}_data": pools[w].data, f"{w}_scale": pools[w].scale, f"{w}_zero": pools[w].zero,
+                  f"{w}_new_data": new_rows[w].data, f"{w}_new_scale": new_rows[w].scale,
+                  f"{w}_new_zero": new_rows[w].zero, f"{w}_static": hd(params[w].scale),
+                  f"{w}_smooth": params[w].smooth})
+    return t, ref
+
+PURE_FORMATS = ["int4", "k=int8:tensor:sym,v=int4:g32:asym:smooth:hadamard"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", PURE_FORMATS)
+def test_decode_pair_in_tensorrt_order_reads_the_new_rows(fmt):
+    pytest.importorskip("triton")
+    t, ref = _pure_engine_case(fmt, None)
+    a = C.attrs_for("PagedDecodePartition", fmt, num_q_heads=4, num_kv_heads=2, head_dim=64, partition_size=16)
+    part = _trt_order_launch("PagedDecodePartition", a, t)
+    r = C.validate_attrs("PagedDecodeReduce", {k: a[k] for k in (x.name for x in C.DECODE_REDUCE.attrs)})
+    t.update(part_m=part[0], part_l=part[1], part_acc=part[2])
+    (out,) = _trt_order_launch("PagedDecodeReduce", r, t)
+    assert part[0].shape[2] == 3  # cdiv(3 blocks * 16, 16): several partitions, some past a context
+    err = float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+    assert err < 2e-3, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", PURE_FORMATS)
+def test_prefill_in_tensorrt_order_reads_the_new_rows(fmt):
+    pytest.importorskip("triton")
+    t, ref = _pure_engine_case(fmt, [3, 5, 16])  # chunked prefill, a whole new prompt, a full block
+    a = C.attrs_for("PagedPrefillAttention", fmt, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    (out,) = _trt_order_launch("PagedPrefillAttention", a, t)
+    err = float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+    assert err < 2e-3, err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,8 +495,12 @@ def test_ptx_reorder_and_hidden_params():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op, fmt, arch", [("PagedKVAppend", "int4", 90), ("PagedKVAppend", "int8-static", 80),
-                                           ("PagedDecodeReduce", "int4", 90), ("PagedDecodeReduce", "fp8", 80)])
+@pytest.mark.parametrize("op, fmt, arch", [
+    ("PagedKVAppend", "int4", 90), ("PagedKVAppend", "int8-static", 80),
+    ("PagedDecodePartition", "int4", 90), ("PagedDecodePartition", "int8-static", 80),
+    ("PagedDecodeReduce", "int4", 90), ("PagedDecodeReduce", "fp8", 80),
+    ("PagedPrefillAttention", "int4", 80), ("PagedPrefillAttention", "fp8", 90),
+])
 def test_compile_kernel_for_tensorrt(op, fmt, arch):
     """Real Triton compiles to PTX (no GPU needed): TensorRT's parameter order, hidden params gone."""
     pytest.importorskip("triton")
@@ -373,6 +517,8 @@ def test_compile_kernel_for_tensorrt(op, fmt, arch):
     assert C.ptx_reqntid(k.ptx, k.name) == 32 * k.num_warps
     assert f".target sm_{arch}" in k.ptx and k.arch == arch
     assert "qk_scale" not in k.signature.signature or k.signature.signature["qk_scale"] == "constexpr"
+    assert k.constexprs.get("NEW_ROWS", False) is C.BINDINGS[op].new_rows
+    assert k.needs_shared_opt_in == (k.shared > 48 * 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -478,7 +624,7 @@ def test_registration_glue_with_a_stand_in_tensorrt(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["PagedKVAppend", "PagedDecodeReduce"])
+@pytest.mark.parametrize("op", list(C.OPS))
 def test_aot_impl_with_a_stand_in_tensorrt(monkeypatch, op):
     """aot_impl end to end on symbolic shapes: PTX, launch params and SymInt32 extra arguments."""
     pytest.importorskip("triton")
@@ -504,6 +650,29 @@ def test_aot_impl_with_a_stand_in_tensorrt(monkeypatch, op):
     assert all(isinstance(e, _Sym32) for e in extra) and tuple(C.value(e.v) for e in extra) == L.scalars
 
 
+@pytest.mark.slow
+def test_aot_impl_warns_about_shared_memory_above_48k(monkeypatch):
+    """fp16 KV at head_dim 128: the decode partition needs 53248 B of dynamic shared memory, which a
+    launch only gets after raising the function's limit (unknown whether TensorRT does)."""
+    pytest.importorskip("triton")
+    from trtkv.plugins import trt_plugins as T
+
+    trt, trtp, reg = fake_tensorrt()
+    monkeypatch.setattr(T, "_import_trt", lambda: (trt, trtp))
+    real = T.compile_kernel
+    monkeypatch.setattr(T, "compile_kernel", lambda *a, **k: real(*a, **{**k, "arch": 90}))
+    op = C.DECODE_PARTITION
+    T.register_plugins([op.name])
+    a = attrs(op.name, "fp16")
+    to_trt = T.trt_dtypes(trt)
+    shapes = C.expected_input_shapes(op, a, batch=2, max_blocks=4)
+    descs = [_Desc(s, to_trt[d]) for s, d in zip(shapes, C.input_dtypes(op, a))]
+    outs = reg[op.plugin_id]["register"](*descs, **a)
+    with pytest.warns(UserWarning, match="dynamic shared memory"):
+        _, _, params, _ = reg[op.plugin_id]["aot_impl"](*descs, *a.values(), outs, 0)
+    assert params.shared_mem > C.SHARED_MEM_DEFAULT_LIMIT
+
+
 # ------------------------------------------------------------------------------------------------
 # bench/gpu_check.py --dry-run
 # ------------------------------------------------------------------------------------------------
@@ -521,7 +690,15 @@ def test_gpu_check_dry_run(tmp_path):
     import json
 
     res = json.loads(js[0].read_text())
-    assert res["dry_run"] and res["correctness"] and all(r["ok"] for r in res["correctness"])
-    assert {r["op"] for r in res["trt_abi"] if r["ok"]} >= {"PagedKVAppend", "PagedDecodeReduce"}
+    assert res["dry_run"] and res["complete"] and res["correctness"] and all(r["ok"] for r in res["correctness"])
+    assert {"paged_decode (new rows)", "paged_prefill (new rows)"} <= {r["kernel"] for r in res["correctness"]}
+    assert res["trt_abi"] and all(r["ok"] for r in res["trt_abi"])  # every op: compiled + TensorRT-order launch
+    assert {r["op"] for r in res["trt_abi"]} == set(C.OPS)
+    assert all("TensorRT-order launch" in r["status"] for r in res["trt_abi"])
+    paged = [r for r in res["timing"] if r["impl"].startswith("paged-")]
     assert {r["impl"] for r in res["timing"] if "us" in r} >= {"sdpa-fp16", "paged-int8", "paged-int4"}
+    assert paged and all(r.get("mode") == "prepared" for r in paged)  # not the eager fallback
+    for key in ("date", "env"):
+        assert res[key]
+    assert {"torch", "triton", "device"} <= set(res["env"])
     assert "## Decode attention timing" in md[0].read_text()
