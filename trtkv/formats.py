@@ -212,8 +212,15 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(
             name="int4",
             k=_t("int4", "per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
-            v=_t("int4", "per_token_group", group_size=64, symmetric=False),
-            description="int4 asymmetric per token, keys smoothed and Hadamard-rotated",
+            v=_t("int4", "per_token_group", group_size=64, symmetric=False, hadamard=True),
+            description="int4 asymmetric per token (4.5 bits), keys smoothed and Hadamard-rotated, values rotated",
+        ),
+        KVFormat(
+            name="int4-recent",
+            k=_t("int4", "per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
+            v=_t("int4", "per_token_group", group_size=64, symmetric=False, hadamard=True),
+            recent_tokens=64,
+            description="int4 plus the newest 64 tokens in fp16 (eval only: not in the paged cache / kernels yet)",
         ),
         KVFormat(
             name="int4-g32",
