@@ -133,3 +133,20 @@ def test_run_eval_real_model_small(builtin_model, monkeypatch):
     assert i8.bits_per_element == pytest.approx(8.25)
     assert i8.kv_bytes_per_token == pytest.approx(2 * 30 * 3 * 64 * 8.25 / 8)
     assert base.windows == 2 and base.tokens == 2 * 127
+
+
+def test_run_eval_with_calibration_artifact(tiny_model, tmp_path):
+    """End to end on a tiny saved model: calibrate a smoothed int4 format, then eval it from the artifact."""
+    from trtkv.calibration.run import run_calibration
+
+    model_dir, _ = tiny_model("mistral", with_tokenizer=True, head_dim=64)  # calibrate always adds int4 (g64)
+    spec = "k=int4:g32:sym:smooth:hadamard,v=int4:g32:asym:hadamard"
+    art = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "calib", formats=[spec], samples=2, seq_len=32,
+                          device="cpu", dtype="float32", progress=False)
+    with pytest.raises(TrtkvError, match="calibrat"):
+        run_eval(str(model_dir), "builtin:pydoc", [spec], windows=2, seq_len=32, device="cpu", progress=False)
+    res = run_eval(str(model_dir), "builtin:pydoc", ["int8", spec, "fp8"], calibration=art, windows=2, seq_len=32,
+                   device="cpu", dtype="float32", generate_prompts=1, generate_tokens=3, progress=False)
+    assert [r.format for r in res] == ["fp16", "int8", spec, "fp8"]
+    assert all(math.isfinite(r.ppl) and r.kld_mean >= 0 for r in res)
+    assert res[2].kld_mean > res[1].kld_mean

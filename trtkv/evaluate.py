@@ -317,7 +317,7 @@ def run_eval(
             "pass --calibration DIR (made by `trtkv calibrate --model MODEL --dataset DATA --out DIR`)",
         )
     artifact = None
-    if needs:
+    if calibration is not None:  # also supplies clip ratios of dynamic formats calibrated with --method mse
         from trtkv.artifacts import load_calibration
 
         artifact = load_calibration(calibration)
@@ -329,7 +329,7 @@ def run_eval(
     params_for = (lambda f: artifact.params_for(f, info)) if artifact is not None else None
     if artifact is not None:
         for f in fmts:  # fail before the long run, not in the middle of it
-            if f.needs_calibration:
+            if f.is_quantized:
                 params_for(f)
     ids = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field)
     return evaluate_formats(

@@ -1,0 +1,298 @@
+"""Accuracy table of the KV presets and the INT4 variants tried while choosing the ``int4`` preset.
+
+Calibrates once on the dataset's calib split (``trtkv.calibration``: K/V statistics, then
+``choose_params`` per row with that row's method and smoothing exponent), then evaluates every row
+on the same held-out eval windows with ``trtkv.evaluate.evaluate_formats`` (really quantized cache,
+unquantized baseline computed once per batch). Writes ``bench/results/accuracy-<date>.md`` and
+``.json`` with the command, the machine and the library versions.
+
+    python bench/accuracy.py                       # every row, 64 windows x 512 tokens
+    python bench/accuracy.py --rows presets --windows 16
+    python bench/accuracy.py --rows int4,int4-recent,int4-v-plain --windows 16 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtkv.evaluate import evaluate_formats, render_table, results_to_dict
+from trtkv.formats import PRESETS, KVFormat, get_format
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    spec: str  # preset name or inline spec
+    method: str = "mse"  # calibration method for the row's params
+    alpha: float = 0.5  # smoothing exponent (formats with smooth)
+    note: str = ""
+    query_smoothing: bool = False  # research: K smoothing sqrt(rms_K / rms_Q) instead of calibrate's absmax_K ** alpha
+
+    def fmt(self) -> KVFormat:
+        f = get_format(self.spec)
+        return f if f.name == self.name else f.model_copy(update={"name": self.name})
+
+
+K_BEST = "int4:g64:asym:smooth:hadamard"
+V_BEST = "int4:g64:asym:hadamard"
+ROWS: list[Row] = [
+    # presets
+    Row("int8", "int8", method="max", note="preset (no calibration)"),
+    Row("int8-static", "int8-static", note="preset (calibrated, shared K/V scale)"),
+    Row("fp8", "fp8", note="preset (calibrated per-tensor scales)"),
+    Row("int4", "int4", note="preset"),
+    Row("int4-recent", "int4-recent", note="preset: int4 + newest tokens in fp16"),
+    Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
+    Row("int8-mse", "int8", note="int8 with calibrated (mse) clip ratios"),
+    Row("int8-asym", "k=int8:token:asym,v=int8:token:asym", method="max", note="int8 asymmetric per token (8.5 bits)"),
+    # the road to the int4 recipe (all at 4.5 bits per element unless noted)
+    Row("k-only", f"k={K_BEST},v=fp16", note="int4 keys alone (10.25 bits)"),
+    Row("v-only", f"k=fp16,v={V_BEST}", note="int4 values alone (10.25 bits)"),
+    Row("plain-asym", "k=int4:g64:asym,v=int4:g64:asym", note="asym per token, no transforms"),
+    Row("k-hadamard", "k=int4:g64:asym:hadamard,v=int4:g64:asym", note="keys rotated only"),
+    Row("k-smooth", "k=int4:g64:asym:smooth,v=int4:g64:asym", note="keys smoothed (alpha 0.5) only"),
+    Row("int4-qsmooth", f"k={K_BEST},v={V_BEST}", note="proposal: K smoothing from query stats, sqrt(rms_K/rms_Q); mse clip on V only",
+        query_smoothing=True),
+    Row("int4-v-plain", f"k={K_BEST},v=int4:g64:asym", note="previous int4 preset: values not rotated"),
+    Row("int4-alpha0.25", f"k={K_BEST},v={V_BEST}", alpha=0.25, note="smoothing exponent 0.25"),
+    Row("int4-alpha0.75", f"k={K_BEST},v={V_BEST}", alpha=0.75, note="smoothing exponent 0.75"),
+    Row("int4-max", f"k={K_BEST},v={V_BEST}", method="max", note="no MSE clip search"),
+    Row("int4-ksym32", f"k=int4:g32:sym:smooth:hadamard,v={V_BEST}", note="keys symmetric groups of 32"),
+    Row("int4-vsym32", f"k={K_BEST},v=int4:g32:sym:hadamard", note="values symmetric groups of 32"),
+    Row("int4-recent16", f"k={K_BEST},v={V_BEST},recent=16", note="16 newest tokens fp16"),
+    Row("int4-recent32", f"k={K_BEST},v={V_BEST},recent=32", note="32 newest tokens fp16"),
+    Row("int4-recent128", f"k={K_BEST},v={V_BEST},recent=128", note="128 newest tokens fp16"),
+]
+GROUPS = {"presets": [r.name for r in ROWS if r.note.startswith("preset")], "all": [r.name for r in ROWS]}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "uname": " ".join(platform.uname()),
+        "cpu": cpu,
+        "cpu_count": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent.parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+def calibrate(loaded, rows: list[Row], args) -> dict[str, list]:
+    """Per-row calibrated params (rows whose format needs calibration or has dynamic scales to clip)."""
+    from trtkv.calibration.run import wants_params
+    from trtkv.calibration.scales import choose_params, smoothing_factors
+    from trtkv.calibration.stats import KVStats, collect_stats
+    from trtkv.data import token_windows, window_count
+
+    need = [r for r in rows if wants_params(r.fmt(), r.method)]
+    if not need:
+        return {}
+    cache = Path(args.stats_cache) if args.stats_cache else None
+    if cache is not None and cache.is_file():
+        stats = KVStats.load(str(cache))
+    else:
+        n = min(window_count(loaded.tokenizer, args.dataset, seq_len=args.seq_len, split="calib"), args.calib_windows)
+        windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=n, seed=args.seed, split="calib")
+        print(f"calibration statistics on {n} x {args.seq_len} calib tokens", file=sys.stderr, flush=True)
+        stats = collect_stats(loaded, windows, batch_size=args.batch_size, progress=False, seed=args.seed)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            stats.save(str(cache))
+    params = {r.name: choose_params(stats, r.fmt(), r.method, smooth_alpha=r.alpha) for r in need}
+    qrows = [r for r in need if r.query_smoothing]
+    if qrows:
+        n = min(window_count(loaded.tokenizer, args.dataset, seq_len=args.seq_len, split="calib"), args.calib_windows)
+        windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=n, seed=args.seed, split="calib")
+        q_rms = query_rms(loaded, windows, args.batch_size)  # [L, H, D]
+        k_rms = (stats.tensors["k"].sumsq / max(stats.count, 1)).sqrt().float()
+        smooth = smoothing_factors(k_rms / q_rms.clamp_min(1e-6), 0.5)
+        for r in qrows:
+            for i, lp in enumerate(params[r.name]):
+                lp.k.smooth, lp.k.clip = smooth[i].clone(), None
+    return params
+
+
+def query_rms(loaded, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """RMS of the post-RoPE queries per (layer, KV head, channel) [L, H, D], query heads pooled per KV head."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    info, model = loaded.info, loaded.model
+    H, D = info.num_kv_heads, info.head_dim
+    sumsq = torch.zeros(info.num_layers, H, D, dtype=torch.float64)
+    count = [0]
+
+    def recording(module, query, key, value, attention_mask, **kw):
+        q = query.detach().double()
+        b, hq, s, _ = q.shape
+        sumsq[module.layer_idx] += q.reshape(b, H, hq // H, s, D).pow(2).sum((0, 2, 3)).cpu()
+        if module.layer_idx == 0:
+            count[0] += b * (hq // H) * s
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("trtkv_query_stats", recording)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("trtkv_query_stats")
+    try:
+        with torch.inference_mode():
+            for i in range(0, windows.shape[0], batch_size):
+                model(windows[i : i + batch_size].to(loaded.device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return (sumsq / max(count[0], 1)).sqrt().float()
+
+
+def to_markdown(data: dict, rows: dict[str, Row]) -> str:
+    meta = data["meta"]
+    lines = [
+        f"# KV cache accuracy — {meta['date']}",
+        "",
+        f"Model `{meta['model']}`, dataset `{meta['dataset']}`: **{meta['windows']} eval-split windows x {meta['seq_len']} tokens** "
+        f"({meta['tokens']:,} predicted positions); calibration on the calib split ({meta['calib_windows']} windows). "
+        "Every format runs through the really-quantized transformers cache (`trtkv.kv_cache`, write-then-read); "
+        "the fp16 baseline is computed once per batch. KL = mean KL(p_fp16 || p_format) in nats; "
+        f"generation match = share of {meta['generate_tokens']} greedy tokens before the first divergence from fp16, "
+        f"over {meta['generate_prompts']} prompts. Bits per element include scales / zero-points, at {meta['seq_len']} tokens "
+        "(long-context limit in parentheses where different).",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_count']} threads), `{meta['machine']['uname']}`  ",
+        f"torch {meta['machine']['torch']}, transformers {meta['machine']['transformers']}, trtkv commit {meta['commit']}, "
+        f"wall time {meta['seconds']:.0f} s",
+        "",
+        "| format | spec | calib | bits/elem | KV bytes/token | ppl | Δppl % | KL mean | KL p99 | top-1 % | gen match % | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in data["results"]:
+        row = rows.get(r["format"])
+        if row is None or r["format"] == "fp16" or not row.fmt().is_quantized:
+            calib = "-"
+        elif row.query_smoothing:
+            calib = "query smoothing"
+        else:
+            calib = row.method + (f", α={row.alpha:g}" if row.fmt().k.smooth or row.fmt().v.smooth else "")
+        bits = f"{r['bits_per_element']:.3g}"
+        if abs(r["bits_per_element_long_context"] - r["bits_per_element"]) > 1e-9:
+            bits += f" ({r['bits_per_element_long_context']:.3g})"
+        gm = "-" if r["generation_match"] is None else f"{100 * r['generation_match']:.1f}"
+        lines.append(
+            f"| {r['format']} | `{r['spec']}` | {calib} | {bits} | {r['kv_bytes_per_token']:,.0f} | {r['ppl']:.4f} | "
+            f"{r['ppl_delta_pct']:+.3f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f} | {gm} | "
+            f"{'' if row is None else row.note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dataset", default="builtin:pydoc")
+    p.add_argument("--rows", default="all", help="all | presets | comma-separated row names")
+    p.add_argument("--windows", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--calib-windows", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--generate-prompts", type=int, default=8)
+    p.add_argument("--generate-tokens", type=int, default=32)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--stats-cache", default=None, help="reuse / write the calibration statistics here")
+    p.add_argument("--out", default=None, help="output stem (default bench/results/accuracy-<date>)")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+
+    from trtkv.data import token_windows
+    from trtkv.models import load_model
+
+    names = GROUPS.get(args.rows) or [n.strip() for n in args.rows.split(",") if n.strip()]
+    by_name = {r.name: r for r in ROWS}
+    unknown = [n for n in names if n not in by_name and n not in PRESETS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; known: {', '.join(by_name)}")
+    rows = [by_name.get(n) or Row(n, n) for n in names]
+
+    t0 = time.time()
+    loaded = load_model(args.model, args.device, args.dtype)
+    params = calibrate(loaded, rows, args)
+    windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=args.seed, split="eval")
+    info = loaded.info
+    results = evaluate_formats(
+        loaded.model,
+        windows,
+        [r.fmt() for r in rows],
+        lambda f: params.get(f.name),
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        batch_size=args.batch_size,
+        generate_prompts=args.generate_prompts,
+        generate_tokens=args.generate_tokens,
+        progress=sys.stderr.isatty(),
+    )
+    seconds = time.time() - t0
+    from rich.console import Console
+
+    Console(width=160).print(render_table(results))
+    date = dt.date.today().isoformat()
+    meta = {
+        "date": date,
+        "command": "python bench/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "model": args.model,
+        "dataset": args.dataset,
+        "windows": int(windows.shape[0]),
+        "seq_len": args.seq_len,
+        "tokens": results[0].tokens,
+        "calib_windows": args.calib_windows,
+        "generate_prompts": args.generate_prompts,
+        "generate_tokens": args.generate_tokens,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "machine": machine(),
+        "commit": git_commit(),
+        "seconds": round(seconds, 1),
+        "rows": {r.name: {"spec": r.fmt().spec(), "method": r.method, "alpha": r.alpha, "note": r.note} for r in rows},
+    }
+    data = results_to_dict(results, meta)
+    if not args.no_write:
+        stem = Path(args.out) if args.out else RESULTS / f"accuracy-{date}"
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        stem.with_suffix(".md").write_text(to_markdown(data, {r.name: r for r in rows}))
+        print(f"wrote {stem}.md and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
