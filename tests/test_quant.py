@@ -749,3 +749,12 @@ def test_key_transforms_fold_into_query_value_transforms_into_output():
     out = torch.einsum("ht,thd->hd", p, v)
     out_rot = torch.einsum("ht,thd->hd", p, forward_transform(v, fmt, sv))
     assert torch.allclose((out_rot @ hm.T) * sv.smooth, out, atol=1e-10)
+
+
+def test_hadamard_on_odd_head_dim_is_refused():
+    """An odd head_dim would make every Hadamard block 1x1: a silent no-op, so it is an error."""
+    from trtkv.formats import get_format
+
+    fmt = get_format("k=int8:token:hadamard,v=int8:token").k
+    with pytest.raises(TrtkvError, match="even head_dim"):
+        quantize(torch.randn(3, 2, 15), fmt)

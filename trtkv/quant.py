@@ -100,6 +100,8 @@ def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams |
             raise TrtkvError("this KV format smooths channels but no smoothing factors were given", "run `trtkv calibrate` and pass --calibration")
         x = x / _per_head(params.smooth, x.dim(), head_axis).to(x.dtype)
     if fmt.hadamard:
+        if x.shape[-1] % 2:  # every block would be 1x1: a silent no-op
+            raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {x.shape[-1]}", "drop the hadamard transform for this model")
         x = x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
     return x
 
