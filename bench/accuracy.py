@@ -56,8 +56,6 @@ ROWS: list[Row] = [
     Row("int4", "int4", note="preset"),
     Row("int4-recent", "int4-recent", note="preset: int4 + newest tokens in fp16"),
     Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
-    Row("int8-mse", "int8", note="int8 with calibrated (mse) clip ratios"),
-    Row("int8-asym", "k=int8:token:asym,v=int8:token:asym", method="max", note="int8 asymmetric per token (8.5 bits)"),
     # the road to the int4 recipe (all at 4.5 bits per element unless noted)
     Row("k-only", f"k={K_BEST},v=fp16", note="int4 keys alone (10.25 bits)"),
     Row("v-only", f"k=fp16,v={V_BEST}", note="int4 values alone (10.25 bits)"),
@@ -108,8 +106,9 @@ def git_commit() -> str:
         return ""
 
 
-def calibrate(loaded, rows: list[Row], args) -> dict[str, list]:
-    """Per-row calibrated params (rows whose format needs calibration or has dynamic scales to clip)."""
+def calibrate(loaded, rows: list[Row], args) -> tuple[dict[str, list], int]:
+    """Per-row calibrated params (rows whose format needs calibration or has dynamic scales to clip),
+    and the number of calibration windows behind them."""
     from trtkv.calibration.run import wants_params
     from trtkv.calibration.scales import choose_params, smoothing_factors
     from trtkv.calibration.stats import KVStats, collect_stats
@@ -117,7 +116,7 @@ def calibrate(loaded, rows: list[Row], args) -> dict[str, list]:
 
     need = [r for r in rows if wants_params(r.fmt(), r.method)]
     if not need:
-        return {}
+        return {}, 0
     cache = Path(args.stats_cache) if args.stats_cache else None
     if cache is not None and cache.is_file():
         stats = KVStats.load(str(cache))
@@ -140,7 +139,7 @@ def calibrate(loaded, rows: list[Row], args) -> dict[str, list]:
         for r in qrows:
             for i, lp in enumerate(params[r.name]):
                 lp.k.smooth, lp.k.clip = smooth[i].clone(), None
-    return params
+    return params, stats.count // args.seq_len
 
 
 def query_rms(loaded, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -245,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     loaded = load_model(args.model, args.device, args.dtype)
-    params = calibrate(loaded, rows, args)
+    params, calib_windows = calibrate(loaded, rows, args)
     windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=args.seed, split="eval")
     info = loaded.info
     results = evaluate_formats(
@@ -260,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         generate_prompts=args.generate_prompts,
         generate_tokens=args.generate_tokens,
         progress=sys.stderr.isatty(),
+        on_batch=lambda done, total: print(f"  {done}/{total} windows, {time.time() - t0:.0f} s", file=sys.stderr, flush=True),
     )
     seconds = time.time() - t0
     from rich.console import Console
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "windows": int(windows.shape[0]),
         "seq_len": args.seq_len,
         "tokens": results[0].tokens,
-        "calib_windows": args.calib_windows,
+        "calib_windows": calib_windows,
         "generate_prompts": args.generate_prompts,
         "generate_tokens": args.generate_tokens,
         "device": str(loaded.device),

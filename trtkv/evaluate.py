@@ -178,10 +178,12 @@ def evaluate_formats(
     generate_prompts: int = 4,
     generate_tokens: int = 32,
     progress: bool = False,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> list[EvalResult]:
     """Evaluate ``formats`` on token ``windows`` [n, S] against the unquantized baseline (always first in the output).
 
-    ``params_for(fmt)`` returns the per-layer calibrated params of a format (or None).
+    ``params_for(fmt)`` returns the per-layer calibrated params of a format (or None); ``on_batch(done, total)``
+    is called after each batch of windows (all formats).
     """
     cfg = model.config.get_text_config(decoder=True)
     num_layers = num_layers or cfg.num_hidden_layers
@@ -216,6 +218,8 @@ def evaluate_formats(
                 del logits
                 bar.advance()
             del ref
+            if on_batch is not None:
+                on_batch(min(start + batch_size, n), n)
         gen = _generation_check(model, windows, fmts, params, generate_prompts, generate_tokens)
     bar.close()
 
