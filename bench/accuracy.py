@@ -173,6 +173,8 @@ def query_rms(loaded, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 
 def to_markdown(data: dict, rows: dict[str, Row]) -> str:
+    from trtkv.calibration.run import wants_params
+
     meta = data["meta"]
     lines = [
         f"# KV cache accuracy — {meta['date']}",
@@ -197,13 +199,15 @@ def to_markdown(data: dict, rows: dict[str, Row]) -> str:
         row = rows.get(r["format"])
         if row is None or r["format"] == "fp16" or not row.fmt().is_quantized:
             calib = "-"
+        elif not wants_params(row.fmt(), row.method):
+            calib = "none"
         elif row.query_smoothing:
             calib = "query smoothing"
         else:
             calib = row.method + (f", α={row.alpha:g}" if row.fmt().k.smooth or row.fmt().v.smooth else "")
-        bits = f"{r['bits_per_element']:.3g}"
+        bits = f"{r['bits_per_element']:.4g}"
         if abs(r["bits_per_element_long_context"] - r["bits_per_element"]) > 1e-9:
-            bits += f" ({r['bits_per_element_long_context']:.3g})"
+            bits += f" ({r['bits_per_element_long_context']:.4g})"
         gm = "-" if r["generation_match"] is None else f"{100 * r['generation_match']:.1f}"
         lines.append(
             f"| {r['format']} | `{r['spec']}` | {calib} | {bits} | {r['kv_bytes_per_token']:,.0f} | {r['ppl']:.4f} | "
@@ -230,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats-cache", default=None, help="reuse / write the calibration statistics here")
     p.add_argument("--out", default=None, help="output stem (default bench/results/accuracy-<date>)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--render", default=None, metavar="JSON", help="only rewrite the .md next to a results .json")
     args = p.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        data = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(to_markdown(data, {r.name: r for r in ROWS}))
+        return 0
 
     from trtkv.data import token_windows
     from trtkv.models import load_model

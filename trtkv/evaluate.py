@@ -365,9 +365,9 @@ def render_table(results: Sequence[EvalResult], title: str | None = None):
     for col in ("format", "bits/elem", "KV bytes/token", "ppl", "Δppl %", "KL mean", "top-1", "gen match"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for r in results:
-        bits = f"{r.bits_per_element:.3g}"
+        bits = f"{r.bits_per_element:.4g}"
         if abs(r.bits_per_element_long_context - r.bits_per_element) > 1e-9:
-            bits += f" ({r.bits_per_element_long_context:.3g} long)"
+            bits += f" ({r.bits_per_element_long_context:.4g} long)"
         table.add_row(
             r.format,
             bits,
