@@ -22,7 +22,7 @@ DEFAULT_FORMATS = ("int8-static", "fp8", "int4")
 
 def wants_params(fmt: KVFormat, method: str) -> bool:
     """Calibrate a format when it needs static scales / smoothing, or (mse) when it has dynamic scales to clip."""
-    return fmt.needs_calibration or (method == "mse" and any(t.is_quantized and t.is_dynamic for t in (fmt.k, fmt.v)))
+    return fmt.needs_calibration or (method == "mse" and any(t.is_quantized and t.is_dynamic and not t.is_block_wise for t in (fmt.k, fmt.v)))
 
 
 def resolve_formats(formats: Sequence[str | KVFormat] | None) -> list[KVFormat]:

@@ -27,7 +27,7 @@ from trtkv.artifacts import LayerParams
 from trtkv.calibration.stats import KVStats
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat
-from trtkv.quant import TensorParams, fake_quantize
+from trtkv.quant import TensorParams, fake_quantize, fake_quantize_block
 
 Method = Literal["max", "percentile", "mse"]
 METHODS = ("max", "percentile", "mse")
@@ -272,7 +272,7 @@ def choose_params(
 
     if method == "mse":
         for kv, tf in tfs.items():
-            if tf.is_quantized and tf.is_dynamic:
+            if tf.is_quantized and tf.is_dynamic and not tf.is_block_wise:  # block-wise ranges are per block: no clip
                 clip[kv] = _mse_clip(stats, kv, tf, smooth[kv], cgrid, refine)
 
     out = []
@@ -297,7 +297,14 @@ def reservoir_error(stats: KVStats, fmt: KVFormat, params: Sequence[LayerParams]
     for kv, tf in (("k", fmt.k), ("v", fmt.v)):
         for i, lp in enumerate(params):
             x = stats.samples(kv, i)
-            out[kv].append(float((fake_quantize(x, tf, getattr(lp, kv), HEAD_AXIS) - x).square().mean(dtype=torch.float64)))
+            if tf.is_block_wise:  # reservoir rows grouped into pseudo-blocks of block_size rows [n, H, bs, D]
+                bs = fmt.block_size or 1
+                n = x.shape[0] // bs
+                x = x[: n * bs].reshape(n, bs, *x.shape[1:]).transpose(1, 2)
+                err = fake_quantize_block(x, tf, getattr(lp, kv)) - x
+            else:
+                err = fake_quantize(x, tf, getattr(lp, kv), HEAD_AXIS) - x
+            out[kv].append(float(err.square().mean(dtype=torch.float64)))
     return out
 
 

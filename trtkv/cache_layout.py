@@ -1,15 +1,21 @@
 """The paged quantized KV cache layout: defined once here, shared by runtime, kernels, ONNX and plugins.
 
-One pool per layer and per K/V. A pool is cut into ``num_blocks`` blocks of ``block_size`` tokens;
-each block holds every KV head. A sequence addresses its tokens through a block table
-(``block_table[seq, i]`` is the pool block holding tokens ``i*block_size ... (i+1)*block_size-1``),
-and new tokens are written at flat slots ``slot = block * block_size + offset`` (negative slot: padding,
-skipped). See docs/kv-cache-format.md for the byte-level description.
+One pool per layer and per K/V, cut into ``num_blocks`` blocks of ``block_size`` tokens; each block
+holds every KV head. Beside the pools, every sequence slot owns one fp16 **open block** (the tail)
+per layer and K/V. A sequence's newest ``context_len % block_size`` tokens live in its tail; when the
+tail fills, it is **sealed**: quantized as a whole into a pool block (``seal_blocks``) and emptied.
+So a query at position ``t`` sees positions ``>= block_size * (t // block_size)`` in fp16 and every
+older token through the quantized pool. See docs/kv-cache-format.md for the byte-level description.
 
-    data  [num_blocks, num_kv_heads, block_size, packed_dim]   codes (int8 | uint8 | fp16)
-    scale [num_blocks, num_kv_heads, block_size, groups]       fp16, dynamic formats only
-    zero  [num_blocks, num_kv_heads, block_size, groups]       fp16, asymmetric dynamic formats only
+    data  [num_blocks, H, block_size, packed_dim]   codes (int8 | uint8 | fp16)
+    scale [num_blocks, H, block_size, groups]       fp16, per-token dynamic formats
+          [num_blocks, H, head_dim]                 fp16, per_block_channel formats (one per channel per block)
+    zero  same shape as scale                       fp16, asymmetric dynamic formats
+    tail  [num_slots, H, block_size, head_dim]      fp16, the open blocks
 
+Sequence ``s`` holding ``n`` tokens addresses them through its block table: ``block_table[s, i]`` is the
+pool block of tokens ``i*block_size ... (i+1)*block_size-1`` for ``i < n // block_size`` (sealed blocks),
+and tokens ``block_size*(n // block_size) ... n-1`` sit at the same offsets in ``tail[slot]``.
 Static scales and smoothing factors are per-layer constants (``TensorParams``), not pool tensors.
 """
 
@@ -21,37 +27,45 @@ from typing import Literal
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize
+from trtkv.formats import DTYPES, KVFormat, TensorFormat
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize, quantize_block
 
 Which = Literal["k", "v"]
+TAIL_DTYPE = torch.float16
 
 
 @dataclass
 class KVPool:
-    """The tensors of one layer's paged cache for K or V."""
+    """The tensors of one layer's paged cache for K or V (pool blocks plus the open blocks)."""
 
     data: torch.Tensor
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
+    tail: torch.Tensor | None = None  # [num_slots, H, block_size, head_dim] fp16
 
 
 @dataclass(frozen=True)
 class PagedKVLayout:
-    """Shapes and dtypes of a layer's paged K and V pools for one KV format."""
+    """Shapes and dtypes of a layer's paged K and V pools and open blocks for one KV format.
+
+    A format without its own block size is stored with sealed blocks of ``block_size`` (``fmt`` is
+    replaced by ``fmt.with_block_size(block_size)``); a format that has one must match it.
+    """
 
     fmt: KVFormat
     num_kv_heads: int
     head_dim: int
     block_size: int
     num_blocks: int
+    num_slots: int = 0
 
     def __post_init__(self) -> None:
-        if self.fmt.recent_tokens:
+        if self.fmt.block_size is not None and self.fmt.block_size != self.block_size:
             raise TrtkvError(
-                f"format {self.fmt.name!r} keeps recent tokens unquantized, which the paged cache does not store yet",
-                "use a format with recent_tokens=0 for engines and serving",
+                f"format {self.fmt.name!r} seals blocks of {self.fmt.block_size} tokens but the cache uses blocks of {self.block_size}",
+                f"use block size {self.fmt.block_size}, or the format with block={self.block_size}",
             )
+        object.__setattr__(self, "fmt", self.fmt.with_block_size(self.block_size))
         for t in (self.fmt.k, self.fmt.v):
             t.groups(self.head_dim)  # validates group size against head_dim
             if t.dtype == "int4" and self.head_dim % 2:
@@ -65,25 +79,27 @@ class PagedKVLayout:
         return self.head_dim // self.tensor_format(which).traits.codes_per_byte
 
     def data_dtype(self, which: Which) -> torch.dtype:
-        t = self.tensor_format(which)
-        if t.dtype == "int8" and not (t.symmetric or t.is_static):
-            return torch.uint8
-        return t.traits.storage
+        return storage_dtype(self.tensor_format(which))
 
     def data_shape(self, which: Which) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.num_kv_heads, self.block_size, self.packed_dim(which))
 
-    def scale_shape(self, which: Which) -> tuple[int, int, int, int] | None:
+    def scale_shape(self, which: Which) -> tuple[int, ...] | None:
         t = self.tensor_format(which)
         if not t.is_dynamic:
             return None
+        if t.is_block_wise:
+            return (self.num_blocks, self.num_kv_heads, self.head_dim)
         return (self.num_blocks, self.num_kv_heads, self.block_size, t.groups(self.head_dim))
 
-    def zero_shape(self, which: Which) -> tuple[int, int, int, int] | None:
+    def zero_shape(self, which: Which) -> tuple[int, ...] | None:
         return None if self.tensor_format(which).symmetric else self.scale_shape(which)
 
+    def tail_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_slots, self.num_kv_heads, self.block_size, self.head_dim)
+
     def bytes_per_block(self) -> int:
-        """Bytes of one block of K and V together, scales included."""
+        """Bytes of one pool block of K and V together, scales included."""
         total = 0
         for which in ("k", "v"):
             total += _numel(self.data_shape(which)) // self.num_blocks * self.data_dtype(which).itemsize
@@ -92,8 +108,13 @@ class PagedKVLayout:
                     total += _numel(shape) // self.num_blocks * 2
         return total
 
+    def tail_bytes_per_slot(self) -> int:
+        """Bytes of one sequence slot's open blocks, K and V together (fp16)."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * TAIL_DTYPE.itemsize
+
     def allocate(self, which: Which, device: torch.device | str = "cpu") -> KVPool:
-        """Zero-filled pool tensors for K or V."""
+        """Zero-filled pool tensors and open blocks for K or V."""
+
         def zeros(shape, dtype):
             return None if shape is None else torch.zeros(shape, dtype=dtype, device=device)
 
@@ -101,7 +122,15 @@ class PagedKVLayout:
             data=torch.zeros(self.data_shape(which), dtype=self.data_dtype(which), device=device),
             scale=zeros(self.scale_shape(which), torch.float16),
             zero=zeros(self.zero_shape(which), torch.float16),
+            tail=zeros(self.tail_shape(), TAIL_DTYPE),
         )
+
+
+def storage_dtype(t: TensorFormat) -> torch.dtype:
+    """Torch dtype of a pool's ``data`` tensor: the dtype row's storage, unsigned for asymmetric int8."""
+    if t.dtype == "int8" and not (t.symmetric or t.is_static):
+        return torch.uint8
+    return DTYPES[t.dtype].storage
 
 
 def _numel(shape) -> int:
@@ -109,6 +138,38 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat pool slots ``block_table[pos // block_size] * block_size + pos % block_size`` of ``positions``.
+
+    ``block_table`` [max_blocks] (one sequence) or [B, max_blocks] with ``positions`` [B, T]. The one place
+    this arithmetic is written; everything that addresses a token in the pool calls it.
+    """
+    positions = positions.long()
+    idx = positions // block_size
+    blocks = block_table.long().gather(-1, idx) if block_table.dim() > 1 else block_table.long()[idx]
+    return blocks * block_size + positions % block_size
+
+
+def seal_blocks(
+    layout: PagedKVLayout,
+    which: Which,
+    pool: KVPool,
+    rows: torch.Tensor,
+    blocks: torch.Tensor,
+    params: TensorParams | None = None,
+) -> None:
+    """Reference seal: quantize full blocks ``rows`` [n, H, block_size, D] into pool blocks ``blocks`` [n]."""
+    if rows.shape[1:] != (layout.num_kv_heads, layout.block_size, layout.head_dim):
+        raise ValueError(f"seal_blocks wants rows [n, {layout.num_kv_heads}, {layout.block_size}, {layout.head_dim}], got {list(rows.shape)}")
+    blocks = blocks.long()
+    qt = quantize_block(rows, layout.tensor_format(which), params, head_axis=-3)
+    pool.data[blocks] = qt.codes.to(pool.data.dtype)
+    if pool.scale is not None:
+        pool.scale[blocks] = qt.scale
+    if pool.zero is not None:
+        pool.zero[blocks] = qt.zero
 
 
 def write_paged(
@@ -119,8 +180,14 @@ def write_paged(
     slot_mapping: torch.Tensor,
     params: TensorParams | None = None,
 ) -> None:
-    """Reference quantize-and-append: rows [tokens, kv_heads, head_dim] go to their slots (slot < 0: skipped)."""
+    """Per-token quantize-and-write: rows [tokens, H, D] go to pool slots (slot < 0: skipped).
+
+    For per-token formats this writes exactly the bytes ``seal_blocks`` writes for the same tokens
+    (each token is quantized on its own); block-wise formats can only be sealed whole.
+    """
     fmt = layout.tensor_format(which)
+    if fmt.is_block_wise:
+        raise TrtkvError(f"{fmt.short()} quantizes whole blocks; tokens cannot be written one by one", "use seal_blocks")
     keep = slot_mapping >= 0
     rows, slots = rows[keep], slot_mapping[keep].long()
     qt = quantize(rows, fmt, params, head_axis=-2)
@@ -132,6 +199,14 @@ def write_paged(
         pool.zero[block, :, off] = qt.zero
 
 
+def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int) -> None:
+    """Write ``rows`` [n, H, D] into open block ``slot`` at offsets ``start ... start+n-1`` (within one block)."""
+    assert pool.tail is not None
+    if start + rows.shape[0] > pool.tail.shape[2]:
+        raise ValueError(f"{rows.shape[0]} rows at offset {start} overflow an open block of {pool.tail.shape[2]} tokens")
+    pool.tail[slot, :, start : start + rows.shape[0]] = rows.transpose(0, 1).to(pool.tail.dtype)
+
+
 def gather_paged(
     layout: PagedKVLayout,
     which: Which,
@@ -139,17 +214,30 @@ def gather_paged(
     block_table: torch.Tensor,
     context_len: int,
     params: TensorParams | None = None,
-    dequant: bool = True,
-) -> torch.Tensor | QuantizedTensor:
-    """Reference read of one sequence's first ``context_len`` tokens: [context_len, kv_heads, head_dim] float32."""
-    pos = torch.arange(context_len, device=block_table.device)
-    block = block_table[pos // layout.block_size].long()
-    off = pos % layout.block_size
-    qt = QuantizedTensor(
-        codes=pool.data[block, :, off],
-        scale=None if pool.scale is None else pool.scale[block, :, off],
-        zero=None if pool.zero is None else pool.zero[block, :, off],
-    )
-    if not dequant:
-        return qt
-    return dequantize(qt, layout.tensor_format(which), params, head_axis=-2)
+    slot: int | None = None,
+) -> torch.Tensor:
+    """Reference read of one sequence's ``context_len`` tokens: [context_len, H, D] float32, model space.
+
+    Sealed blocks come from the pool through ``block_table``; the newest ``context_len % block_size``
+    tokens come from open block ``slot`` (required when there are any).
+    """
+    bs = layout.block_size
+    sealed = context_len // bs
+    parts = []
+    if sealed:
+        b = block_table[:sealed].long()
+        qt = QuantizedTensor(
+            codes=pool.data[b],
+            scale=None if pool.scale is None else pool.scale[b],
+            zero=None if pool.zero is None else pool.zero[b],
+        )
+        x = dequantize(qt, layout.tensor_format(which), params, head_axis=-3)  # [sealed, H, bs, D]
+        parts.append(x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim))
+    open_len = context_len - sealed * bs
+    if open_len:
+        if slot is None or pool.tail is None:
+            raise ValueError(f"{open_len} tokens live in an open block but no slot was given")
+        parts.append(pool.tail[slot, :, :open_len].transpose(0, 1).float())
+    if not parts:
+        return torch.zeros(0, layout.num_kv_heads, layout.head_dim)
+    return torch.cat(parts, 0)

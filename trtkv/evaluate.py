@@ -17,8 +17,9 @@ Metrics, over every predicted position (``seq_len - 1`` per window):
   runs condition on different text, so later matches are not meaningful; the position-wise share over
   all positions is reported too (``generation_match_all``).
 * ``bits_per_element`` / ``kv_bytes_per_token``: from the format definition at the measured context
-  length (``seq_len``), scales and zero-points included; ``bits_per_element_long_context`` is the
-  long-context limit (differs only for formats with a window of unquantized recent tokens).
+  length (``seq_len``), scales, zero-points and the fp16 open block of sealed-block formats included;
+  ``pool_bits_per_element`` is the pool alone (the long-context limit); ``tail_bytes_per_slot`` the
+  fixed fp16 open-block cost of one sequence slot.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pydantic import BaseModel
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, get_format
-from trtkv.kv_cache import QuantizedKVCache
+from trtkv.kv_cache import QuantizedKVCache, block_chunks
 
 BASELINE = "fp16"
 PROMPT_TOKENS = 64
@@ -47,9 +48,10 @@ class EvalResult(BaseModel):
 
     format: str
     spec: str
-    bits_per_element: float
-    bits_per_element_long_context: float
+    bits_per_element: float  # mean at seq_len, the open block included
+    pool_bits_per_element: float  # sealed blocks only: the long-context limit
     kv_bytes_per_token: float
+    tail_bytes_per_slot: int = 0
     ppl: float
     ppl_delta_pct: float
     kld_mean: float
@@ -134,27 +136,28 @@ def _num_layers(model) -> int:
 ParamsFor = Callable[[KVFormat], Any]  # format -> list[LayerParams] | None
 
 
-def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None, *, chunk: int | None = None) -> torch.Tensor:
+def _prefill(model, input_ids: torch.Tensor, cache, block_size: int | None, start: int = 0) -> torch.Tensor:
+    """Logits of a prefill, chunked at sealed-block boundaries (one chunk without sealed blocks)."""
+    outs = [_forward(model, input_ids[:, a - start : b - start], cache) for a, b in block_chunks(start, input_ids.shape[1], block_size)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None) -> torch.Tensor:
     """Logits [B, S, V] for ``input_ids`` [B, S] with the KV cache stored in ``fmt``.
 
-    One prefill by default. Formats with a recent-token window run as a chunked prefill (chunks of
-    ``recent_tokens // 2``), so each query sees between R/2 and R unquantized neighbours as in decoding.
+    One prefill, split at block boundaries for sealed-block formats so that every query sees its own
+    block unquantized and older blocks sealed — what the paged engine computes, token for token.
     """
     fmt = get_format(fmt)
     cache = QuantizedKVCache(fmt, _num_layers(model), params)
-    if chunk is None and fmt.recent_tokens:
-        chunk = max(1, fmt.recent_tokens // 2)
-    if not chunk or chunk >= input_ids.shape[1]:
-        return _forward(model, input_ids, cache)
-    outs = [_forward(model, input_ids[:, i : i + chunk], cache) for i in range(0, input_ids.shape[1], chunk)]
-    return torch.cat(outs, dim=1)
+    return _prefill(model, input_ids, cache, fmt.block_size)
 
 
 def greedy_generate(model, prompts: torch.Tensor, fmt: KVFormat | str, params=None, *, new_tokens: int) -> torch.Tensor:
     """Greedy continuation [n, new_tokens] of ``prompts`` [n, P] with the KV cache stored in ``fmt``."""
     fmt = get_format(fmt)
     cache = QuantizedKVCache(fmt, _num_layers(model), params)
-    logits = _forward(model, prompts, cache)
+    logits = _prefill(model, prompts, cache, fmt.block_size)
     out = []
     for _ in range(new_tokens):
         nxt = logits[:, -1].argmax(-1, keepdim=True)
@@ -234,8 +237,9 @@ def evaluate_formats(
                 format=f.name,
                 spec=f.spec(),
                 bits_per_element=f.bits_per_element(head_dim, seq_len),
-                bits_per_element_long_context=f.bits_per_element(head_dim),
+                pool_bits_per_element=f.pool_bits_per_element(head_dim),
                 kv_bytes_per_token=f.kv_bytes_per_token(num_layers, num_kv_heads, head_dim, seq_len),
+                tail_bytes_per_slot=f.tail_bytes_per_slot(num_layers, num_kv_heads, head_dim),
                 ppl=ppl,
                 ppl_delta_pct=100.0 * (ppl / base_ppl - 1.0),
                 kld_mean=kld.double().mean().item(),
@@ -362,15 +366,13 @@ def render_table(results: Sequence[EvalResult], title: str | None = None):
         r0 = results[0]
         title = title or f"KV cache accuracy ({r0.windows} windows x {r0.seq_len} tokens, eval split)"
     table = Table(title=title)
-    for col in ("format", "bits/elem", "KV bytes/token", "ppl", "Δppl %", "KL mean", "top-1", "gen match"):
+    for col in ("format", "pool bits", "bits@ctx", "KV bytes/token", "ppl", "Δppl %", "KL mean", "top-1", "gen match"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for r in results:
-        bits = f"{r.bits_per_element:.4g}"
-        if abs(r.bits_per_element_long_context - r.bits_per_element) > 1e-9:
-            bits += f" ({r.bits_per_element_long_context:.4g} long)"
         table.add_row(
             r.format,
-            bits,
+            f"{r.pool_bits_per_element:.4g}",
+            f"{r.bits_per_element:.4g}",
             f"{r.kv_bytes_per_token:,.0f}",
             f"{r.ppl:.4f}",
             f"{r.ppl_delta_pct:+.3f}",

@@ -19,10 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from trtkv.errors import TrtkvError
 
 StorageDtype = Literal["fp16", "fp8_e4m3", "int8", "int4"]
-Granularity = Literal["none", "per_tensor", "per_head", "per_channel", "per_token", "per_token_group"]
+Granularity = Literal["none", "per_tensor", "per_head", "per_channel", "per_token", "per_token_group", "per_block_channel"]
 
 STATIC_GRANULARITIES = ("per_tensor", "per_head", "per_channel")
-DYNAMIC_GRANULARITIES = ("per_token", "per_token_group")
+DYNAMIC_GRANULARITIES = ("per_token", "per_token_group", "per_block_channel")
+# per_block_channel: one scale (and zero-point) per channel over the tokens of a sealed block (KIVI's
+# key layout); it exists only in formats with sealed blocks, because a block is quantized when it fills.
 SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
 
 
@@ -103,8 +105,13 @@ class TensorFormat(BaseModel):
     def is_dynamic(self) -> bool:
         return self.granularity in DYNAMIC_GRANULARITIES
 
+    @property
+    def is_block_wise(self) -> bool:
+        """Scales computed over a whole sealed block (not per token)."""
+        return self.granularity == "per_block_channel"
+
     def groups(self, head_dim: int) -> int:
-        """Number of dynamic scales per token and head (0 for static / unquantized)."""
+        """Number of dynamic scales per token and head (0 for static, block-wise and unquantized)."""
         if self.granularity == "per_token":
             return 1
         if self.granularity == "per_token_group":
@@ -117,16 +124,20 @@ class TensorFormat(BaseModel):
             return head_dim // self.group_size
         return 0
 
-    def bits_per_element(self, head_dim: int) -> float:
-        """Storage bits per element, dynamic scales and zero-points included."""
-        meta = self.groups(head_dim) * SCALE_BITS * (1 if self.symmetric else 2)
-        return self.traits.bits + meta / head_dim
+    def bits_per_element(self, head_dim: int, block_size: int | None = None) -> float:
+        """Storage bits per element, dynamic scales and zero-points included (block-wise: amortised over the block)."""
+        per_scale = SCALE_BITS * (1 if self.symmetric else 2)
+        if self.is_block_wise:
+            if not block_size:
+                raise ValueError("per_block_channel scales need a block size")
+            return self.traits.bits + per_scale / block_size
+        return self.traits.bits + self.groups(head_dim) * per_scale / head_dim
 
     def short(self) -> str:
         """Compact spec string, the inverse of ``parse_tensor_spec``."""
         if self.dtype == "fp16":
             return "fp16"
-        gran = {"per_tensor": "tensor", "per_head": "head", "per_channel": "channel", "per_token": "token"}.get(
+        gran = {"per_tensor": "tensor", "per_head": "head", "per_channel": "channel", "per_token": "token", "per_block_channel": "bchannel"}.get(
             self.granularity, f"g{self.group_size}"
         )
         parts = [self.dtype, gran, "sym" if self.symmetric else "asym"]
@@ -142,7 +153,9 @@ class KVFormat(BaseModel):
     name: str
     k: TensorFormat
     v: TensorFormat
-    recent_tokens: int = Field(default=0, ge=0)  # newest N tokens kept in fp16
+    # Sealed blocks: a sequence's newest tokens live in an fp16 open block of this many tokens, which is
+    # quantized as a whole ("sealed") into the pool when it fills. None: every token is quantized on write.
+    block_size: int | None = Field(default=None, ge=1)
     shared_kv_scale: bool = False  # one static scale for K and V together (TensorRT-LLM's convention)
     description: str = ""
 
@@ -150,7 +163,21 @@ class KVFormat(BaseModel):
     def _check(self) -> "KVFormat":
         if self.shared_kv_scale and not (self.k.is_static and self.v.is_static and self.k.granularity == self.v.granularity == "per_tensor"):
             raise ValueError("shared_kv_scale needs per_tensor static scales on both K and V")
+        if self.block_size is None and (self.k.is_block_wise or self.v.is_block_wise):
+            raise ValueError("per_block_channel (bchannel) scales need sealed blocks: add block=N (e.g. block=64)")
         return self
+
+    def with_block_size(self, block_size: int) -> "KVFormat":
+        """This format with sealed blocks of ``block_size`` tokens (what a paged engine stores)."""
+        if self.block_size == block_size:
+            return self
+        base = self.name.split("@block")[0]
+        return KVFormat.model_validate({**self.model_dump(), "block_size": block_size, "name": f"{base}@block{block_size}"})
+
+    @property
+    def sealed(self) -> bool:
+        """True when the newest block stays fp16 and blocks are quantized as a whole when they fill."""
+        return self.block_size is not None
 
     @property
     def needs_calibration(self) -> bool:
@@ -160,23 +187,37 @@ class KVFormat(BaseModel):
     def is_quantized(self) -> bool:
         return self.k.is_quantized or self.v.is_quantized
 
+    def pool_bits_per_element(self, head_dim: int) -> float:
+        """Bits per K/V element in the pool (sealed blocks), scales and zero-points included."""
+        return (self.k.bits_per_element(head_dim, self.block_size) + self.v.bits_per_element(head_dim, self.block_size)) / 2
+
     def bits_per_element(self, head_dim: int, context_len: int | None = None) -> float:
-        """Mean storage bits per K/V element at ``context_len`` (None: the long-context limit)."""
-        quant = (self.k.bits_per_element(head_dim) + self.v.bits_per_element(head_dim)) / 2
-        if not self.recent_tokens or context_len is None:
-            return quant
-        fp = min(self.recent_tokens, context_len) / context_len
-        return fp * DTYPES["fp16"].bits + (1 - fp) * quant
+        """Mean storage bits per K/V element of one sequence of ``context_len`` tokens, its fp16 open block included.
+
+        A sealed-block format reserves one fp16 block per sequence slot on top of the pool blocks of the
+        tokens already sealed; that reserve is counted here. ``None``: the long-context limit (pool bits).
+        """
+        pool = self.pool_bits_per_element(head_dim)
+        if self.block_size is None or context_len is None:
+            return pool
+        sealed = context_len - context_len % self.block_size
+        return (sealed * pool + self.block_size * DTYPES["fp16"].bits) / context_len
 
     def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int | None = None) -> float:
-        """Bytes of K and V cache per token over all layers, scales included."""
+        """Bytes of K and V cache per token over all layers, scales (and, at a context length, the open block) included."""
         elements = 2 * num_layers * num_kv_heads * head_dim
         return elements * self.bits_per_element(head_dim, context_len) / 8
 
+    def tail_bytes_per_slot(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of the fp16 open blocks (K and V, all layers) one sequence slot holds; 0 without sealed blocks."""
+        if self.block_size is None:
+            return 0
+        return 2 * num_layers * num_kv_heads * self.block_size * head_dim * DTYPES["fp16"].bits // 8
+
     def spec(self) -> str:
         out = f"k={self.k.short()},v={self.v.short()}"
-        if self.recent_tokens:
-            out += f",recent={self.recent_tokens}"
+        if self.block_size:
+            out += f",block={self.block_size}"
         if self.shared_kv_scale:
             out += ",shared"
         return out
@@ -194,7 +235,14 @@ PRESETS: dict[str, KVFormat] = {
             name="int8",
             k=_t("int8", "per_token"),
             v=_t("int8", "per_token"),
-            description="int8, one dynamic fp16 scale per token and head",
+            block_size=64,
+            description="int8, one dynamic fp16 scale per token and head; the open block of 64 tokens stays fp16",
+        ),
+        KVFormat(
+            name="int8-token",
+            k=_t("int8", "per_token"),
+            v=_t("int8", "per_token"),
+            description="int8, one dynamic fp16 scale per token and head, every token quantized on write",
         ),
         KVFormat(
             name="int8-static",
@@ -211,16 +259,18 @@ PRESETS: dict[str, KVFormat] = {
         ),
         KVFormat(
             name="int4",
-            k=_t("int4", "per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
-            v=_t("int4", "per_token_group", group_size=64, symmetric=False, hadamard=True),
-            description="int4 asymmetric per token (4.5 bits), keys smoothed and Hadamard-rotated, values rotated",
+            k=_t("int4", "per_block_channel", symmetric=False),
+            v=_t("int4", "per_token", symmetric=False, hadamard=True),
+            block_size=64,
+            description="int4 in sealed blocks of 64 (4.5 bits): keys per channel over each block, values per token "
+            "Hadamard-rotated; the open block stays fp16",
         ),
         KVFormat(
-            name="int4-recent",
-            k=_t("int4", "per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
-            v=_t("int4", "per_token_group", group_size=64, symmetric=False, hadamard=True),
-            recent_tokens=64,
-            description="int4 plus the newest 64 tokens in fp16 (eval only: not in the paged cache / kernels yet)",
+            name="int4-token",
+            k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
+            v=_t("int4", "per_token", symmetric=False, hadamard=True),
+            description="int4 asymmetric per token (4.5 bits at head_dim 64), keys smoothed and rotated, every token "
+            "quantized on write",
         ),
         KVFormat(
             name="int4-g32",
@@ -232,14 +282,14 @@ PRESETS: dict[str, KVFormat] = {
 }
 
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
-_GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token"}
+_GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token", "bchannel": "per_block_channel"}
 SPEC_HELP = (
-    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:g64:asym:smooth:hadamard,v=int4:token:asym[,recent=N][,shared]'"
+    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,shared]'"
 )
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN)."""
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel)."""
     parts = [p.strip() for p in text.split(":") if p.strip()]
     if not parts:
         raise ValueError("empty tensor spec")
@@ -278,8 +328,8 @@ def get_format(spec: str | KVFormat) -> KVFormat:
             key = key.strip()
             if key in ("k", "v"):
                 fields[key] = parse_tensor_spec(value)
-            elif key == "recent":
-                fields["recent_tokens"] = int(value)
+            elif key == "block":
+                fields["block_size"] = int(value)
             elif key == "shared" and not value:
                 fields["shared_kv_scale"] = True
             else:

@@ -2,30 +2,28 @@
 
 Per layer, K and V are each kept as a ``trtkv.quant.QuantizedTensor`` (codes in their storage
 dtype — int8 / uint8 / fp8 bit patterns / packed int4 nibbles — plus the fp16 dynamic scales and
-zero-points), grown by concatenation along the sequence axis. Formats with ``recent_tokens`` keep the
-newest N tokens unquantized; a token is quantized when it leaves that window. Reading the cache
-dequantizes everything, so attention always sees what a quantized-cache engine would see. The math
-is ``trtkv.quant.quantize`` / ``dequantize``; nothing here re-derives it.
+zero-points), grown along the sequence axis. Reading the cache dequantizes everything, so attention
+always sees what a quantized-cache engine would see. The math is ``trtkv.quant``; nothing here
+re-derives it.
 
-Semantics (write, then read). ``update`` first writes the step's new K/V into the cache and then
-returns the dequantized cache *including* those new tokens. So within a prefill, every query also
-attends to the quantized K/V of its own chunk, itself included — the same thing a decode step does
-in a paged engine that appends the token to the pool before running attention over it. Because every
-supported quantizer treats each token independently (dynamic per-token scales, or static calibrated
-scales), a token's stored value does not depend on how the sequence was chunked: one prefill of N
-tokens gives the same logits as N single-token decode steps (up to floating-point reassociation).
-That makes teacher-forced perplexity over one prefill measure exactly what decoding sees. An engine
-whose prefill attends to the fresh, unquantized K/V of the prompt is *less* affected than this; our
-numbers are the decode-time (pessimistic) view.
+Two semantics, chosen by the format:
 
-With ``recent_tokens=R`` the window is kept per chunk: after a write, the newest R tokens of the
-sequence are unquantized and everything older is quantized. For single-token decode that is exactly
-"every query sees its R newest tokens (itself included) in full precision"; within a prefill chunk
-of c <= R tokens, a query sees between R - c + 1 and R unquantized neighbours.
+* **Sealed blocks** (``fmt.block_size = N``, the paged engine's contract, docs/kv-cache-format.md):
+  new tokens go into an unquantized open block; when it holds N tokens and more arrive, it is sealed —
+  quantized as a whole (``quantize_block``, so per-block channel scales work) — and a new open block
+  starts. A query at position t therefore sees positions >= N*floor(t/N) unquantized and everything
+  older quantized, exactly as the engine computes it. One ``update`` must not cross a block boundary
+  (a chunk that did would need some of its own tokens quantized for others): callers chunk at block
+  boundaries (``block_chunks``), and ``update`` refuses a chunk that crosses one.
+* **Quantize on write** (``block_size`` None): each token is quantized when written and ``update``
+  returns the dequantized cache including the step's own tokens, so within a prefill every query
+  also attends to the quantized K/V of its own chunk — the decode-time view. Every such quantizer
+  treats each token independently, so one prefill of N tokens gives the same logits as N decode steps.
 
-Unquantized storage (``fp16`` tensor formats and the recent window) keeps the model's own compute
-dtype, so the ``fp16`` format reproduces plain transformers ``DynamicCache`` exactly (on GPU the
-model runs in fp16 and this *is* fp16 storage).
+Unquantized storage of ``fp16`` tensor formats keeps the model's own compute dtype, so the ``fp16``
+format reproduces plain transformers ``DynamicCache`` exactly (on GPU the model runs in fp16 and this
+*is* fp16 storage). The open block of a quantized format holds fp16-rounded values, as the engine's
+fp16 tail does, so sealing quantizes exactly the values the engine seals.
 
 Layout is transformers' ``[batch, kv_heads, seq, head_dim]`` (``head_axis=-3``).
 """
@@ -40,7 +38,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, get_format
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 if TYPE_CHECKING:  # pragma: no cover
     from trtkv.artifacts import LayerParams
@@ -68,20 +66,33 @@ def _select(t: torch.Tensor | None, fn) -> torch.Tensor | None:
     return None if t is None else fn(t)
 
 
-class TensorStore:
-    """The stored form of one of K or V in one layer: quantized past plus an optional recent window."""
+def block_chunks(start: int, length: int, block_size: int | None) -> list[tuple[int, int]]:
+    """``(begin, end)`` ranges covering ``start ... start+length-1`` that never cross a block boundary."""
+    if not block_size:
+        return [(start, start + length)]
+    out, pos, stop = [], start, start + length
+    while pos < stop:
+        end = min(stop, (pos // block_size + 1) * block_size)
+        out.append((pos, end))
+        pos = end
+    return out
 
-    def __init__(self, fmt: TensorFormat, params: TensorParams | None, recent_tokens: int = 0):
+
+class TensorStore:
+    """The stored form of one of K or V in one layer: the quantized past plus, for sealed formats, the open block."""
+
+    def __init__(self, fmt: TensorFormat, params: TensorParams | None, block_size: int | None = None):
         self.fmt = fmt
         self.params = params
-        self.recent_tokens = recent_tokens if fmt.is_quantized else 0
-        self.quantized: QuantizedTensor | None = None  # [B, H, S_q, ...] codes + scales
-        self.recent: torch.Tensor | None = None  # [B, H, S_r, D] in the model dtype (unquantized)
+        self.block_size = block_size
+        self.quantized: QuantizedTensor | None = None  # [B, H, S_q, ...] codes + scales (block-wise: scales [B, H, blocks, D])
+        self.open: torch.Tensor | None = None  # [B, H, S_o, D] in the model dtype (unquantized open block)
         self.dtype: torch.dtype | None = None
+        self.head_dim = 0
 
     def __len__(self) -> int:
         n = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
-        return n + (0 if self.recent is None else self.recent.shape[SEQ_AXIS])
+        return n + (0 if self.open is None else self.open.shape[SEQ_AXIS])
 
     def _to_device(self, device: torch.device) -> None:
         self.params = _params_to(self.params, device)
@@ -92,7 +103,9 @@ class TensorStore:
         if not self.fmt.is_quantized:  # kept as-is in the model's dtype (see module docstring)
             qt = QuantizedTensor(codes=x)
         else:
-            qt = quantize(x, self.fmt, self.params, head_axis=HEAD_AXIS)
+            qt = quantize_block(x, self.fmt, self.params, head_axis=HEAD_AXIS)
+            if self.fmt.is_block_wise:  # one scale row per block: [B, H, D] -> [B, H, 1, D]
+                qt = QuantizedTensor(qt.codes, _select(qt.scale, lambda t: t.unsqueeze(SEQ_AXIS)), _select(qt.zero, lambda t: t.unsqueeze(SEQ_AXIS)))
         if self.quantized is None:
             self.quantized = qt
         else:
@@ -105,18 +118,23 @@ class TensorStore:
 
     def append(self, x: torch.Tensor) -> None:
         if self.dtype is None:
-            self.dtype = x.dtype
+            self.dtype, self.head_dim = x.dtype, x.shape[-1]
             self._to_device(x.device)
-        if not self.recent_tokens:
+        if not self.block_size:
             self._write_quantized(x)
             return
-        window = _cat(self.recent, x)
-        assert window is not None
-        overflow = window.shape[SEQ_AXIS] - self.recent_tokens
-        if overflow > 0:
-            self._write_quantized(window[..., :overflow, :])
-            window = window[..., overflow:, :]
-        self.recent = window.contiguous()
+        open_len = 0 if self.open is None else self.open.shape[SEQ_AXIS]
+        if open_len == self.block_size:  # the open block is full: seal it before new tokens arrive
+            self._write_quantized(self.open)
+            self.open, open_len = None, 0
+        if open_len + x.shape[SEQ_AXIS] > self.block_size:
+            raise TrtkvError(
+                f"a chunk of {x.shape[SEQ_AXIS]} tokens after {len(self)} cached ones crosses a sealed-block boundary (blocks of {self.block_size})",
+                "feed the model chunks that end at block boundaries (trtkv.kv_cache.block_chunks)",
+            )
+        if self.fmt.is_quantized:  # the engine's open block is fp16: attention and sealing see fp16 values
+            x = x.to(torch.float16).to(x.dtype)
+        self.open = _cat(self.open, x)
 
     def read(self) -> torch.Tensor:
         """The full cache in the model's dtype and channel space (transforms undone)."""
@@ -124,27 +142,41 @@ class TensorStore:
         parts = []
         if self.quantized is not None:
             if self.fmt.is_quantized:
-                parts.append(dequantize(self.quantized, self.fmt, self.params, head_axis=HEAD_AXIS, dtype=self.dtype))
+                parts.append(self._dequantized())
             else:
                 parts.append(self.quantized.codes)
-        if self.recent is not None:
-            parts.append(self.recent)
+        if self.open is not None:
+            parts.append(self.open)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=SEQ_AXIS)
+
+    def _dequantized(self) -> torch.Tensor:
+        q = self.quantized
+        assert q is not None and self.dtype is not None
+        if not self.fmt.is_block_wise:
+            return dequantize(q, self.fmt, self.params, head_axis=HEAD_AXIS, dtype=self.dtype)
+        bs = self.block_size
+        assert bs
+        *lead, s, dp = q.codes.shape
+        blocks = QuantizedTensor(q.codes.reshape(*lead, s // bs, bs, dp), q.scale, q.zero)  # scales [B, H, blocks, D]
+        x = dequantize(blocks, self.fmt, self.params, head_axis=HEAD_AXIS - 1, dtype=self.dtype)
+        return x.reshape(*lead, s, x.shape[-1])
 
     def apply(self, fn) -> None:
         """Apply a batch-axis selection (``fn(tensor) -> tensor``) to every stored tensor."""
         if self.quantized is not None:
             q = self.quantized
             self.quantized = QuantizedTensor(codes=fn(q.codes), scale=_select(q.scale, fn), zero=_select(q.zero, fn))
-        self.recent = _select(self.recent, fn)
+        self.open = _select(self.open, fn)
 
     def nbytes(self) -> int:
+        """Bytes held: codes, scales, zero-points, and the open block counted at its full fp16 size (its reservation)."""
         total = 0
         if self.quantized is not None:
             q = self.quantized
             total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero) if t is not None)
-        if self.recent is not None:
-            total += self.recent.numel() * 2  # accounted as fp16, the storage the format promises
+        if self.block_size and len(self):  # the open block is a fixed fp16 reservation per sequence
+            ref = self.open if self.open is not None else self.quantized.codes
+            total += ref.shape[0] * ref.shape[1] * self.block_size * self.head_dim * 2
         return total
 
 
@@ -156,8 +188,8 @@ class QuantizedKVLayer(DynamicLayer):
     def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None):
         super().__init__()
         self.fmt = fmt
-        self.k_store = TensorStore(fmt.k, None if params is None else params.k, fmt.recent_tokens)
-        self.v_store = TensorStore(fmt.v, None if params is None else params.v, fmt.recent_tokens)
+        self.k_store = TensorStore(fmt.k, None if params is None else params.k, fmt.block_size)
+        self.v_store = TensorStore(fmt.v, None if params is None else params.v, fmt.block_size)
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -185,8 +217,8 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         fmt = self.fmt
         k, v = self.k_store, self.v_store
-        self.k_store = TensorStore(fmt.k, k.params, fmt.recent_tokens)
-        self.v_store = TensorStore(fmt.v, v.params, fmt.recent_tokens)
+        self.k_store = TensorStore(fmt.k, k.params, fmt.block_size)
+        self.v_store = TensorStore(fmt.v, v.params, fmt.block_size)
         self.cumulative_length = 0
         self.keys = self.values = None
         self.is_initialized = False
@@ -217,7 +249,7 @@ class QuantizedKVLayer(DynamicLayer):
             self._apply(lambda t: t[indices, ...])
 
     def nbytes(self) -> int:
-        """Bytes actually held for this layer's K and V (codes, scales, zero-points, recent window)."""
+        """Bytes actually held for this layer's K and V (codes, scales, zero-points, the open block's reservation)."""
         return self.k_store.nbytes() + self.v_store.nbytes()
 
 

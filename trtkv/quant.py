@@ -158,10 +158,30 @@ def _round_codes(y: torch.Tensor, fmt: TensorFormat, lo: float, hi: float) -> to
     return torch.round(y).clamp(lo, hi)
 
 
+def _dynamic_codes(g: torch.Tensor, fmt: TensorFormat, clip, axis: int) -> QuantizedTensor:
+    """Codes, fp16 scales and zero-points of ``g`` with one scale per slice along ``axis`` (kept, size 1)."""
+    tr = fmt.traits
+    if fmt.symmetric:
+        scale = _to_fp16(g.abs().amax(axis, keepdim=True) * clip / tr.sym_max)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = _round_codes(g * inv, fmt, tr.sym_min, tr.sym_max)
+        return QuantizedTensor(codes=q, scale=scale)
+    mn, mx = g.amin(axis, keepdim=True), g.amax(axis, keepdim=True)
+    rng = mx - mn
+    # clip shrinks [mn, mx] about its centre; written from mn so that clip=1 gives zero == fp16(mn) exactly
+    zero = _to_fp16(mn + rng * (1 - clip) / 2)
+    scale = _to_fp16(rng * clip / tr.asym_max)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = _round_codes((g - zero) * inv, fmt, 0, tr.asym_max)
+    return QuantizedTensor(codes=q, scale=scale, zero=zero)
+
+
 def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> QuantizedTensor:
-    """Quantize K or V (head_dim last) into its stored form."""
+    """Quantize K or V (head_dim last) into its stored form, each token on its own (see ``quantize_block``)."""
     if not fmt.is_quantized:
         return QuantizedTensor(codes=x.to(torch.float16))
+    if fmt.is_block_wise:
+        raise TrtkvError(f"format {fmt.short()} quantizes whole sealed blocks, not single tokens", "use quantize_block")
     check_finite(x, "K/V input")
     tr = fmt.traits
     xf = forward_transform(x.float(), fmt, params, head_axis)
@@ -172,21 +192,32 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = N
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = _round_codes(xf * inv, fmt, tr.sym_min, tr.sym_max)
         return QuantizedTensor(codes=_encode(q, fmt, True))
-    g = _group(xf, fmt)  # [..., G, g]
-    clip = _dynamic_clip(params, xf.dim(), head_axis)
-    if fmt.symmetric:
-        scale = _to_fp16(g.abs().amax(-1, keepdim=True) * clip / tr.sym_max)
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = _round_codes(g * inv, fmt, tr.sym_min, tr.sym_max)
-        return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, True), scale=scale.squeeze(-1).half())
-    mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    rng = mx - mn
-    # clip shrinks [mn, mx] about its centre; written from mn so that clip=1 gives zero == fp16(mn) exactly
-    zero = _to_fp16(mn + rng * (1 - clip) / 2)
-    scale = _to_fp16(rng * clip / tr.asym_max)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = _round_codes((g - zero) * inv, fmt, 0, tr.asym_max)
-    return QuantizedTensor(codes=_encode(q.flatten(-2), fmt, False), scale=scale.squeeze(-1).half(), zero=zero.squeeze(-1).half())
+    qt = _dynamic_codes(_group(xf, fmt), fmt, _dynamic_clip(params, xf.dim(), head_axis), -1)  # groups [..., G, g]
+    return QuantizedTensor(
+        codes=_encode(qt.codes.flatten(-2), fmt, fmt.symmetric),
+        scale=qt.scale.squeeze(-1).half(),
+        zero=None if qt.zero is None else qt.zero.squeeze(-1).half(),
+    )
+
+
+def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3) -> QuantizedTensor:
+    """Quantize sealed blocks ``x`` [..., H, block_size, D] (tokens on axis -2) as the pool stores them.
+
+    Block-wise formats (``per_block_channel``) get one fp16 scale (and zero-point) per channel over the
+    block's tokens: ``scale``/``zero`` [..., H, D]. Every other format quantizes each token on its own,
+    exactly as ``quantize``.
+    """
+    if not fmt.is_block_wise:
+        return quantize(x, fmt, params, head_axis)
+    check_finite(x, "K/V input")
+    xf = forward_transform(x.float(), fmt, params, head_axis)
+    clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
+    qt = _dynamic_codes(xf, fmt, clip, -2)
+    return QuantizedTensor(
+        codes=_encode(qt.codes, fmt, fmt.symmetric),
+        scale=qt.scale.squeeze(-2).half(),
+        zero=None if qt.zero is None else qt.zero.squeeze(-2).half(),
+    )
 
 
 def dequantize(
@@ -196,13 +227,22 @@ def dequantize(
     head_axis: int = -2,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Stored form back to values in the model's channel space (transforms undone)."""
+    """Stored form back to values in the model's channel space (transforms undone).
+
+    Block-wise formats: ``codes`` [..., block_size, D'] with ``scale``/``zero`` [..., D] (see ``quantize_block``).
+    """
     if not fmt.is_quantized:
         return qt.codes.to(dtype)
     q = _decode(qt.codes, fmt, fmt.symmetric or fmt.is_static)
     if fmt.is_static:
         assert params is not None and params.scale is not None
         x = q * _per_head(params.scale, q.dim(), head_axis)
+    elif fmt.is_block_wise:
+        assert qt.scale is not None
+        x = q * qt.scale.float().unsqueeze(-2)
+        if not fmt.symmetric:
+            assert qt.zero is not None
+            x = x + qt.zero.float().unsqueeze(-2)
     else:
         assert qt.scale is not None
         g = _group(q, fmt) * qt.scale.float().unsqueeze(-1)
@@ -216,3 +256,8 @@ def dequantize(
 def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> torch.Tensor:
     """``dequantize(quantize(x))`` in x's dtype: what attention sees when reading the stored cache."""
     return dequantize(quantize(x, fmt, params, head_axis), fmt, params, head_axis, dtype=x.dtype)
+
+
+def fake_quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3) -> torch.Tensor:
+    """``dequantize(quantize_block(x))`` for sealed blocks [..., H, block_size, D], in x's dtype."""
+    return dequantize(quantize_block(x, fmt, params, head_axis), fmt, params, head_axis, dtype=x.dtype)
