@@ -1,0 +1,256 @@
+"""Block manager, scheduler and sampler: the runtime's policy, no engine and no server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtkv.errors import TrtkvError
+from trtkv.formats import get_format
+from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
+from trtkv.runtime.sampler import Sampler, filter_top_k_top_p, make_generator
+from trtkv.runtime.scheduler import Scheduler
+from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+
+BS = 4
+
+
+def seq(n_prompt: int, max_tokens: int = 8, **kw) -> Sequence:
+    return Sequence(list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    """Pretend the engine ran: mark cached, append a token to every sequence whose chunk reached its end."""
+    out = sched.schedule()
+    sampled = [c.seq for c in out.decode + out.prefill if c.samples]
+    sched.postprocess(out)
+    for s in sampled:
+        s.append_token(token)
+        if len(s.output_ids) >= s.params.max_tokens:
+            sched.finish(s, "length")
+    return out
+
+
+def check_invariants(sched: Scheduler) -> None:
+    bm = sched.bm
+    held = [b for s in sched.running for b in s.block_table]
+    assert len(held) == len(set(held)), "a block is owned twice"
+    assert set(held).isdisjoint(bm.free_blocks)
+    assert len(held) + bm.num_free_blocks == bm.num_blocks
+    slots = [s.slot for s in sched.running]
+    assert None not in slots and len(slots) == len(set(slots))
+    assert len(slots) + bm.num_free_slots == bm.num_slots
+    for s in sched.waiting:
+        assert s.slot is None and s.block_table == [] and s.num_cached == 0
+
+
+# ---------------------------------------------------------------- budget
+
+
+def test_budget_counts_slots_and_int4_holds_more_tokens():
+    from trtkv.cache_layout import PagedKVLayout
+
+    L, H, D = 30, 3, 64
+    got = {}
+    for name in ("fp16", "int8", "int4"):
+        lay = PagedKVLayout(get_format(name), H, D, 64, 1, 1)
+        b = CacheBudget.plan(GIB, bytes_per_block=lay.bytes_per_block() * L, bytes_per_slot=lay.tail_bytes_per_slot() * L, block_size=64, num_slots=32)
+        assert b.num_blocks * b.bytes_per_block + b.num_slots * b.bytes_per_slot <= GIB
+        got[name] = b.num_blocks
+    assert got["int4"] / got["fp16"] > 3.5
+    assert got["int8"] / got["fp16"] > 1.9
+
+
+def test_budget_too_small_is_a_clear_error():
+    with pytest.raises(TrtkvError, match="does not hold 64 sequence slots"):
+        CacheBudget.plan(1000, bytes_per_block=100, bytes_per_slot=100, block_size=16, num_slots=64)
+
+
+# ---------------------------------------------------------------- block manager
+
+
+def test_block_manager_allocates_and_frees():
+    bm = BlockManager(num_blocks=5, num_slots=2, block_size=BS)
+    s = seq(9)
+    bm.allocate_slot(s)
+    for _ in range(3):
+        bm.append_block(s)
+    assert bm.num_free_blocks == 2 and bm.num_free_slots == 1
+    assert bm.blocks_for(9) == 2 and bm.max_blocks(s) == (9 + 8 - 1) // BS
+    bm.free(s)
+    assert bm.num_free_blocks == 5 and bm.num_free_slots == 2 and s.block_table == [] and s.slot is None
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def test_prefill_is_chunked_at_block_boundaries():
+    sched = Scheduler(BlockManager(16, 4, BS), max_num_batched_tokens=64)
+    s = seq(10)
+    sched.add(s)
+    chunks = []
+    while s.num_pending > 1 or not s.output_ids:
+        out = run_step(sched)
+        chunks += [(c.start, c.length) for c in out.prefill + out.decode if c.seq is s]
+    assert chunks == [(0, 4), (4, 4), (8, 2)]
+    for start, n in chunks:
+        assert start % BS + n <= BS
+    # the block a chunk seals into is allocated when that chunk is scheduled
+    assert len(s.block_table) == 2
+
+
+def test_token_budget_limits_each_step_and_decodes_go_first():
+    sched = Scheduler(BlockManager(64, 8, BS), max_num_batched_tokens=6)
+    a = seq(2, max_tokens=20)
+    sched.add(a)
+    run_step(sched)  # a prefilled, one token sampled
+    b = seq(12)
+    sched.add(b)
+    out = sched.schedule()
+    assert [c.seq for c in out.decode] == [a]
+    assert out.num_tokens <= 6
+    assert [(c.seq, c.length) for c in out.prefill] == [(b, 4)]  # clipped at the block boundary, budget 5 left
+
+
+def test_admission_waits_for_slots():
+    sched = Scheduler(BlockManager(64, 2, BS))
+    seqs = [seq(3, max_tokens=2) for _ in range(5)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert len(sched.running) == 2 and len(sched.waiting) == 3
+    assert {c.seq for c in out.prefill} == set(seqs[:2])
+    sched.postprocess(out)
+    for c in out.prefill:
+        c.seq.append_token(7)
+    # drive to completion
+    while sched.has_work():
+        run_step(sched)
+        assert len(sched.running) <= 2
+        check_invariants(sched)
+    assert all(s.status == SequenceStatus.FINISHED and len(s.output_ids) == 2 for s in seqs)
+
+
+def test_admission_waits_for_blocks_of_the_prompt():
+    sched = Scheduler(BlockManager(4, 4, BS))
+    a, b = seq(12, max_tokens=2), seq(8, max_tokens=2)  # a needs 3 blocks for its prompt, b 2: not both
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert sched.running == [a] and list(sched.waiting) == [b]
+
+
+def test_pool_full_preempts_newest_and_everything_finishes():
+    bm = BlockManager(num_blocks=6, num_slots=4, block_size=BS)
+    sched = Scheduler(bm, max_num_batched_tokens=64)
+    seqs = [seq(3, max_tokens=10) for _ in range(4)]  # each grows to 12 cached tokens = 3 blocks; 4 x 3 > 6
+    for s in seqs:
+        sched.add(s)
+    for _ in range(500):
+        if not sched.has_work():
+            break
+        run_step(sched)
+        check_invariants(sched)
+    assert not sched.has_work()
+    assert sched.num_preemptions > 0
+    assert all(len(s.output_ids) == 10 for s in seqs)
+    # the newest sequence is the one preempted first
+    assert seqs[-1].num_preemptions >= 1 and seqs[0].num_preemptions == 0
+
+
+def test_preempted_sequence_recomputes_prompt_and_output():
+    bm = BlockManager(num_blocks=3, num_slots=2, block_size=BS)
+    sched = Scheduler(bm)
+    a, b = seq(3, max_tokens=8), seq(3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    while b.num_preemptions == 0 and sched.has_work():
+        run_step(sched)
+    assert b.status == SequenceStatus.WAITING and b.num_cached == 0
+    produced = len(b.output_ids)
+    assert produced > 0
+    # when it is readmitted, its first chunk starts at 0 and covers prompt + output tokens
+    while b.status != SequenceStatus.RUNNING:
+        run_step(sched)
+    assert b.output_ids[:produced] == [7] * produced
+
+
+def test_request_larger_than_pool_is_rejected():
+    sched = Scheduler(BlockManager(4, 2, BS))
+    with pytest.raises(TrtkvError, match="whole pool has 4"):
+        sched.add(seq(10, max_tokens=11))  # 20 cached tokens at most = 5 blocks
+    sched2 = Scheduler(BlockManager(4, 2, BS))
+    sched2.add(seq(10, max_tokens=7))  # (10+7-1)//4 = 4 blocks: fits exactly
+
+
+def test_request_longer_than_engine_context_is_rejected():
+    sched = Scheduler(BlockManager(100, 2, BS), max_model_len=32)
+    with pytest.raises(TrtkvError, match="exceeds the engine's context of 32"):
+        sched.add(seq(30, max_tokens=5))
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def naive_filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
+    if top_k > 0:
+        order = order[:top_k]
+    total = sum(float(probs[i]) for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p * total:
+            break
+        kept.append(i)
+        mass += float(probs[i])
+    out = torch.zeros_like(probs)
+    for i in kept:
+        out[i] = probs[i]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.7), (8, 0.5), (1, 0.9), (0, 0.01)])
+def test_top_k_top_p_match_naive_reference(top_k, top_p):
+    g = torch.Generator().manual_seed(top_k * 100 + int(top_p * 100))
+    for _ in range(5):
+        probs = torch.softmax(torch.randn(40, generator=g, dtype=torch.float64) * 2, -1)
+        torch.testing.assert_close(filter_top_k_top_p(probs, top_k, top_p), naive_filter(probs, top_k, top_p))
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=123 + i) for i in range(6)]
+    sampler = Sampler()
+    a, _ = sampler(logits, params, [make_generator(p.seed) for p in params])
+    # the same requests one at a time, in another order, and next to unseeded strangers
+    for i in (3, 0, 5):
+        tok, _ = sampler(logits[i : i + 1], [params[i]], [make_generator(params[i].seed)])
+        assert tok == [a[i]]
+    mixed = torch.cat([torch.randn(2, 50), logits[2:3]])
+    strangers = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), params[2]]
+    tok, _ = sampler(mixed, strangers, [make_generator(None), make_generator(None), make_generator(params[2].seed)])
+    assert tok[2] == a[2]
+
+
+def test_sampling_follows_the_distribution_and_greedy_is_argmax():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0)
+    g = make_generator(7)
+    p = SamplingParams(temperature=1.0, seed=7)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        tok, _ = Sampler()(logits, [p], [g])
+        counts[tok[0]] += 1
+    torch.testing.assert_close(counts / counts.sum(), probs, atol=0.03, rtol=0)
+    tok, lp = Sampler()(logits, [SamplingParams(temperature=0)], [g])
+    assert tok == [0] and lp[0] == pytest.approx(float(probs[0].log()), abs=1e-5)
+    tok, _ = Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2)], [g], banned=[[0]])
+    assert tok == [1]
+
+
+def test_top_k_never_samples_outside_the_k_most_likely():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    g = make_generator(1)
+    seen = {Sampler()(logits, [SamplingParams(temperature=2.0, top_k=2)], [g])[0][0] for _ in range(300)}
+    assert seen == {0, 1}

@@ -1,0 +1,170 @@
+"""The decoupled Triton python-backend model that hosts the trtkv runtime (loaded through the repository's model.py).
+
+``initialize`` loads the engine and starts one ``EngineLoop`` thread. ``execute`` validates each request
+(a bad one gets an INVALID_ARG error response, i.e. HTTP 400, at once), submits it and returns; the
+loop thread sends the responses: one per token-step with ``stream=true`` (the new text), otherwise
+one with the whole text, the last flagged COMPLETE_FINAL. Pool usage is exported as custom metrics
+(``trtkv_kv_blocks{state=used|free}``, ``trtkv_kv_slots``, ``trtkv_sequences{state=running|waiting}``,
+``trtkv_kv_block_bytes``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``) labelled with the KV format.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils  # provided by the python backend
+
+from trtkv.errors import TrtkvError
+from trtkv.triton_repo.inputs import ParsedRequest, parse_request
+
+METRIC_INTERVAL_S = 0.25
+
+
+def _error(message: str, invalid_arg: bool = True):
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg else None
+    try:
+        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    except TypeError:  # older python backends take only the message
+        return pb_utils.TritonError(message)
+
+
+def _response(text: str, logprobs: list[float], want_logprobs: bool):
+    lps = np.asarray(logprobs if want_logprobs else [], dtype=np.float32)
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
+            pb_utils.Tensor("cum_log_probs", np.array([[float(lps.sum())]], dtype=np.float32)),
+            pb_utils.Tensor("output_log_probs", lps.reshape(1, 1, -1)),
+        ]
+    )
+
+
+class _Metrics:
+    def __init__(self, kv_format: str):
+        G = pb_utils.MetricFamily.GAUGE
+        fam = lambda name, desc: pb_utils.MetricFamily(name=name, description=desc, kind=G)  # noqa: E731
+        lab = {"kv_format": kv_format}
+        blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
+        slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
+        seqs = fam("trtkv_sequences", "sequences in the trtkv scheduler by state")
+        info = fam("trtkv_kv_pool_info", "KV pool geometry: bytes per block, bytes per slot, tokens per block, budget")
+        self.g = {
+            "blocks_used": blocks.Metric(labels={**lab, "state": "used"}),
+            "blocks_free": blocks.Metric(labels={**lab, "state": "free"}),
+            "slots_used": slots.Metric(labels={**lab, "state": "used"}),
+            "slots_free": slots.Metric(labels={**lab, "state": "free"}),
+            "running": seqs.Metric(labels={**lab, "state": "running"}),
+            "waiting": seqs.Metric(labels={**lab, "state": "waiting"}),
+            "bytes_per_block": info.Metric(labels={**lab, "field": "bytes_per_block"}),
+            "bytes_per_slot": info.Metric(labels={**lab, "field": "bytes_per_slot"}),
+            "block_size": info.Metric(labels={**lab, "field": "tokens_per_block"}),
+            "kv_budget_bytes": info.Metric(labels={**lab, "field": "budget_bytes"}),
+            "preemptions": fam("trtkv_preemptions", "sequences preempted (recompute) since start").Metric(labels=lab),
+            "peak_running": fam("trtkv_peak_running_sequences", "most sequences running at once since start").Metric(labels=lab),
+            "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
+        }
+        self._last = 0.0
+        self._families = (blocks, slots, seqs, info)
+
+    def update(self, s: dict, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < METRIC_INTERVAL_S:
+            return
+        self._last = now
+        s = {**s, "slots_free": s["slots_total"] - s["slots_used"]}
+        for key, metric in self.g.items():
+            metric.set(float(s[key]))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from trtkv.runtime.engine_loop import EngineLoop
+        from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
+
+        cfg = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        engine_dir = Path(params["engine_dir"])
+        if not engine_dir.is_absolute():
+            engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
+        num = lambda k, f: f(params[k]) if params.get(k) else None  # noqa: E731
+        config = RuntimeConfig(
+            kv_memory_gib=num("kv_memory_gib", float),
+            kv_memory_fraction=num("kv_memory_fraction", float),
+            max_seqs=num("max_seqs", int) or 64,
+            max_batched_tokens=num("max_batched_tokens", int) or 512,
+            backend=params.get("backend") or "auto",
+            device=params.get("device") or "auto",
+        )
+        self.logger = pb_utils.Logger
+        self.engine = LLMEngine.from_engine_dir(engine_dir, config)
+        stats = self.engine.stats()
+        self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.budget.describe()}")
+        self.metrics = None
+        try:
+            self.metrics = _Metrics(self.engine.manifest.kv_format.name)
+            self.metrics.update(stats, force=True)
+        except Exception as exc:  # noqa: BLE001 - metrics are optional (older backends)
+            self.logger.log_warn(f"trtkv: custom metrics unavailable: {exc}")
+        self._lock = threading.Lock()
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+
+    def _on_step(self, stats: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.update(stats)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_request(lambda name, r=request: _get(r, name))
+                rid = request.request_id() or uuid.uuid4().hex
+                rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+                self.loop.submit(parsed.prompt, parsed.params, rid, self._callback(sender, parsed))
+            except TrtkvError as exc:
+                sender.send(pb_utils.InferenceResponse(error=_error(str(exc))), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:  # noqa: BLE001
+                sender.send(
+                    pb_utils.InferenceResponse(error=_error(f"internal error: {type(exc).__name__}: {exc}", invalid_arg=False)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+        return None
+
+    def _callback(self, sender, req: ParsedRequest):
+        FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        logprobs: list[float] = []
+
+        def on_output(out) -> bool:
+            cancelled = getattr(sender, "is_cancelled", None)
+            if cancelled is not None and cancelled():
+                if not out.finished:
+                    sender.send(flags=FINAL)
+                return False
+            if out.error is not None:
+                sender.send(pb_utils.InferenceResponse(error=_error(out.error, invalid_arg=out.finish_reason == "error")), flags=FINAL)
+                return False
+            logprobs.extend(out.new_logprobs)
+            if req.stream:
+                if out.new_text or out.finished:
+                    resp = _response(out.new_text, out.new_logprobs, req.return_log_probs)
+                    sender.send(resp, flags=FINAL if out.finished else 0)
+            elif out.finished:
+                text = out.text if req.exclude_input_in_output else req.prompt + out.text
+                sender.send(_response(text, logprobs, req.return_log_probs), flags=FINAL)
+            return True
+
+        return on_output
+
+    def finalize(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+
+
+def _get(request, name: str):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()

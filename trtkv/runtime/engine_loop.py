@@ -1,0 +1,114 @@
+"""One long-lived thread driving an ``LLMEngine`` for a server: submit from any thread, get callbacks per step.
+
+``submit`` tokenizes and validates in the caller's thread (so a bad request fails at once), then hands
+the sequence to the loop thread, which is the only thread that touches the scheduler, the cache and
+the engine. Callbacks run on the loop thread, once per step in which a request produced something,
+the last one with ``finished=True``; a callback returning ``False`` (the client went away) aborts
+the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from trtkv.runtime.llm_engine import LLMEngine, RequestOutput
+from trtkv.runtime.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+Callback = Callable[[RequestOutput], "bool | None"]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None, idle_wait: float = 0.05):
+        self.engine = engine
+        self.on_step = on_step
+        self.idle_wait = idle_wait
+        self._inbox: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, Callback] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trtkv-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, callback: Callback):
+        """Validate and queue a request; raises ``TrtkvError`` (to send back as a 400) when it is invalid."""
+        seq = self.engine.make_sequence(prompt, params, request_id)
+        self._inbox.put(("add", seq, callback))
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ loop thread
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, obj, cb = item
+            if kind == "add":
+                try:
+                    self.engine.add_sequence(obj)
+                    self._callbacks[obj.request_id] = cb
+                except Exception as exc:  # noqa: BLE001 - report to this request only
+                    self._safe_call(cb, RequestOutput(obj.request_id, [], "", "", True, "error", error=str(exc)))
+            elif kind == "abort":
+                if self.engine.abort(obj):
+                    self._callbacks.pop(obj, None)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _safe_call(self, cb: Callback | None, out: RequestOutput) -> bool:
+        if cb is None:
+            return True
+        try:
+            return cb(out) is not False
+        except Exception:  # noqa: BLE001
+            log.error("response callback failed:\n%s", traceback.format_exc())
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                if self.on_step is not None:
+                    self.on_step(self.engine.stats())
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails the requests in flight, not the server
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            for out in outputs:
+                cb = self._callbacks.get(out.request_id)
+                keep = self._safe_call(cb, out)
+                if out.finished:
+                    self._callbacks.pop(out.request_id, None)
+                elif not keep:
+                    self.engine.abort(out.request_id)
+                    self._callbacks.pop(out.request_id, None)
+            if self.on_step is not None:
+                self.on_step(self.engine.stats())
+        self._fail_all("the server is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        for rid, cb in list(self._callbacks.items()):
+            self.engine.abort(rid)
+            self._safe_call(cb, RequestOutput(rid, [], "", "", True, "internal", error=message))
+        self._callbacks.clear()

@@ -1,0 +1,337 @@
+"""The offline runtime: tokenizer + scheduler + engine steps + cache writes + sampling, one ``step()`` at a time.
+
+    engine = LLMEngine.from_engine_dir("trtkv-out/engine-int4", RuntimeConfig(kv_memory_gib=0.25))
+    for out in engine.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0)):
+        print(out.text)
+
+Each ``step()`` asks the scheduler for the next batch, runs the prefill chunks and the decodes as two
+engine calls (``[B, T]`` padded, and ``[B, 1]``), writes every sequence's new K/V rows into its open
+block (sealing full blocks, ``PagedKVCache.write_new_rows``), samples a token for every sequence
+whose chunk reached its last token, and returns what changed per request. Not thread-safe: the
+server drives it from one loop thread (``trtkv.runtime.engine_loop``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from trtkv.errors import TrtkvError
+from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
+from trtkv.runtime.sampler import Sampler, make_generator
+from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
+from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+
+DEFAULT_CPU_KV_GIB = 1.0
+DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory that is free once the engine is loaded
+
+
+@dataclass
+class RuntimeConfig:
+    kv_memory_gib: float | None = None  # the KV budget: pool blocks + open blocks of every slot
+    kv_memory_fraction: float | None = None  # instead: this fraction of free device memory (cuda)
+    max_seqs: int = 64  # sequence slots (each costs one fp16 open block per layer and K/V)
+    max_batched_tokens: int = 512  # tokens per scheduler step (prefill chunks + decodes)
+    backend: str = "auto"  # passed to trtkv.runtime.backends
+    device: str = "auto"
+
+
+@dataclass
+class RequestOutput:
+    """What one ``step()`` changed for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # text that became final in this step
+    text: str  # all new text so far
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+class _Detok:
+    """Incremental detokenization: emit text only once it no longer ends in a partial character."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, output_ids: list[int], final: bool) -> str:
+        full = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if not final and full.endswith("\ufffd"):
+            return ""
+        new = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text = full if full.startswith(self.text) else self.text
+        return new
+
+
+class _Request:
+    def __init__(self, seq: Sequence, detok: _Detok, banned: list[int], end_ids: list[int], generator: torch.Generator):
+        self.seq = seq
+        self.detok = detok
+        self.banned = banned
+        self.end_ids = end_ids
+        self.generator = generator
+        self.emitted_tokens = 0
+
+
+class LLMEngine:
+    def __init__(self, engine, manifest, cache, tokenizer, config: RuntimeConfig, budget: CacheBudget):
+        self.engine = engine
+        self.manifest = manifest
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.config = config
+        self.budget = budget
+        lim = manifest.limits
+        self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=min(config.max_seqs, lim.max_batch),
+            max_num_batched_tokens=config.max_batched_tokens,
+            max_step_tokens=lim.max_new_tokens_per_step,
+            max_model_len=lim.max_seq_len,
+        )
+        self.max_batch = lim.max_batch
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "peak_running": 0}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, config: RuntimeConfig | None = None) -> "LLMEngine":
+        from transformers import AutoTokenizer
+
+        from trtkv.manifest import TOKENIZER_DIR, load_manifest
+        from trtkv.runtime.backends import load_engine
+        from trtkv.runtime.kv_pool import PagedKVCache
+
+        config = config or RuntimeConfig()
+        engine_dir = Path(engine_dir)
+        manifest = load_manifest(engine_dir)
+        engine = load_engine(engine_dir, manifest=manifest, backend=config.backend, device=config.device)
+        device = getattr(engine, "device", torch.device("cpu"))
+        lim = manifest.limits
+        budget_bytes = resolve_kv_budget(config, device)
+        num_slots = min(config.max_seqs, lim.max_batch, lim.max_num_slots)
+        budget = CacheBudget.plan(
+            budget_bytes,
+            bytes_per_block=manifest.bytes_per_block,
+            bytes_per_slot=manifest.tail_bytes_per_slot,
+            block_size=lim.block_size,
+            num_slots=num_slots,
+        )
+        if manifest.backend != "onnxruntime" and budget.num_blocks > lim.max_num_blocks:
+            budget = CacheBudget(budget.budget_bytes, budget.bytes_per_block, budget.bytes_per_slot, budget.block_size, num_slots, lim.max_num_blocks)
+        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / TOKENIZER_DIR), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise TrtkvError(f"cannot load the tokenizer in {engine_dir / TOKENIZER_DIR}: {exc}", "rebuild the engine") from None
+        return cls(engine, manifest, cache, tokenizer, config, budget)
+
+    # ------------------------------------------------------------------ requests
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Tokenize and validate a request (thread-safe: reads only constants); raises TrtkvError to reject it."""
+        params.validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise TrtkvError("the prompt encodes to no tokens", "send a non-empty prompt")
+        vocab = self.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise TrtkvError(f"prompt token ids must be in [0, {vocab})", "use the engine's tokenizer")
+        seq = Sequence(ids, params, request_id)
+        self.scheduler.check(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        p = seq.params
+        end_ids = [] if p.ignore_eos else ([p.end_id] if p.end_id is not None else list(self.eos_ids))
+        banned = sorted({*p.bad_token_ids, *self._word_first_tokens(p.bad_words)})
+        if seq.request_id in self.requests:
+            raise TrtkvError(f"request id {seq.request_id!r} is already running", "use unique request ids")
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = _Request(seq, _Detok(self.tokenizer, seq.prompt_ids), banned, end_ids, make_generator(p.seed))
+        self.stats_counters["prompt_tokens"] += len(seq.prompt_ids)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req.seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _word_first_tokens(self, words: list[str]) -> list[int]:
+        out: set[int] = set()
+        for w in words:
+            for variant in (w, " " + w):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids:
+                    out.add(ids[0])
+        return sorted(out)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        self.stats_counters["steps"] += 1
+        self.stats_counters["peak_running"] = max(self.stats_counters["peak_running"], len(self.scheduler.running))
+        logits: dict[int, torch.Tensor] = {}
+        for group in (out.prefill, out.decode):
+            for i in range(0, len(group), self.max_batch):
+                logits.update(self._run(group[i : i + self.max_batch]))
+        self.scheduler.postprocess(out)
+        return self._sample(out, logits)
+
+    def _run(self, chunks: list[Chunk]) -> dict[int, torch.Tensor]:
+        from trtkv.runtime.step import StepBatch
+
+        batch = StepBatch.make(
+            rows=[c.seq.tokens(c.start, c.start + c.length) for c in chunks],
+            context_lens=[c.start for c in chunks],
+            block_tables=[c.seq.block_table for c in chunks],
+            slot_ids=[c.seq.slot for c in chunks],
+        )
+        result = self.engine.step(batch, self.cache)
+        self.cache.write_new_rows(batch, result)
+        logits = result.logits
+        if logits.dim() == 3:  # all-logits build: take each row's last valid token
+            logits = logits[torch.arange(len(chunks)), batch.new_lens - 1]
+        return {c.seq.seq_id: logits[i] for i, c in enumerate(chunks) if c.samples}
+
+    def _sample(self, out: SchedulerOutput, logits: dict[int, torch.Tensor]) -> list[RequestOutput]:
+        chunks = [c for c in out.prefill + out.decode if c.seq.seq_id in logits]
+        if not chunks:
+            return []
+        reqs = [self.requests[c.seq.request_id] for c in chunks]
+        banned = []
+        for r in reqs:
+            ban = list(r.banned)
+            if len(r.seq.output_ids) < r.seq.params.min_tokens:
+                ban += r.end_ids
+            banned.append(ban)
+        stacked = torch.stack([logits[c.seq.seq_id].float().cpu() for c in chunks])
+        tokens, logprobs = self.sampler(stacked, [r.seq.params for r in reqs], [r.generator for r in reqs], banned)
+        results = []
+        for r, tok, lp in zip(reqs, tokens, logprobs):
+            results.append(self._advance(r, tok, lp))
+        return results
+
+    def _advance(self, r: _Request, token: int, logprob: float) -> RequestOutput:
+        seq, p = r.seq, r.seq.params
+        reason = None
+        if token in r.end_ids:
+            reason = "stop"
+        else:
+            seq.append_token(token, logprob)
+            self.stats_counters["generated_tokens"] += 1
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None and token in p.stop_token_ids:
+            reason = "stop"
+        new_text = r.detok.update(seq.output_ids, final=reason is not None)
+        if p.stop_words and len(seq.output_ids) >= p.min_tokens:
+            cut = _find_stop(r.detok.text, p.stop_words, len(r.detok.text) - len(new_text))
+            if cut is not None:
+                keep = len(new_text) - (len(r.detok.text) - cut)
+                new_text = new_text[: max(0, keep)]
+                r.detok.text = r.detok.text[:cut]
+                reason = "stop"
+        new_ids = seq.output_ids[r.emitted_tokens :]
+        new_lps = seq.logprobs[r.emitted_tokens :]
+        r.emitted_tokens = len(seq.output_ids)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            self.stats_counters["finished"] += 1
+        return RequestOutput(
+            seq.request_id, new_ids, new_text, r.detok.text, reason is not None, reason, new_lps, len(seq.prompt_ids)
+        )
+
+    # ------------------------------------------------------------------ offline use
+    def generate(
+        self,
+        prompts: Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams],
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); returns the final output of each, in order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(pr, pa) for pr, pa in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        ids: dict[str, list[int]] = {s.request_id: [] for s in seqs}
+        while self.has_work():
+            for o in self.step():
+                ids[o.request_id] += o.new_token_ids
+                if on_output is not None:
+                    on_output(o)
+                if o.finished:
+                    final[o.request_id] = o
+        for s in seqs:
+            final[s.request_id].new_token_ids = ids[s.request_id]
+        return [final[s.request_id] for s in seqs]
+
+    # ------------------------------------------------------------------ status
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "kv_format": self.manifest.kv_spec,
+            "kv_format_name": self.manifest.kv_format.name,
+            "block_size": bm.block_size,
+            "blocks_total": bm.num_blocks,
+            "blocks_used": bm.num_used_blocks,
+            "blocks_free": bm.num_free_blocks,
+            "slots_total": bm.num_slots,
+            "slots_used": bm.num_slots - bm.num_free_slots,
+            "bytes_per_block": self.budget.bytes_per_block,
+            "bytes_per_slot": self.budget.bytes_per_slot,
+            "kv_budget_bytes": self.budget.budget_bytes,
+            "pool_tokens": self.budget.pool_tokens,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats_counters,
+        }
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop word that overlaps the new text starts, or None."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def resolve_kv_budget(config: RuntimeConfig, device: torch.device) -> int:
+    """The KV budget in bytes: --kv-memory, else a fraction of free device memory (cuda), else 1 GiB on CPU."""
+    if config.kv_memory_gib is not None:
+        if config.kv_memory_gib <= 0:
+            raise TrtkvError(f"--kv-memory must be positive, got {config.kv_memory_gib}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
+        return int(config.kv_memory_gib * GIB)
+    if torch.device(device).type == "cuda":
+        from trtkv.runtime.gpu import device_memory
+
+        frac = config.kv_memory_fraction if config.kv_memory_fraction is not None else DEFAULT_GPU_KV_FRACTION
+        if not 0 < frac <= 1:
+            raise TrtkvError(f"--kv-fraction must be in (0, 1], got {frac}", "e.g. --kv-fraction 0.8")
+        free, _total = device_memory(torch.device(device).index or 0)
+        return int(free * frac)
+    return int(DEFAULT_CPU_KV_GIB * GIB)

@@ -1,0 +1,190 @@
+"""Continuous batching: which sequences run in the next engine step, and with how many tokens.
+
+Policy, every step:
+
+1. **Running sequences first**, decodes before prefills, oldest first. Each gets one chunk of its
+   pending tokens that ends at the next block boundary (an engine step never crosses one), at most
+   ``max_step_tokens`` and what is left of the step's token budget ``max_num_batched_tokens``.
+2. A chunk that fills the open block needs a pool block to seal into. If none is free the **newest**
+   running sequence is preempted (recompute: its blocks and slot are freed, it goes back to the
+   front of the queue and later prefills prompt + output again); if that is the sequence itself, it
+   waits.
+3. **Admission**: waiting sequences, first come first served, while a slot is free, budget is
+   left and the free blocks cover the new prompt's sealed blocks on top of what running prefills
+   still need. Nothing is admitted in a step that preempted.
+
+A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool, or more tokens
+than the engine's context, is rejected when it is added.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from trtkv.errors import TrtkvError
+from trtkv.runtime.block_manager import BlockManager
+from trtkv.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``length`` tokens of ``seq`` starting at ``start`` (== its ``num_cached``) go into one step."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token: its logits give the next token."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[Chunk] = field(default_factory=list)  # one token each
+    prefill: list[Chunk] = field(default_factory=list)  # several tokens each
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.decode) + sum(c.length for c in self.prefill)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_step_tokens: int | None = None,
+        max_model_len: int | None = None,
+    ):
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = min(max_num_seqs or block_manager.num_slots, block_manager.num_slots)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_step_tokens = min(max_step_tokens or self.block_size, self.block_size)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    # -- requests
+    def check(self, seq: Sequence) -> None:
+        """Reject a request that could never run, with the reason and the limit."""
+        total = len(seq.prompt_ids) + seq.params.max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise TrtkvError(
+                f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.params.max_tokens}) = {total} tokens exceeds the "
+                f"engine's context of {self.max_model_len} tokens",
+                "shorten the prompt or lower max_tokens",
+            )
+        need = self.bm.max_blocks(seq)
+        if need > self.bm.num_blocks:
+            raise TrtkvError(
+                f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.params.max_tokens}) needs {need} KV blocks of "
+                f"{self.block_size} tokens but the whole pool has {self.bm.num_blocks}",
+                "shorten the prompt, lower max_tokens, or serve with a larger --kv-memory",
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        order = sorted(self.running, key=lambda s: (s.in_prefill, self.running.index(s)))
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            chunk = self._chunk(seq, budget)
+            if not self._reserve_block(seq, chunk, out):
+                continue
+            budget -= chunk.length
+            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+        room = self.block_size - seq.num_cached % self.block_size
+        return Chunk(seq, seq.num_cached, min(seq.num_pending, room, self.max_step_tokens, budget))
+
+    def _needs_block(self, chunk: Chunk) -> bool:
+        end = chunk.start + chunk.length
+        return end % self.block_size == 0 and len(chunk.seq.block_table) < end // self.block_size
+
+    def _reserve_block(self, seq: Sequence, chunk: Chunk, out: SchedulerOutput) -> bool:
+        """Allocate the block ``chunk`` seals into, preempting the newest sequences if needed."""
+        if not self._needs_block(chunk):
+            return True
+        while not self.bm.can_append():
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            for lst in (out.decode, out.prefill):
+                lst[:] = [c for c in lst if c.seq is not victim]
+            if victim is seq:
+                return False
+        self.bm.append_block(seq)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free everything, requeue first; prompt + output is prefilled again."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        committed = sum(self.bm.blocks_to_finish(s) for s in self.running)
+        while self.waiting and budget > 0 and self.bm.num_free_slots and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.bm.blocks_for(seq.num_tokens)
+            if self.bm.num_free_blocks - committed < need:
+                break
+            self.waiting.popleft()
+            self.bm.allocate_slot(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunk = self._chunk(seq, budget)
+            reserved = self._reserve_block(seq, chunk, out)
+            assert reserved, "admission checked the free blocks"
+            committed += need - len(seq.block_table)
+            budget -= chunk.length
+            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+        return budget
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled tokens cached (the runtime has written their K/V rows)."""
+        for chunk in out.decode + out.prefill:
+            chunk.seq.num_cached = chunk.start + chunk.length
