@@ -238,5 +238,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise TrtkvError(f"cannot write {path}: {exc.strerror}", "choose a writable output path") from None
 
 
+# serve, triton-repo, generate (trtkv/serve_cli.py)
+from trtkv import serve_cli as _serve_cli  # noqa: E402
+
+_serve_cli.register(app, handle_errors)
+
+
 if __name__ == "__main__":
     sys.exit(app())

@@ -109,13 +109,13 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         from trtkv.manifest import TOKENIZER_DIR, load_manifest
-        from trtkv.runtime.backends import load_engine
+        from trtkv.runtime.backends import open_engine
         from trtkv.runtime.kv_pool import PagedKVCache
 
         config = config or RuntimeConfig()
         engine_dir = Path(engine_dir)
         manifest = load_manifest(engine_dir)
-        engine = load_engine(engine_dir, manifest=manifest, backend=config.backend, device=config.device)
+        engine = open_engine(engine_dir, config.backend)
         device = getattr(engine, "device", torch.device("cpu"))
         lim = manifest.limits
         budget_bytes = resolve_kv_budget(config, device)

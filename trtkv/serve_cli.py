@@ -1,0 +1,231 @@
+"""``trtkv serve``, ``trtkv triton-repo`` and ``trtkv generate`` (registered on the main app by trtkv.cli)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from trtkv.errors import TrtkvError
+
+console = Console()
+err_console = Console(stderr=True)
+
+KvMemoryOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="KV cache budget in GiB (pool blocks + open blocks of every slot); default 1 GiB on CPU, --kv-fraction of free GPU memory")]
+KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-fraction", help="on a GPU: fraction of free memory for the KV cache (default 0.8)")]
+MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = most sequences running at once (each costs one fp16 open block)")]
+BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
+
+
+def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine):
+    from trtkv.triton_repo.repository import RepoOptions
+
+    if kv_memory is not None and kv_memory <= 0:
+        raise TrtkvError(f"--kv-memory must be positive, got {kv_memory}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
+    if max_seqs < 1 or max_batched_tokens < 1:
+        raise TrtkvError("--max-seqs and --max-batched-tokens must be at least 1", "pass positive integers")
+    return RepoOptions(
+        kv_memory_gib=kv_memory,
+        kv_memory_fraction=kv_fraction,
+        max_seqs=max_seqs,
+        max_batched_tokens=max_batched_tokens,
+        backend=backend,
+        instance_kind=instance_kind,
+        copy_engine=copy_engine,
+    )
+
+
+def _pool_summary(engine_dir: Path, opts) -> str:
+    """What the server's block manager will allocate (same arithmetic, computed here for the banner)."""
+    import torch
+
+    from trtkv.manifest import load_manifest
+    from trtkv.runtime.block_manager import CacheBudget
+    from trtkv.runtime.llm_engine import RuntimeConfig, resolve_kv_budget
+
+    m = load_manifest(engine_dir)
+    if opts.kv_memory_gib is None and torch.cuda.is_available():
+        return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
+    cfg = RuntimeConfig(kv_memory_gib=opts.kv_memory_gib, max_seqs=opts.max_seqs)
+    b = CacheBudget.plan(
+        resolve_kv_budget(cfg, torch.device("cpu")),
+        bytes_per_block=m.bytes_per_block,
+        bytes_per_slot=m.tail_bytes_per_slot,
+        block_size=m.limits.block_size,
+        num_slots=min(opts.max_seqs, m.limits.max_batch, m.limits.max_num_slots),
+    )
+    return f"KV format {m.kv_spec}: {b.describe()}"
+
+
+def register(app: typer.Typer, handle_errors) -> None:
+    @app.command("triton-repo")
+    @handle_errors
+    def triton_repo(
+        engine_dir: Annotated[Path, typer.Argument(help="engine directory from `trtkv build-engine`")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="model repository to write")] = Path("trtkv-out/triton_repo"),
+        kv_memory: KvMemoryOpt = None,
+        kv_fraction: KvFractionOpt = None,
+        max_seqs: MaxSeqsOpt = 64,
+        max_batched_tokens: BatchedTokensOpt = 512,
+        backend: BackendOpt = "auto",
+        instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")] = "auto",
+        copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")] = False,
+        force: Annotated[bool, typer.Option(help="rewrite even if the repository is up to date")] = False,
+    ) -> None:
+        """Write a Triton model repository (TensorRT-LLM's `ensemble` interface) serving ENGINE_DIR."""
+        from trtkv.manifest import load_manifest
+        from trtkv.triton_repo.repository import write_repository
+
+        load_manifest(engine_dir)
+        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
+        path = write_repository(engine_dir, out, opts, force=force)
+        console.print(f"model repository written to [bold]{path}[/] (models: ensemble, trtkv_llm)")
+
+    @app.command()
+    @handle_errors
+    def serve(
+        engine_dir: Annotated[Path, typer.Argument(help="engine directory from `trtkv build-engine`")],
+        repo: Annotated[Optional[Path], typer.Option("--repo", help="model repository to write or reuse (default: trtkv-out/triton_repo)")] = None,
+        host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 exposes the server to the network")] = "127.0.0.1",
+        http_port: Annotated[int, typer.Option("--http-port")] = 8000,
+        grpc_port: Annotated[int, typer.Option("--grpc-port")] = 8001,
+        metrics_port: Annotated[int, typer.Option("--metrics-port")] = 8002,
+        kv_memory: KvMemoryOpt = None,
+        kv_fraction: KvFractionOpt = None,
+        max_seqs: MaxSeqsOpt = 64,
+        max_batched_tokens: BatchedTokensOpt = 512,
+        backend: BackendOpt = "auto",
+        instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu")] = "auto",
+        copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
+        log_file: Annotated[Optional[Path], typer.Option(help="tritonserver log (default: REPO/tritonserver.log)")] = None,
+        timeout: Annotated[float, typer.Option(help="seconds to wait for the server to become ready")] = 300.0,
+    ) -> None:
+        """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM."""
+        from trtkv.manifest import load_manifest
+        from trtkv.triton_repo.repository import write_repository
+        from trtkv.triton_repo.server import TritonServer, find_tritonserver
+
+        load_manifest(engine_dir)
+        binary = find_tritonserver()
+        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
+        summary = _pool_summary(engine_dir, opts)
+        path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
+        server = TritonServer(path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve())
+        stop = {"sig": None}
+
+        def on_signal(signum, _frame):
+            stop["sig"] = signum
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            err_console.print(f"starting {binary.path} on {path} ...", highlight=False)
+            t0 = time.monotonic()
+            server.start(timeout)
+            console.print(f"[bold green]ready[/] in {time.monotonic() - t0:.1f} s — {summary}", highlight=False)
+            console.print(f"  HTTP     {server.http_url}  (generate: /v2/models/ensemble/generate, generate_stream)", highlight=False)
+            console.print(f"  gRPC     {server.client_host}:{grpc_port}", highlight=False)
+            console.print(f"  metrics  {server.metrics_url}  (trtkv_kv_blocks, trtkv_sequences, nv_inference_*)", highlight=False)
+            console.print(f"  log      {server.log_file}", highlight=False)
+            console.print(
+                f"  try: curl -s -X POST {server.http_url}/v2/models/ensemble/generate "
+                "-d '{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}'",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print("  Ctrl-C stops the server", highlight=False)
+            while stop["sig"] is None:
+                if server.process is None or server.process.poll() is not None:
+                    from trtkv.triton_repo.server import tail
+
+                    rc = server.process.returncode if server.process else None
+                    err_console.print(f"[bold red]error:[/] tritonserver exited unexpectedly (code {rc}): {tail(server.log_file)}", highlight=False, soft_wrap=True)
+                    raise typer.Exit(1)
+                time.sleep(0.2)
+            err_console.print("stopping tritonserver ...")
+        finally:
+            rc = server.stop()
+            for s, h in old.items():
+                signal.signal(s, h)
+        console.print(f"stopped (tritonserver exit code {rc})")
+
+    @app.command()
+    @handle_errors
+    def generate(
+        prompt: Annotated[str, typer.Argument(help="the prompt")],
+        engine: Annotated[Optional[Path], typer.Option("--engine", help="run the engine directory offline (no server)")] = None,
+        url: Annotated[Optional[str], typer.Option("--url", help="send to a running server instead, e.g. http://127.0.0.1:8000")] = None,
+        max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 64,
+        temperature: Annotated[float, typer.Option(help="0: greedy")] = 0.0,
+        top_k: Annotated[int, typer.Option(help="0: off")] = 0,
+        top_p: Annotated[float, typer.Option(help="1.0: off")] = 1.0,
+        seed: Annotated[Optional[int], typer.Option(help="reproducible sampling")] = None,
+        stop: Annotated[Optional[list[str]], typer.Option("--stop", help="stop word (repeatable)")] = None,
+        stream: Annotated[bool, typer.Option("--stream/--no-stream", help="print tokens as they come")] = True,
+        kv_memory: KvMemoryOpt = None,
+        backend: BackendOpt = "auto",
+    ) -> None:
+        """Generate text for PROMPT, offline with --engine or from a running server with --url."""
+        if (engine is None) == (url is None):
+            raise TrtkvError("generate needs exactly one of --engine DIR and --url URL", "pass --engine trtkv-out/engine or --url http://127.0.0.1:8000")
+        if url is not None:
+            _generate_remote(url, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream)
+        else:
+            _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, kv_memory, backend)
+
+
+def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, kv_memory, backend) -> None:
+    from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
+    from trtkv.runtime.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_words=stop).validate()
+    t0 = time.monotonic()
+    llm = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(kv_memory_gib=kv_memory if kv_memory is not None else 0.25, max_seqs=4, backend=backend))
+    t1 = time.monotonic()
+    first = {}
+
+    def on_output(o):
+        first.setdefault("t", time.monotonic())
+        if stream and o.new_text:
+            sys.stdout.write(o.new_text)
+            sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    (out,) = llm.generate([prompt], params, on_output=on_output)
+    t2 = time.monotonic()
+    sys.stdout.write("\n" if stream else prompt + out.text + "\n")
+    n = len(out.new_token_ids)
+    ttft = first.get("t", t2) - t1
+    err_console.print(
+        f"[dim]{out.num_prompt_tokens} prompt + {n} new tokens ({out.finish_reason}); load {t1 - t0:.1f} s, first token {ttft:.2f} s, "
+        f"{n / max(t2 - t1, 1e-9):.1f} tok/s; KV {llm.manifest.kv_spec}[/]",
+        highlight=False,
+    )
+
+
+def _generate_remote(url, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream) -> None:
+    from trtkv.triton_repo.client import generate, stream_generate
+
+    params = {"temperature": temperature if temperature > 0 else None, "top_k": top_k or None, "top_p": top_p if top_p < 1 else None, "seed": seed}
+    if stop:
+        params["stop_words"] = stop
+    t0 = time.monotonic()
+    if stream:
+        sys.stdout.write(prompt)
+        n = 0
+        for piece in stream_generate(url, prompt, max_tokens, **params):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+            n += 1
+        sys.stdout.write("\n")
+        err_console.print(f"[dim]{n} responses in {time.monotonic() - t0:.2f} s from {url}[/]", highlight=False)
+    else:
+        data = generate(url, prompt, max_tokens, **params)
+        sys.stdout.write(data.get("text_output", "") + "\n")
