@@ -161,7 +161,7 @@ def plan(
     head_dim: Annotated[Optional[int], typer.Option(help="head dimension")] = None,
     weights_gib: Annotated[Optional[float], typer.Option(help="weight memory in GiB (default: from the model, fp16)")] = None,
     kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats (repeatable); default: fp16, int8, fp8, int4")] = None,
-    gpu: Annotated[Optional[str], typer.Option(help="A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4-24GB, RTX4090-24GB")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4-24GB, RTX4090-24GB, or auto (this machine's GPU via pynvml)")] = None,
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GiB (instead of --gpu)")] = None,
     context: Annotated[int, typer.Option(help="context length per sequence")] = 4096,
     reserve: Annotated[float, typer.Option(help="fraction of GPU memory kept for activations and workspace")] = 0.1,

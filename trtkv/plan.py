@@ -52,6 +52,10 @@ def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
             raise TrtkvError(f"--gpu-mem must be positive, got {gpu_mem_gib}", "give the GPU memory in GiB, e.g. --gpu-mem 80")
         return int(gpu_mem_gib * GIB)
     name = gpu or "H100-80GB"
+    if name.lower() == "auto":  # this machine's GPU, as pynvml (or torch.cuda) reports it; trtkv serve reads the same
+        from trtkv.runtime.gpu import device_memory
+
+        return device_memory(0)[1]
     for known, mib in GPUS.items():
         if known.lower() == name.lower():
             return mib * MIB
