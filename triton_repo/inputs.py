@@ -82,6 +82,8 @@ def parse_request(get: Callable[[str], "np.ndarray | None"]) -> ParsedRequest:
     temperature = _scalar(get, "temperature")
     top_k = _scalar(get, "top_k")
     top_p = _scalar(get, "top_p")
+    if temperature is not None and float(temperature) < 0:
+        raise TrtkvError(f"temperature must be >= 0, got {float(temperature)}", "use 0 for greedy decoding")
     top_k = 0 if top_k is None else int(top_k)
     top_p = 1.0 if top_p is None or float(top_p) == 0.0 else float(top_p)
     samples = (temperature is not None and float(temperature) > 0) or top_k > 1 or top_p < 1.0
