@@ -47,7 +47,13 @@ def _response(text: str, logprobs: list[float], want_logprobs: bool):
 class _Metrics:
     def __init__(self, kv_format: str):
         G = pb_utils.MetricFamily.GAUGE
-        fam = lambda name, desc: pb_utils.MetricFamily(name=name, description=desc, kind=G)  # noqa: E731
+        self._families = []  # a MetricFamily must outlive its Metrics: keep every one
+
+        def fam(name, desc):
+            f = pb_utils.MetricFamily(name=name, description=desc, kind=G)
+            self._families.append(f)
+            return f
+
         lab = {"kv_format": kv_format}
         blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
         slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
@@ -69,7 +75,6 @@ class _Metrics:
             "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
         }
         self._last = 0.0
-        self._families = (blocks, slots, seqs, info)
 
     def update(self, s: dict, force: bool = False) -> None:
         now = time.monotonic()
@@ -115,7 +120,11 @@ class TritonPythonModel:
 
     def _on_step(self, stats: dict) -> None:
         if self.metrics is not None:
-            self.metrics.update(stats)
+            try:
+                self.metrics.update(stats)
+            except Exception as exc:  # noqa: BLE001 - never let metrics stop the scheduler loop
+                self.logger.log_warn(f"trtkv: metrics update failed, disabled: {exc}")
+                self.metrics = None
 
     def execute(self, requests):
         for request in requests:

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from trtkv.errors import TrtkvError
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 KvMemoryOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="KV cache budget in GiB (pool blocks + open blocks of every slot); default 1 GiB on CPU, --kv-fraction of free GPU memory")]
 KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-fraction", help="on a GPU: fraction of free memory for the KV cache (default 0.8)")]
@@ -58,7 +58,7 @@ def _pool_summary(engine_dir: Path, opts) -> str:
         bytes_per_block=m.bytes_per_block,
         bytes_per_slot=m.tail_bytes_per_slot,
         block_size=m.limits.block_size,
-        num_slots=min(opts.max_seqs, m.limits.max_batch, m.limits.max_num_slots),
+        num_slots=opts.max_seqs if m.backend == "onnxruntime" else min(opts.max_seqs, m.limits.max_batch, m.limits.max_num_slots),
     )
     return f"KV format {m.kv_spec}: {b.describe()}"
 
@@ -201,6 +201,7 @@ def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p,
     (out,) = llm.generate([prompt], params, on_output=on_output)
     t2 = time.monotonic()
     sys.stdout.write("\n" if stream else prompt + out.text + "\n")
+    sys.stdout.flush()
     n = len(out.new_token_ids)
     ttft = first.get("t", t2) - t1
     err_console.print(

@@ -86,8 +86,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work())
             if not self.engine.has_work():
-                if self.on_step is not None:
-                    self.on_step(self.engine.stats())
+                self._report()
                 continue
             try:
                 outputs = self.engine.step()
@@ -103,9 +102,16 @@ class EngineLoop:
                 elif not keep:
                     self.engine.abort(out.request_id)
                     self._callbacks.pop(out.request_id, None)
-            if self.on_step is not None:
-                self.on_step(self.engine.stats())
+            self._report()
         self._fail_all("the server is shutting down")
+
+    def _report(self) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(self.engine.stats())
+        except Exception:  # noqa: BLE001 - reporting never stops the loop
+            log.error("on_step failed:\n%s", traceback.format_exc())
 
     def _fail_all(self, message: str) -> None:
         for rid, cb in list(self._callbacks.items()):

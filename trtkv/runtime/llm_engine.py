@@ -89,15 +89,16 @@ class LLMEngine:
         self.config = config
         self.budget = budget
         lim = manifest.limits
+        # ONNX Runtime takes any batch; TensorRT plans only their profile's
+        self.max_batch = budget.num_slots if getattr(engine, "name", "") in ("onnxruntime", "torch") else lim.max_batch
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=min(config.max_seqs, lim.max_batch),
+            max_num_seqs=min(config.max_seqs, budget.num_slots),
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
         )
-        self.max_batch = lim.max_batch
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -116,10 +117,14 @@ class LLMEngine:
         engine_dir = Path(engine_dir)
         manifest = load_manifest(engine_dir)
         engine = open_engine(engine_dir, config.backend)
+        if engine.name == "onnxruntime":
+            # The runtime's own torch work (sealing blocks, sampling) is small; on one thread it does not
+            # wake an OpenMP pool that competes with ONNX Runtime's threads (measured: 40 ms -> 4 us per seal matmul).
+            torch.set_num_threads(1)
         device = getattr(engine, "device", torch.device("cpu"))
         lim = manifest.limits
         budget_bytes = resolve_kv_budget(config, device)
-        num_slots = min(config.max_seqs, lim.max_batch, lim.max_num_slots)
+        num_slots = config.max_seqs if engine.name == "onnxruntime" else min(config.max_seqs, lim.max_batch, lim.max_num_slots)
         budget = CacheBudget.plan(
             budget_bytes,
             bytes_per_block=manifest.bytes_per_block,

@@ -1,0 +1,221 @@
+"""Serving benchmark: fp16 / int8 / int4 engines through the running Triton server, same KV memory budget.
+
+For each engine: write the repository, start tritonserver on loopback, then
+
+1. **admission** -- offer ``--admission-requests`` concurrent streaming requests whose prompt fills one
+   pool block (``--admission-prompt`` tokens, < 2 blocks with the output) and read the server's
+   ``trtkv_peak_running_sequences`` metric: the most sequences the pool held at once;
+2. **throughput** -- at each ``--concurrency`` level, that many client streams each send
+   ``--requests-per-stream`` requests back to back (prompt ``--prompt`` tokens, exactly ``--max-tokens``
+   new tokens: ``min_length`` = ``max_tokens``), measuring output tokens/s over the level's wall time,
+   time to first token and inter-token latency (between streamed responses) percentiles.
+
+Results go to ``--out`` (JSON + Markdown, with the command and the machine).
+
+    python bench/serve.py --engine fp16=trtkv-out/engines/fp16 --engine int8=... --engine int4=... --kv-memory 0.17
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from trtkv.triton_repo.client import request_body, stream_generate
+from trtkv.triton_repo.repository import RepoOptions, write_repository
+from trtkv.triton_repo.server import TritonServer, free_port
+
+TEXT = (
+    "The paged key-value cache keeps every sequence's keys and values in fixed-size blocks. A block table maps "
+    "token positions to blocks, so sequences of any length share one pool without fragmentation. Quantizing the "
+    "sealed blocks to eight or four bits lets the same memory hold two to three and a half times as many tokens. "
+)
+
+
+def prompt_of(tokenizer, n: int, salt: int) -> str:
+    ids = tokenizer.encode(f"[{salt}] " + TEXT * (1 + n // 40), add_special_tokens=False)[:n]
+    return tokenizer.decode(ids)
+
+
+def metric_values(url: str, name: str) -> list[float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def one_request(url: str, prompt: str, max_tokens: int, rec: list, **params) -> None:
+    t0 = time.monotonic()
+    times = []
+    for piece in stream_generate(url, prompt, max_tokens, min_length=max_tokens, **params):
+        times.append(piece.t)
+    rec.append({"t0": t0, "times": times, "tokens": max_tokens})
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, per_stream: int, max_tokens: int) -> dict:
+    recs: list[dict] = []
+    errors: list[str] = []
+
+    def stream(i: int) -> None:
+        for r in range(per_stream):
+            try:
+                one_request(url, prompts[(i * per_stream + r) % len(prompts)], max_tokens, recs)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(str(exc))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    ttft = [r["times"][0] - r["t0"] for r in recs if r["times"]]
+    itl = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in recs)
+    return {
+        "concurrency": concurrency,
+        "requests": len(recs),
+        "errors": errors[:3],
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_ms": {f"p{q}": 1000 * pct(ttft, q) for q in (50, 90, 99)},
+        "itl_ms": {f"p{q}": 1000 * pct(itl, q) for q in (50, 90, 99)},
+    }
+
+
+def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from trtkv.manifest import load_manifest
+
+    m = load_manifest(engine_dir)
+    tok = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"), local_files_only=True)
+    opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, instance_kind="cpu")
+    repo = write_repository(engine_dir, workdir / f"repo-{name}", opts, force=True)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=workdir / f"server-{name}.log")
+    out = {"engine": str(engine_dir), "kv_spec": m.kv_spec, "block_size": m.limits.block_size, "model": m.model.name}
+    with server:
+        url = server.http_url
+        one_request(url, prompt_of(tok, 16, -1), 4, [])  # warm-up
+        blocks = metric_values(server.metrics_url, "trtkv_kv_blocks")
+        out["pool_blocks"] = int(sum(blocks))
+        out["bytes_per_block"] = m.bytes_per_block
+        # 1. admission
+        prompts = [prompt_of(tok, args.admission_prompt, i) for i in range(args.admission_requests)]
+        t0 = time.monotonic()
+        level = run_level(url, prompts, args.admission_requests, 1, args.admission_max_tokens)
+        out["admission"] = {
+            "offered": args.admission_requests,
+            "prompt_tokens": args.admission_prompt,
+            "max_tokens": args.admission_max_tokens,
+            "completed": level["requests"],
+            "errors": level["errors"],
+            "seconds": time.monotonic() - t0,
+            "max_running": int(max(metric_values(server.metrics_url, "trtkv_peak_running_sequences"))),
+            "preemptions": int(max(metric_values(server.metrics_url, "trtkv_preemptions"))),
+        }
+        print(f"[{name}] admission: {out['admission']}", flush=True)
+        # 2. throughput
+        prompts = [prompt_of(tok, args.prompt, 1000 + i) for i in range(64)]
+        out["levels"] = []
+        for c in args.concurrency:
+            level = run_level(url, prompts, c, args.requests_per_stream, args.max_tokens)
+            out["levels"].append(level)
+            print(f"[{name}] c={c}: {level['tokens_per_s']:.1f} tok/s, ttft p50 {level['ttft_ms']['p50']:.0f} ms, itl p50 {level['itl_ms']['p50']:.0f} ms", flush=True)
+        out["success_requests_metric"] = metric_values(server.metrics_url, "nv_inference_request_success")
+    return out
+
+
+def render(results: dict) -> str:
+    rows = results["engines"]
+    base = rows.get("fp16")
+    lines = [
+        f"# Serving benchmark ({results['machine']['cpu']}, {results['machine']['cores']} cores, no GPU)",
+        "",
+        f"Command: `{results['command']}`  ",
+        f"Date: {results['date']}; KV budget {results['kv_memory_gib']} GiB for every format; {results['max_seqs']} sequence slots.",
+        "",
+        "| engine | KV format | pool blocks | max running seqs | vs fp16 | "
+        + " | ".join(f"tok/s @{c}" for c in results["concurrency"])
+        + " | TTFT p50/p90 ms @max | ITL p50/p90 ms @max |",
+        "|---|---|---|---|---|" + "---|" * len(results["concurrency"]) + "---|---|",
+    ]
+    for name, r in rows.items():
+        adm = r["admission"]["max_running"]
+        ratio = adm / base["admission"]["max_running"] if base else float("nan")
+        tps = []
+        for lv in r["levels"]:
+            s = f"{lv['tokens_per_s']:.1f}"
+            if base and name != "fp16":
+                b = next(x for x in base["levels"] if x["concurrency"] == lv["concurrency"])
+                s += f" ({lv['tokens_per_s'] / b['tokens_per_s']:.0%})"
+            tps.append(s)
+        last = r["levels"][-1]
+        lines.append(
+            f"| {name} | `{r['kv_spec']}` | {r['pool_blocks']} | {adm} | {ratio:.2f}x | " + " | ".join(tps)
+            + f" | {last['ttft_ms']['p50']:.0f} / {last['ttft_ms']['p90']:.0f} | {last['itl_ms']['p50']:.0f} / {last['itl_ms']['p90']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", action="append", required=True, help="NAME=ENGINE_DIR (repeatable; fp16 is the baseline)")
+    ap.add_argument("--kv-memory", type=float, default=0.17, help="KV budget in GiB, the same for every engine")
+    ap.add_argument("--max-seqs", type=int, default=96)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--admission-requests", type=int, default=100)
+    ap.add_argument("--admission-prompt", type=int, default=80)
+    ap.add_argument("--admission-max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serve"))
+    args = ap.parse_args()
+    engines = dict(e.split("=", 1) for e in args.engine)
+    results = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "kv_memory_gib": args.kv_memory,
+        "max_seqs": args.max_seqs,
+        "concurrency": args.concurrency,
+        "engines": {},
+    }
+    try:
+        results["machine"]["cpu"] = next(
+            line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    with tempfile.TemporaryDirectory(prefix="trtkv-bench-") as tmp:
+        for name, d in engines.items():
+            t0 = time.monotonic()
+            results["engines"][name] = bench_engine(name, Path(d), args, Path(tmp))
+            results["engines"][name]["seconds"] = time.monotonic() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    md = render(results)
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
