@@ -1,0 +1,239 @@
+"""Against a real tritonserver (nvidia-pytriton's 2.51, python backend, CPU) on loopback, ephemeral ports.
+
+Tiny random-weight Llama engines (fp16, int8, int4) built by ``build_engine``; every server is stopped in
+a ``finally``. The real-SmolLM2 token-for-token check is marked ``model``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytriton")
+pytest.importorskip("tritonclient")
+
+from trtkv.triton_repo.client import GenerateError, generate, stream_generate  # noqa: E402
+from trtkv.triton_repo.repository import RepoOptions, write_repository  # noqa: E402
+from trtkv.triton_repo.server import TritonServer, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+PROMPTS = ["The quick brown fox", "def f(x):\n    return", "Pack my box with", "Sphinx of black quartz, judge", "0123456789 {}[]"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from conftest import build_tiny_model
+
+    from trtkv.builder.build import build_engine
+    from trtkv.models import load_model
+
+    root = tmp_path_factory.mktemp("serve")
+    build_tiny_model(root / "model", "llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
+    out = {}
+    for kv in ("fp16", "int8", "int4"):
+        out[kv] = build_engine(str(root / "model"), kv=kv, out=root / f"engine-{kv}", backend="onnxruntime", block_size=16, max_batch=8, max_seq_len=256, loaded=loaded)
+    return out
+
+
+def start(engine: Path, tmp: Path, **opts) -> TritonServer:
+    repo = write_repository(engine, tmp / f"repo-{engine.name}", RepoOptions(instance_kind="cpu", **opts), force=True)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp / f"{engine.name}.log")
+    return server.start(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def int4_server(engines, tmp_path_factory):
+    server = start(engines["int4"], tmp_path_factory.mktemp("int4"), kv_memory_gib=0.01, max_seqs=16)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def offline(engine: Path, prompts, max_tokens: int, **kw) -> list[str]:
+    from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
+    from trtkv.runtime.sequence import SamplingParams
+
+    llm = LLMEngine.from_engine_dir(engine, RuntimeConfig(kv_memory_gib=0.01, max_seqs=16))
+    return [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))]
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_generate_and_generate_stream_answer_with_text(int4_server):
+    url = int4_server.http_url
+    data = generate(url, PROMPTS[0], 12)
+    assert data["model_name"] == "ensemble" and data["text_output"].startswith(PROMPTS[0]) and len(data["text_output"]) > len(PROMPTS[0])
+    excl = generate(url, PROMPTS[0], 12, exclude_input_in_output=True)["text_output"]
+    assert data["text_output"] == PROMPTS[0] + excl
+    pieces = list(stream_generate(url, PROMPTS[0], 12))
+    assert len(pieces) >= 2 and "".join(p.text for p in pieces) == excl
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
+def test_server_greedy_is_the_offline_runtime_token_for_token(engines, int4_server, tmp_path, kv):
+    want = offline(engines[kv], PROMPTS, 24, ignore_eos=True)
+    server = int4_server if kv == "int4" else start(engines[kv], tmp_path, kv_memory_gib=0.01, max_seqs=16)
+    try:
+        got = [generate(server.http_url, p, 24, min_length=24, exclude_input_in_output=True)["text_output"] for p in PROMPTS]
+        streamed = ["".join(x.text for x in stream_generate(server.http_url, p, 24, min_length=24)) for p in PROMPTS[:2]]
+    finally:
+        if server is not int4_server:
+            server.stop()
+    assert got == want
+    assert streamed == want[:2]
+
+
+def test_sixteen_concurrent_streams_mixed_parameters(int4_server):
+    url = int4_server.http_url
+    rng = random.Random(0)
+    jobs = []
+    for i in range(16):
+        params = {"seed": 1000 + i}
+        if i % 3 == 1:
+            params.update(temperature=0.9, top_k=20)
+        elif i % 3 == 2:
+            params.update(temperature=0.7, top_p=0.8)
+        jobs.append((f"{PROMPTS[i % len(PROMPTS)]} #{i}", rng.randint(4, 40), params))
+    results: dict[int, list] = {}
+    errors: list[str] = []
+
+    def run(i):
+        prompt, n, params = jobs[i]
+        try:
+            results[i] = [p.raw for p in stream_generate(url, prompt, n, min_length=n, **params)]
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{i}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sorted(results) == list(range(16))
+    # none mixed up: each stream, replayed alone with the same seed, gives the same text
+    for i in (0, 4, 7, 11):
+        prompt, n, params = jobs[i]
+        alone = "".join(p.text for p in stream_generate(url, prompt, n, min_length=n, **params))
+        assert "".join(r["text_output"] for r in results[i]) == alone
+
+
+@pytest.mark.parametrize(
+    "body,status,match",
+    [
+        ({"max_tokens": 4}, 400, "text_input"),
+        ({"text_input": "hi", "max_tokens": -3}, 400, "max_tokens must be between"),
+        ({"text_input": "hi " * 400, "max_tokens": 4}, 400, "exceeds the engine's context of 256"),
+        ({"text_input": "hi", "max_tokens": 4, "beam_width": 3}, 400, "beam_width"),
+    ],
+)
+def test_malformed_requests_get_400_and_server_keeps_serving(int4_server, body, status, match):
+    code, data = post(int4_server.http_url, "/v2/models/ensemble/generate", body)
+    assert code == status and match in data.get("error", ""), (code, data)
+    assert generate(int4_server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_wrong_dtype_is_refused(int4_server):
+    """gRPC stream (the typed API): an error naming the input and the expected type. The HTTP generate
+    endpoint's JSON parser (Triton's own) answers a wrongly typed value with 500 and a message; either
+    way the server keeps serving."""
+    import numpy as np
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    url = f"127.0.0.1:{int4_server.grpc_port}"
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
+        bad = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+        bad.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+        client.async_stream_infer("ensemble", [text, bad])
+        _, error = results.get(timeout=30)
+        assert error is not None and "max_tokens" in str(error) and "INT32" in str(error)
+    finally:
+        client.stop_stream()
+        client.close()
+    code, data = post(int4_server.http_url, "/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": "many"})
+    assert code in (400, 500) and "parse" in data.get("error", "")
+    assert generate(int4_server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_metrics_show_requests_and_pool(int4_server):
+    generate(int4_server.http_url, PROMPTS[1], 20)
+    text = urllib.request.urlopen(int4_server.metrics_url, timeout=10).read().decode()
+    ok = [ln for ln in text.splitlines() if ln.startswith('nv_inference_request_success{model="ensemble"')]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    for family in ("trtkv_kv_blocks", "trtkv_kv_slots", "trtkv_sequences", "trtkv_kv_pool_info", "trtkv_peak_running_sequences"):
+        assert f"{family}{{" in text, family
+    assert 'kv_format="int4@block16"' in text
+    used = [ln for ln in text.splitlines() if ln.startswith("trtkv_kv_blocks{") and 'state="free"' in ln]
+    assert float(used[0].split()[-1]) > 0
+
+
+def test_small_pool_queues_and_preempts_and_rejects_oversized(engines, tmp_path):
+    # 60 KiB of KV: 4 slots (8 KiB each) and 6 int8 blocks of 16 tokens (4.25 KiB), while 12 requests want ~3 each
+    server = start(engines["int8"], tmp_path, kv_memory_gib=60 / 1024**2, max_seqs=4)
+    try:
+        url = server.http_url
+        code, data = post(url, "/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 250})
+        assert code == 400 and "whole pool has" in data["error"]
+        done: dict[int, str] = {}
+        errors: list[str] = []
+
+        def run(i):
+            try:
+                done[i] = generate(url, PROMPTS[i % 5], 36, min_length=36, exclude_input_in_output=True)["text_output"]
+            except GenerateError as exc:
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors and len(done) == 12 and all(done.values())
+        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        peak = max(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("trtkv_peak_running_sequences{"))
+        preempt = max(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("trtkv_preemptions{"))
+        assert peak <= 4 and preempt >= 1
+    finally:
+        server.stop()
+
+
+def test_serve_cli_errors_are_one_line_exit_2(engines, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    trtkv = [sys.executable, "-m", "trtkv.cli"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    r = subprocess.run([*trtkv, "serve", str(broken)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not an engine directory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [*trtkv, "serve", str(engines["int4"]), "--repo", str(tmp_path / "repo"), "--http-port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert r.returncode == 2 and f"port {port}" in r.stderr and "in use" in r.stderr
