@@ -158,7 +158,9 @@ class TritonPythonModel:
                 return False
             logprobs.extend(out.new_logprobs)
             if req.stream:
-                if out.new_text or out.finished:
+                # one response per generated token-step, even when its text is held back (a partial
+                # UTF-8 character): clients count tokens and time them; the text follows with the next one
+                if out.new_token_ids or out.new_text or out.finished:
                     resp = _response(out.new_text, out.new_logprobs, req.return_log_probs)
                     sender.send(resp, flags=FINAL if out.finished else 0)
             elif out.finished:
