@@ -58,11 +58,11 @@ def int4_server(engines, tmp_path_factory):
         server.stop()
 
 
-def offline(engine: Path, prompts, max_tokens: int, **kw) -> list[str]:
+def offline(engine: Path, prompts, max_tokens: int, kv_memory_gib: float = 0.01, max_seqs: int = 16, **kw) -> list[str]:
     from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
     from trtkv.runtime.sequence import SamplingParams
 
-    llm = LLMEngine.from_engine_dir(engine, RuntimeConfig(kv_memory_gib=0.01, max_seqs=16))
+    llm = LLMEngine.from_engine_dir(engine, RuntimeConfig(kv_memory_gib=kv_memory_gib, max_seqs=max_seqs))
     return [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))]
 
 
@@ -237,3 +237,20 @@ def test_serve_cli_errors_are_one_line_exit_2(engines, tmp_path):
             [*trtkv, "serve", str(engines["int4"]), "--repo", str(tmp_path / "repo"), "--http-port", str(port)], capture_output=True, text=True, timeout=60
         )
     assert r.returncode == 2 and f"port {port}" in r.stderr and "in use" in r.stderr
+
+
+@pytest.mark.model
+def test_smollm2_int4_server_greedy_is_offline_token_for_token(builtin_model, tmp_path):
+    """The real SmolLM2-135M, int4 engine (the format furthest from fp16): server == offline runtime."""
+    from trtkv.builder.build import build_engine
+
+    engine = build_engine("smollm2-135m", kv="int4", out=tmp_path / "engine-smollm2-int4", backend="onnxruntime", max_batch=8, max_seq_len=512, loaded=builtin_model)
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    want = offline(engine, prompts, 16, kv_memory_gib=0.05, max_seqs=4, ignore_eos=True)
+    assert all(w.strip() for w in want)
+    server = start(engine, tmp_path, kv_memory_gib=0.05, max_seqs=4)
+    try:
+        got = [generate(server.http_url, p, 16, min_length=16, exclude_input_in_output=True)["text_output"] for p in prompts]
+    finally:
+        server.stop()
+    assert got == want
