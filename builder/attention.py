@@ -1,0 +1,253 @@
+"""Attention backends of the step network: one interface, chosen by ``--attention``.
+
+Like vLLM's attention backends, each says which formats, head dims and block sizes it supports and
+returns the reasons a configuration is rejected (``reasons``), and emits the attention of one layer
+(``emit``) over the engine's cache inputs:
+
+* ``native``: standard ONNX ops only (Gather, integer unpack / LUT decode, MatMul, Where, Softmax) that
+  ONNX Runtime and every TensorRT flavour accept;
+* ``plugin``: ``trtkv::`` nodes (builder/plugin_nodes.py), executed by TensorRT plugins on GPUs and, here,
+  by onnxruntime-extensions Python custom ops backed by the torch references.
+
+Attention of new token ``t`` of sequence ``b`` covers the sealed blocks (dequantized from the pool), the
+open block's ``context_lens[b] % block_size`` rows and the step's own rows ``0 … t`` as fp16 values
+(docs/kv-cache-format.md). K's transforms and static scale are folded into the query for the sealed
+part; V's are undone once on the sealed part's output (docs/kv-formats.md section 2).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import TensorProto
+
+from trtkv.builder.graph import Graph
+from trtkv.cache_layout import PagedKVLayout
+from trtkv.formats import KVFormat, TensorFormat
+from trtkv.quant import TensorParams, hadamard_matrix
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class StepContext:
+    """Names of the graph tensors every layer's attention reads (built once per network)."""
+
+    g: Graph
+    layout: PagedKVLayout
+    num_layers: int
+    num_heads: int
+    compute: int  # TensorProto.FLOAT or FLOAT16
+    params: list  # per-layer LayerParams (k / v TensorParams)
+    pool: dict[str, str] = field(default_factory=dict)  # k_data_flat, k_scale_flat, ..., k_tail_flat
+    num_blocks: str = ""  # [1] int64: Shape(k_data)[1]
+    num_slots: str = ""  # [1] int64: Shape(k_tail)[1]
+    block_idx: str = ""  # [B, MB] int64: block tables clamped to >= 0
+    slot_ids: str = ""  # [B]
+    sealed_valid: str = ""  # [B, 1, MB*bs, 1] bool
+    tail_valid: str = ""  # [B, 1, bs, 1] bool
+    mask: str = ""  # [B, 1, g*T, MB*bs + bs + T] bool: key visible to query (rows: GQA group-major, then token)
+    sealed_len: str = ""  # [1] int64: MB * bs
+    extra: dict = field(default_factory=dict)  # backend-specific shared tensors
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.layout.num_kv_heads
+
+
+class AttentionBackend(ABC):
+    """One way to compute attention over the paged cache inside the step network."""
+
+    name: str = ""
+    block_sizes: tuple[int, ...] = ()
+    head_dims: tuple[int, ...] | None = None  # None: any (even for int4)
+
+    def reasons(self, fmt: KVFormat, head_dim: int, block_size: int) -> list[str]:
+        """Why this backend cannot build ``fmt`` at this head dim and block size ([] when it can)."""
+        out = []
+        if block_size not in self.block_sizes:
+            out.append(f"{self.name} attention supports block sizes {list(self.block_sizes)}, not {block_size}")
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            out.append(f"{self.name} attention supports head dims {list(self.head_dims)}, not {head_dim}")
+        for which, t in (("k", fmt.k), ("v", fmt.v)):
+            r = self.format_reason(t)
+            if r:
+                out.append(f"{which}={t.short()}: {r}")
+        return out
+
+    def format_reason(self, t: TensorFormat) -> str | None:
+        return None
+
+    @abstractmethod
+    def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
+        """Attention output [B, nh, T, D] (compute dtype) of layer ``layer``.
+
+        ``q`` [B, nh, T, D] after RoPE and already multiplied by 1/sqrt(D); ``k_new``/``v_new`` [B, H, T, D]
+        this step's rows as fp16 values (in the compute dtype).
+        """
+
+
+# --------------------------------------------------------------------------- native
+
+
+def _fp8_lut() -> np.ndarray:
+    """Value of every e4m3fn bit pattern, indexed by ``int8(bits) + 128`` (the pool is declared int8)."""
+    import torch  # noqa: PLC0415
+
+    bits = ((np.arange(256) - 128) & 0xFF).astype(np.uint8)
+    vals = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().numpy()
+    return np.nan_to_num(vals, nan=0.0).astype(np.float32)  # 0x7F / 0xFF never occur (inputs clamp to ±448)
+
+
+def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: TensorParams | None = None) -> np.ndarray | None:
+    """A static scale broadcastable to [H, 1, D] (per-tensor and per-head expanded), or None."""
+    if not t.is_static:
+        return None
+    s = p.scale if p is not None and p.scale is not None else (shared.scale if shared is not None else None)
+    assert s is not None, "static format without a scale (checked by the builder)"
+    s = s.float().numpy()
+    if s.ndim == 0:
+        return np.full((H, 1, 1), float(s), np.float32)
+    if s.ndim == 1:
+        return s.reshape(H, 1, 1).astype(np.float32)
+    return s.reshape(H, 1, D).astype(np.float32)
+
+
+class NativeAttention(AttentionBackend):
+    name = "native"
+    block_sizes = (4, 8, 16, 32, 64, 128, 256)
+
+    # ------------------------------------------------------------------ decode of the gathered pool
+
+    def _codes(self, ctx: StepContext, which: str, layer: int) -> str:
+        """Sealed codes of layer ``layer`` as values [B, H, MB, bs, D] (compute dtype): the pool in transformed space.
+
+        Gather(pool, block_table) -> Transpose -> decode (int4 / asym int8 / fp8 from the int8-declared pool
+        with integer arithmetic or a LUT) -> Cast, times the gathered dynamic scales (+ zero).
+        """
+        g, lay = ctx.g, ctx.layout
+        t = lay.tensor_format(which)
+        D = lay.head_dim
+        idx = g.add(ctx.block_idx, g.mul(g.scalar(layer, np.int64), ctx.num_blocks))  # [B, MB] into the flattened [L*NB, ...]
+        codes = g.transpose(g.gather(ctx.pool[f"{which}_data"], idx), (0, 2, 1, 3, 4))  # [B, H, MB, bs, P]
+        f32 = TensorProto.FLOAT
+        if t.dtype == "fp16":
+            x = g.cast(codes, f32)
+        elif t.dtype == "int8" and (t.symmetric or t.is_static):
+            x = g.cast(codes, f32)
+        elif t.dtype == "int8":  # unsigned codes declared int8: (int32(x) + 256) mod 256
+            y = g.add(g.cast(codes, TensorProto.INT32), g.scalar(256, np.int32))
+            u = g.sub(y, g.mul(g.div(y, g.scalar(256, np.int32)), g.scalar(256, np.int32)))
+            x = g.cast(u, f32)
+        elif t.dtype == "fp8_e4m3":
+            i = g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32))
+            x = g.gather(g.const(_fp8_lut(), "fp8_lut"), i)
+        else:  # int4: y = int32(x) + 256; lo = y mod 16; hi = (y div 16) mod 16; even channel in the low nibble
+            y = g.add(g.cast(codes, TensorProto.INT32), g.scalar(256, np.int32))
+            sixteen = g.scalar(16, np.int32)
+            hi_raw = g.div(y, sixteen)
+            lo = g.sub(y, g.mul(hi_raw, sixteen))
+            hi = g.sub(hi_raw, g.mul(g.div(hi_raw, sixteen), sixteen))
+            pair = g.concat(g.unsqueeze(lo, -1), g.unsqueeze(hi, -1), axis=-1)  # [B, H, MB, bs, P, 2]
+            x = g.cast(g.reshape(pair, (0, 0, 0, 0, D)), f32)
+            if t.symmetric:
+                x = g.sub(x, g.scalar(8.0, np.float32))
+        if t.is_dynamic:
+            x = self._apply_dynamic(ctx, which, idx, x, t)
+        return x if ctx.compute == f32 else g.cast(x, ctx.compute)
+
+    def _apply_dynamic(self, ctx: StepContext, which: str, idx: str, x: str, t: TensorFormat) -> str:
+        g, D = ctx.g, ctx.layout.head_dim
+        f32 = TensorProto.FLOAT
+
+        def gathered(name: str) -> str:
+            s = g.gather(ctx.pool[f"{which}_{name}"], idx)
+            if t.is_block_wise:  # [B, MB, H, D] -> [B, H, MB, 1, D]
+                return g.cast(g.unsqueeze(g.transpose(s, (0, 2, 1, 3)), 3), f32)
+            return g.cast(g.unsqueeze(g.transpose(s, (0, 2, 1, 3, 4)), -1), f32)  # [B, H, MB, bs, G, 1]
+
+        if t.is_block_wise:
+            x = g.mul(x, gathered("scale"))
+            return x if t.symmetric else g.add(x, gathered("zero"))
+        G = t.groups(D)
+        xg = g.reshape(x, (0, 0, 0, 0, G, D // G))
+        xg = g.mul(xg, gathered("scale"))
+        if not t.symmetric:
+            xg = g.add(xg, gathered("zero"))
+        return g.reshape(xg, (0, 0, 0, 0, D))
+
+    def _sealed(self, ctx: StepContext, which: str, layer: int) -> str:
+        """[B, H, MB*bs, D] sealed values in transformed space, zero where not readable (NaN-safe)."""
+        g = ctx.g
+        x = g.reshape(self._codes(ctx, which, layer), (0, 0, -1, ctx.layout.head_dim))
+        return g.where(ctx.sealed_valid, x, g.scalar(0.0, _np_dtype(ctx.compute)))
+
+    def _tail(self, ctx: StepContext, which: str, layer: int) -> str:
+        """[B, H, bs, D] open-block rows (compute dtype), zero past each sequence's open length."""
+        g = ctx.g
+        idx = g.add(ctx.slot_ids, g.mul(g.scalar(layer, np.int64), ctx.num_slots))
+        x = g.gather(ctx.pool[f"{which}_tail"], idx)
+        if ctx.compute != TensorProto.FLOAT16:
+            x = g.cast(x, ctx.compute)
+        return g.where(ctx.tail_valid, x, g.scalar(0.0, _np_dtype(ctx.compute)))
+
+    # ------------------------------------------------------------------ attention
+
+    def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
+        g, lay = ctx.g, ctx.layout
+        H, D = lay.num_kv_heads, lay.head_dim
+        npd = _np_dtype(ctx.compute)
+        kf, vf = lay.fmt.k, lay.fmt.v
+        kp, vp = ctx.params[layer].k, ctx.params[layer].v
+        # queries of a GQA group as rows of their KV head: [B, nh, T, D] -> [B, H, g*T, D]
+        qg = g.reshape(q, (0, H, -1, D))
+        # K side: fold smoothing, rotation and static scale into the query of the sealed part
+        qs = qg
+        if kf.smooth:
+            qs = g.mul(qs, g.const(kp.smooth.float().numpy().reshape(H, 1, D).astype(npd), "k_smooth"))
+        if kf.hadamard:
+            qs = g.matmul(qs, g.const(hadamard_matrix(D).numpy().astype(npd), "hadamard"))
+        ks = _static(kp, kf, H, D, vp if lay.fmt.shared_kv_scale else None)
+        if ks is not None:
+            qs = g.mul(qs, g.const(ks.astype(npd), "k_static"))
+        k_sealed = self._sealed(ctx, "k", layer)
+        k_rest = g.concat(self._tail(ctx, "k", layer), k_new, axis=2)  # [B, H, bs + T, D]
+        s_sealed = g.matmul(qs, g.transpose(k_sealed, (0, 1, 3, 2)))
+        s_rest = g.matmul(qg, g.transpose(k_rest, (0, 1, 3, 2)))
+        scores = g.concat(s_sealed, s_rest, axis=-1)  # [B, H, g*T, Kl]
+        if ctx.compute != TensorProto.FLOAT:
+            scores = g.cast(scores, TensorProto.FLOAT)
+        scores = g.where(ctx.mask, scores, g.scalar(NEG_INF, np.float32))
+        p = g.op("Softmax", scores, axis=-1)
+        if ctx.compute != TensorProto.FLOAT:
+            p = g.cast(p, ctx.compute)
+        big = g.i64(2**62)
+        p_sealed = g.op("Slice", p, g.i64(0), ctx.sealed_len, g.i64(3))
+        p_rest = g.op("Slice", p, ctx.sealed_len, big, g.i64(3))
+        # V side: attend over the stored values, then undo V's static scale, rotation, smoothing once
+        o = g.matmul(p_sealed, self._sealed(ctx, "v", layer))  # [B, H, g*T, D]
+        vs = _static(vp, vf, H, D, kp if lay.fmt.shared_kv_scale else None)
+        if vs is not None:
+            o = g.mul(o, g.const(vs.astype(npd), "v_static"))
+        if vf.hadamard:
+            o = g.matmul(o, g.const(hadamard_matrix(D).numpy().T.copy().astype(npd), "hadamard_t"))
+        if vf.smooth:
+            o = g.mul(o, g.const(vp.smooth.float().numpy().reshape(H, 1, D).astype(npd), "v_smooth"))
+        v_rest = g.concat(self._tail(ctx, "v", layer), v_new, axis=2)
+        o = g.add(o, g.matmul(p_rest, v_rest))
+        return g.op("Reshape", o, ctx.extra["q_shape"])  # [B, H, g*T, D] -> [B, nh, T, D]
+
+
+def _np_dtype(elem: int):
+    return np.float16 if elem == TensorProto.FLOAT16 else np.float32
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"native": NativeAttention}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "plugin" and "plugin" not in BACKENDS:
+        from trtkv.builder import plugin_nodes  # noqa: F401, PLC0415  (registers PluginAttention)
+    return BACKENDS[name]()

@@ -1,0 +1,360 @@
+"""``trtkv build-engine``: model + calibration + KV format -> an engine directory (trtkv/manifest.py).
+
+Stages, each timed and shown: **export** (weights and the ONNX step network, kv_params, tokenizer),
+**check** (onnx.checker, one ONNX Runtime step with finite logits), **build** (TensorRT-RTX / TensorRT
+plans, one per compute capability; skipped for the ONNX Runtime backend). Everything is written into
+a temp sibling of ``--out`` (``trtkv.artifacts.atomic_directory``) and renamed only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from trtkv import __version__
+from trtkv.errors import TrtkvError
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt-rtx", "tensorrt")
+DEFAULT_CAPABILITIES = (80, 86, 89, 120)
+FAIL_ENV = "TRTKV_BUILD_FAIL_AFTER"  # test hook: raise after the named stage (export | check | build)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_present() -> bool:
+    """True when NVML sees at least one NVIDIA GPU (nvidia-ml-py); False without the package or a driver."""
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no package, no driver, no device
+        return False
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto``: ``tensorrt`` when importable and a GPU is present, else ``onnxruntime`` (CPU engine)."""
+    if backend not in BACKENDS:
+        raise TrtkvError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    try:
+        import tensorrt  # noqa: F401, PLC0415
+
+        have_trt = True
+    except ImportError:
+        have_trt = False
+    return "tensorrt" if have_trt and gpu_present() else "onnxruntime"
+
+
+def calibration_sha256(path: Path) -> str:
+    from trtkv.artifacts import RECIPE_FILE, SCALES_FILE  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for name in (RECIPE_FILE, SCALES_FILE):
+        h.update((path / name).read_bytes())
+    return h.hexdigest()
+
+
+class Stages:
+    """Rich progress per stage: a spinner while it runs, a line with its time when it ends."""
+
+    def __init__(self, console=None):
+        self.console = console
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str, what: str):
+        t0 = time.perf_counter()
+        status = self.console.status(f"[bold]{name}[/] {what}") if self.console else contextlib.nullcontext()
+        with status:
+            yield
+        dt = time.perf_counter() - t0
+        self.seconds[name] = round(dt, 3)
+        if self.console:
+            self.console.print(f"[green]✓[/] [bold]{name:<7}[/] {what} [dim]({dt:.1f} s)[/]")
+        if os.environ.get(FAIL_ENV) == name:
+            raise RuntimeError(f"simulated failure after stage {name} ({FAIL_ENV})")
+
+
+def _check_params(fmt, params, num_layers: int, cal_path) -> None:
+    """Every static scale / smoothing factor the format needs is in the calibration, for every layer."""
+    for i, lp in enumerate(params):
+        for which, t in (("k", fmt.k), ("v", fmt.v)):
+            p = getattr(lp, which)
+            other = lp.v if which == "k" else lp.k
+            if t.is_static and p.scale is None and not (fmt.shared_kv_scale and other.scale is not None):
+                raise TrtkvError(f"calibration {cal_path} lacks the static {which.upper()} scale of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {fmt.name.split('@')[0]}")
+            if t.smooth and p.smooth is None:
+                raise TrtkvError(f"calibration {cal_path} lacks the {which.upper()} smoothing factors of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {fmt.name.split('@')[0]}")
+
+
+def build_engine(
+    model: str = "smollm2-135m",
+    calibration: str | Path | None = None,
+    kv: str = "int4",
+    out: str | Path = "trtkv-out/engine",
+    *,
+    backend: str = "auto",
+    attention: str = "native",
+    max_batch: int = 16,
+    max_seq_len: int = 2048,
+    block_size: int | None = None,
+    compute_capabilities: list[int] | tuple[int, ...] = DEFAULT_CAPABILITIES,
+    dtype: str | None = None,
+    force: bool = False,
+    loaded: Any = None,
+    console: Any = None,
+    smoke_check: bool = True,
+) -> Path:
+    """Build an engine directory; returns its path. ``loaded``: an already loaded ``LoadedModel`` (tests)."""
+    import torch  # noqa: PLC0415
+
+    from trtkv.artifacts import atomic_directory, load_calibration, params_to_tensors  # noqa: PLC0415
+    from trtkv.builder.attention import get_backend  # noqa: PLC0415
+    from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
+    from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
+    from trtkv.formats import get_format  # noqa: PLC0415
+    from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
+    from trtkv.runtime.backends import import_tensorrt  # noqa: PLC0415
+
+    # ------------------------------------------------------------ arguments (before any work)
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not force:
+        raise TrtkvError(f"--out {out} already exists", "pass --force to replace it, or choose another --out")
+    backend = resolve_backend(backend)
+    if attention not in ("native", "plugin"):
+        raise TrtkvError(f"unknown attention mode {attention!r}", "use --attention native or plugin")
+    dtype = dtype or ("fp32" if backend == "onnxruntime" else "fp16")
+    if dtype not in ("fp16", "fp32"):
+        raise TrtkvError(f"unknown dtype {dtype!r}", "use --dtype fp16 or fp32")
+    caps = sorted(set(int(c) for c in compute_capabilities))
+    check_capabilities(backend, caps)
+    trt = import_tensorrt(backend) if backend != "onnxruntime" else None
+    if max_batch < 1 or max_seq_len < 1:
+        raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
+    base_fmt = get_format(kv)
+    bs = block_size or base_fmt.block_size or 64
+    fmt = base_fmt.with_block_size(bs)
+    att = get_backend(attention)
+
+    # ------------------------------------------------------------ model and calibration
+    if loaded is None:
+        from trtkv.models import load_model  # noqa: PLC0415
+
+        loaded = load_model(model, device="cpu", dtype="float32")
+    info = loaded.info
+    reasons = att.reasons(fmt, info.head_dim, bs)
+    if reasons:
+        raise TrtkvError(f"{attention} attention cannot build {fmt.spec()}: {'; '.join(reasons)}", "choose another --block-size / --kv, or the other --attention")
+    max_pos = int(loaded.model.config.get_text_config(decoder=True).max_position_embeddings)
+    if max_seq_len > max_pos:
+        raise TrtkvError(f"--max-seq-len {max_seq_len} is beyond {info.name}'s {max_pos} positions", f"pass --max-seq-len {max_pos} or less")
+    layout1 = PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 1, 1)  # validates group sizes, int4 head dim
+    cal_ref: dict[str, Any] = {}
+    if calibration is not None:
+        cal = load_calibration(calibration)
+        params = cal.params_for(base_fmt, info)
+        cal_ref = {"path": str(Path(calibration).absolute()), "sha256": calibration_sha256(Path(calibration)), "format_name": cal._resolve(base_fmt)[0]}
+    elif fmt.needs_calibration:
+        raise TrtkvError(f"KV format {fmt.spec()} needs calibrated scales or smoothing factors", f"run `trtkv calibrate --model {model} --kv {kv}` and pass --calibration")
+    else:
+        from trtkv.artifacts import LayerParams  # noqa: PLC0415
+
+        params = [LayerParams() for _ in range(info.num_layers)]
+    _check_params(fmt, params, info.num_layers, calibration)
+
+    max_blocks = -(-max_seq_len // bs)
+    limits = Limits(
+        max_batch=max_batch, max_seq_len=max_seq_len, block_size=bs, max_blocks_per_seq=max_blocks,
+        max_new_tokens_per_step=bs, max_num_blocks=max_batch * max_blocks, max_num_slots=max_batch,
+    )
+    stages = Stages(console)
+    if console:
+        console.print(f"[bold]build-engine[/] {info.name} · kv {fmt.spec()} · {backend} · {attention} attention · {dtype} · block {bs}")
+
+    with atomic_directory(out, replace=True, what="engine directory") as tmp:
+        with stages.stage("export", "ONNX step network, kv_params, tokenizer"):
+            onnx_inputs, onnx_outputs = _export(tmp, loaded, layout1, params, att, dtype)
+            from safetensors.torch import save_file  # noqa: PLC0415
+
+            from trtkv.manifest import KV_PARAMS_FILE, TOKENIZER_DIR  # noqa: PLC0415
+
+            save_file(params_to_tensors({KV_PARAMS_PREFIX: params}), str(tmp / KV_PARAMS_FILE), metadata={"trtkv": __version__, "format": fmt.spec()})
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        with stages.stage("check", "onnx.checker + one ONNX Runtime step"):
+            _check(tmp, fmt, info, layout1, params, attention, smoke_check)
+        plans = []
+        if backend != "onnxruntime":
+            from trtkv.builder.trt_build import build_plan  # noqa: PLC0415
+            from trtkv.manifest import ONNX_FILE, PLANS_DIR, PlanFile  # noqa: PLC0415
+
+            targets: list[int | None] = caps if backend == "tensorrt-rtx" else [None]
+            with stages.stage("build", f"{backend} plans for {', '.join(f'SM{c}' for c in caps) if backend == 'tensorrt-rtx' else 'this GPU'}"):
+                for cc in targets:
+                    if cc is None:  # pragma: no cover - tensorrt on a GPU only
+                        major, minor = torch.cuda.get_device_capability()
+                        cc_real = major * 10 + minor
+                    else:
+                        cc_real = cc
+                    blob, secs = build_plan(trt, backend, tmp / ONNX_FILE, onnx_inputs, limits, cc)
+                    rel = f"{PLANS_DIR}/sm{cc_real}.plan"
+                    (tmp / PLANS_DIR).mkdir(exist_ok=True)
+                    (tmp / rel).write_bytes(blob)
+                    plans.append(PlanFile(compute_capability=cc_real, path=rel, bytes=len(blob), build_seconds=round(secs, 2)))
+                    if console:
+                        console.print(f"  SM{cc_real}: {len(blob) / 2**20:.1f} MiB in {secs:.1f} s")
+        manifest = _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, onnx_inputs, onnx_outputs, cal_ref, plans, stages, trt, caps)
+        (tmp / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n")
+    if console:
+        print_summary(console, manifest, out)
+    return out
+
+
+def _export(tmp: Path, loaded, layout, params, att, dtype):
+    import onnx  # noqa: PLC0415
+
+    from trtkv.builder.step_network import build_step_network  # noqa: PLC0415
+    from trtkv.builder.weights import extract_weights  # noqa: PLC0415
+    from trtkv.manifest import ONNX_DATA_FILE, ONNX_FILE  # noqa: PLC0415
+
+    w = extract_weights(loaded.model)
+    proto, inputs, outputs = build_step_network(w, layout, params, att, dtype)
+    onnx.save_model(proto, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA_FILE, size_threshold=1024)
+    return inputs, outputs
+
+
+def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -> None:
+    """onnx.checker on the saved model; one ONNX Runtime step over a random pool, logits must be finite."""
+    import onnx  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from trtkv.manifest import ONNX_FILE  # noqa: PLC0415
+
+    try:
+        onnx.checker.check_model(str(tmp / ONNX_FILE), full_check=False)
+    except onnx.checker.ValidationError as exc:  # a builder bug, not a user error
+        raise RuntimeError(f"the exported step network is invalid ONNX: {exc}") from exc
+    if not smoke:
+        return
+    import onnxruntime as ort  # noqa: PLC0415
+
+    from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
+    from trtkv.runtime.kv_pool import PagedKVCache  # noqa: PLC0415
+    from trtkv.runtime.step import StepBatch  # noqa: PLC0415
+
+    so = ort.SessionOptions()
+    if attention == "plugin":
+        from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
+
+        register_ort_ops(so)
+    sess = ort.InferenceSession(str(tmp / ONNX_FILE), so, providers=["CPUExecutionProvider"])
+    bs = layout1.block_size
+    cache = PagedKVCache(PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 2, 1), info.num_layers, params)
+    batch = StepBatch.make([[1, 2]], [bs], [[0, 1]], [0])
+    feeds = {"input_ids": batch.input_ids, "context_lens": batch.context_lens, "new_lens": batch.new_lens, "block_tables": batch.block_tables, "slot_ids": batch.slot_ids}
+    feeds.update({k: (v.view(torch.int8) if v.dtype == torch.uint8 else v) for k, v in cache.tensors.items()})
+    names = [i.name for i in sess.get_inputs()]
+    logits = sess.run(["logits"], {k: feeds[k].numpy() for k in names})[0]
+    if logits.shape != (1, info.vocab_size) or not torch.isfinite(torch.from_numpy(logits)).all():
+        raise RuntimeError(f"the step network's smoke step gave logits of shape {logits.shape} with non-finite values")
+
+
+def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inputs, outputs, cal_ref, plans, stages, trt, caps):
+    from trtkv.builder.graph import OPSET  # noqa: PLC0415
+    from trtkv.builder.weights import extract_weights  # noqa: F401, PLC0415
+    from trtkv.manifest import CalibrationRef, EngineManifest, ModelSpec, pool_spec  # noqa: PLC0415
+
+    info = loaded.info
+    cfg = loaded.model.config.get_text_config(decoder=True)
+    L = info.num_layers
+    gen = getattr(loaded.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    versions = {k: _version(k) for k in ("onnx", "onnxruntime", "torch", "transformers")}
+    if trt is not None:
+        versions[trt.__name__] = getattr(trt, "__version__", None)
+    needs = {
+        "onnxruntime": f"onnxruntime>={versions['onnxruntime'] and versions['onnxruntime'].split('.')[0] + '.' + versions['onnxruntime'].split('.')[1]} on CPU"
+        + (" + onnxruntime-extensions and torch (trtkv:: ops as Python custom ops)" if attention == "plugin" else ""),
+    }
+    if backend == "tensorrt-rtx":
+        needs["tensorrt-rtx"] = f"tensorrt-rtx {versions.get('tensorrt_rtx')} runtime, an NVIDIA GPU of compute capability {', '.join(f'SM{c}' for c in caps)}, a CUDA driver"
+    if backend == "tensorrt":
+        needs["tensorrt"] = f"tensorrt {versions.get('tensorrt')} (the build's version) on the GPU the plan was built for" + (", trtkv plugins registered" if attention == "plugin" else "")
+    return EngineManifest(
+        trtkv_version=__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        model=ModelSpec(
+            name=info.name, source=info.source, sha256=info.sha256, architecture=info.architecture,
+            num_layers=L, num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+            hidden_size=info.hidden_size, vocab_size=info.vocab_size, max_position_embeddings=int(cfg.max_position_embeddings),
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0) or 10000.0)),
+            rms_norm_eps=float(cfg.rms_norm_eps), tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            eos_token_ids=eos_ids, bos_token_id=getattr(cfg, "bos_token_id", None),
+        ),
+        kv_format=fmt,
+        kv_spec=fmt.spec(),
+        backend=backend,
+        attention=attention,
+        dtype=dtype,
+        opset=OPSET,
+        limits=limits,
+        k_pool=pool_spec(layout1, "k"),
+        v_pool=pool_spec(layout1, "v"),
+        inputs=inputs,
+        outputs=outputs,
+        bytes_per_token=layout1.bytes_per_block() * L / limits.block_size,
+        bytes_per_block=layout1.bytes_per_block() * L,
+        tail_bytes_per_slot=layout1.tail_bytes_per_slot() * L,
+        calibration=CalibrationRef(**cal_ref),
+        files=files,
+        plans=plans,
+        build={"versions": versions, "host": platform.node(), "machine": platform.machine(), "stage_seconds": dict(stages.seconds)},
+        runtime_needs=needs,
+    )
+
+
+def print_summary(console, m, out: Path) -> None:
+    """Files and sizes, pool bytes, and what each backend needs at run time."""
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title=f"engine {out}", show_header=True)
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for rel, size in m.files.items():
+        t.add_row(rel, _human(size))
+    console.print(t)
+    console.print(
+        f"pool: {m.bytes_per_token:,.0f} B/token ({m.kv_spec}); open blocks: {m.tail_bytes_per_slot:,} B per sequence slot; "
+        f"limits: batch {m.limits.max_batch}, {m.limits.max_seq_len} tokens, blocks of {m.limits.block_size}"
+    )
+    for name, need in m.runtime_needs.items():
+        console.print(f"  run with [bold]{name}[/]: {need}")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,189 @@
+"""The step network: one pure ONNX function for prefill and decode (docs/kv-cache-format.md, "The engine step contract").
+
+Inputs: ``input_ids [B, T]``, ``context_lens [B]``, ``new_lens [B]``, ``block_tables [B, MB]``,
+``slot_ids [B]`` (int64); the stacked pools ``k_data``/``v_data [L, NB, H, bs, P]`` (fp16, or int8 — packed
+int4, unsigned int8 and fp8 bit patterns are declared int8 at the graph boundary), their fp16 scales /
+zero-points when the format has them, and the fp16 open blocks ``k_tail``/``v_tail [L, S, H, bs, D]``.
+Outputs: ``logits [B, V]`` float32 at each sequence's last valid token, ``new_k``/``new_v [L, B, T, H, D]``
+fp16 (K after RoPE). LLaMA architecture: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
+attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), tied or untied embeddings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from trtkv.builder.attention import AttentionBackend, StepContext
+from trtkv.builder.graph import DTYPE, NP_DTYPE, ONNX_NAMES, Graph
+from trtkv.builder.weights import ModelWeights
+from trtkv.cache_layout import PagedKVLayout
+from trtkv.manifest import TensorSpec
+
+BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
+
+
+def graph_dtype(layout: PagedKVLayout, which: str) -> int:
+    """Element type of a pool's data input at the graph boundary: fp16 stays fp16, every 8-bit pattern is int8."""
+    return TensorProto.FLOAT16 if layout.tensor_format(which).dtype == "fp16" else TensorProto.INT8
+
+
+def cache_input_specs(layout: PagedKVLayout) -> list[tuple[str, int, list, str | None]]:
+    """(name, elem type, symbolic shape, storage dtype) of the cache inputs of ``layout``'s format, in order."""
+    out = []
+    for which in ("k", "v"):
+        dt = graph_dtype(layout, which)
+        storage = str(layout.data_dtype(which)).removeprefix("torch.")
+        P = layout.packed_dim(which)
+        out.append((f"{which}_data", dt, ["num_layers", "num_blocks", layout.num_kv_heads, layout.block_size, P], storage))
+        shape = layout.scale_shape(which)
+        if shape is not None:
+            sym = ["num_layers", "num_blocks", *shape[1:]]
+            out.append((f"{which}_scale", TensorProto.FLOAT16, sym, None))
+            if layout.zero_shape(which) is not None:
+                out.append((f"{which}_zero", TensorProto.FLOAT16, sym, None))
+    for which in ("k", "v"):
+        out.append((f"{which}_tail", TensorProto.FLOAT16, ["num_layers", "num_slots", layout.num_kv_heads, layout.block_size, layout.head_dim], None))
+    return out
+
+
+def _fix_layers(shape: list, L: int) -> list:
+    return [L if d == "num_layers" else d for d in shape]
+
+
+def build_step_network(
+    w: ModelWeights, layout: PagedKVLayout, params: list, attention: AttentionBackend, dtype: str = "fp32"
+) -> tuple[onnx.ModelProto, list[TensorSpec], list[TensorSpec]]:
+    """The ONNX step network of model ``w`` over ``layout``'s paged cache; returns (model, inputs, outputs)."""
+    g = Graph("trtkv_step", custom_domains={"trtkv": 1} if attention.name == "plugin" else None)
+    cdt, npd = DTYPE[dtype], NP_DTYPE[dtype]
+    L, nh, H, D, hid = w.num_layers, w.num_heads, w.num_kv_heads, w.head_dim, w.hidden_size
+    bs = layout.block_size
+    i64 = TensorProto.INT64
+
+    # ---------------------------------------------------------------- inputs
+    specs_in: list[TensorSpec] = []
+
+    def inp(name, elem, shape, storage=None):
+        g.input(name, elem, shape)
+        specs_in.append(TensorSpec(name=name, shape=shape, dtype=ONNX_NAMES[elem], storage_dtype=storage))
+        return name
+
+    ids = inp("input_ids", i64, ["batch", "new_tokens"])
+    ctx_lens = inp("context_lens", i64, ["batch"])
+    new_lens = inp("new_lens", i64, ["batch"])
+    btab = inp("block_tables", i64, ["batch", "max_blocks"])
+    slots = inp("slot_ids", i64, ["batch"])
+    cache = {}
+    for name, elem, shape, storage in cache_input_specs(layout):
+        cache[name] = inp(name, elem, _fix_layers(shape, L), storage if storage and storage != ONNX_NAMES[elem] else None)
+
+    # ---------------------------------------------------------------- shared tensors
+    ctx = StepContext(g=g, layout=layout, num_layers=L, num_heads=nh, compute=cdt, params=params)
+    for name, x in cache.items():  # [L, N, ...] -> [L*N, ...]: a layer's rows are Gather(pool, index + layer * N)
+        ctx.pool[name] = g.op("Reshape", x, g.concat(g.i64(-1), g.op("Shape", x, start=2), axis=0))
+    ctx.num_blocks = g.shape_dim(cache["k_data"], 1)
+    ctx.num_slots = g.shape_dim(cache["k_tail"], 1)
+    ctx.block_idx = g.op("Max", btab, g.scalar(0, np.int64))
+    ctx.slot_ids = slots
+    B = g.shape_dim(ids, 0)
+    T = g.shape_dim(ids, 1)
+    MB = g.shape_dim(btab, 1)
+    ctx.sealed_len = g.mul(MB, g.i64(bs))
+    ctx.extra["q_shape"] = g.concat(B, g.i64(nh), T, g.i64(D), axis=0)
+
+    zero, one = g.scalar(0, np.int64), g.scalar(1, np.int64)
+    bs_c = g.scalar(bs, np.int64)
+    c2 = g.unsqueeze(ctx_lens, 1)  # [B, 1]
+    sealed_tokens = g.mul(g.div(c2, bs_c), bs_c)  # [B, 1]: tokens in sealed blocks
+    open_len = g.sub(c2, sealed_tokens)  # [B, 1]
+    big = g.scalar(BIG_POS, np.int64)
+    j_sealed = g.unsqueeze(g.op("Range", zero, g.op("Squeeze", ctx.sealed_len, g.i64(0)), one), 0)  # [1, MB*bs]
+    sealed_ok = g.op("Less", j_sealed, sealed_tokens)  # [B, MB*bs]
+    j_tail = g.const(np.arange(bs, dtype=np.int64)[None], "arange_bs")  # [1, bs]
+    tail_ok = g.op("Less", j_tail, open_len)  # [B, bs]
+    t_range = g.unsqueeze(g.op("Range", zero, g.op("Squeeze", T, g.i64(0)), one), 0)  # [1, T]
+    q_pos = g.add(c2, t_range)  # [B, T] absolute positions of the new tokens
+    key_pos = g.concat(
+        g.where(sealed_ok, j_sealed, big),
+        g.where(tail_ok, g.add(sealed_tokens, j_tail), big),
+        q_pos,
+        axis=1,
+    )  # [B, Kl]
+    visible = g.op("Less", g.unsqueeze(key_pos, 1), g.add(g.unsqueeze(q_pos, 2), one))  # [B, T, Kl]
+    ctx.mask = g.op("Tile", g.unsqueeze(visible, 1), g.i64(1, 1, nh // H, 1))  # [B, 1, g*T, Kl]
+    ctx.sealed_valid = g.unsqueeze(sealed_ok, 1, 3)  # [B, 1, MB*bs, 1]
+    ctx.tail_valid = g.unsqueeze(tail_ok, 1, 3)  # [B, 1, bs, 1]
+
+    # RoPE tables [B, 1, T, D] (computed in float32, cast to the compute dtype as transformers does)
+    freqs = g.mul(g.unsqueeze(g.cast(q_pos, TensorProto.FLOAT), 2), g.const(w.inv_freq.astype(np.float32), "inv_freq"))
+    emb = g.concat(freqs, freqs, axis=-1)
+    scale = g.scalar(w.attention_scaling, np.float32)
+    cos = g.unsqueeze(g.cast(g.mul(g.op("Cos", emb), scale), cdt), 1)
+    sin = g.unsqueeze(g.cast(g.mul(g.op("Sin", emb), scale), cdt), 1)
+
+    def rope(x):  # x [B, heads, T, D]: x * cos + rotate_half(x) * sin
+        x1, x2 = g.op("Split", x, g.i64(D // 2, D // 2), axis=-1, outputs=2)
+        rot = g.concat(g.op("Neg", x2), x1, axis=-1)
+        return g.add(g.mul(x, cos), g.mul(rot, sin))
+
+    def rms_norm(x, weight):  # in float32 like transformers' LlamaRMSNorm
+        xf = x if cdt == TensorProto.FLOAT else g.cast(x, TensorProto.FLOAT)
+        var = g.op("ReduceMean", g.mul(xf, xf), g.i64(-1), keepdims=1)
+        y = g.div(xf, g.op("Sqrt", g.add(var, g.scalar(w.rms_norm_eps, np.float32))))
+        if cdt != TensorProto.FLOAT:
+            y = g.cast(y, cdt)
+        return g.mul(y, g.const(weight.astype(npd), "norm_w"))
+
+    def linear(x, wt, bias=None, hint="w"):
+        y = g.matmul(x, g.const(wt.astype(npd), hint))
+        return y if bias is None else g.add(y, g.const(bias.astype(npd), hint + "_b"))
+
+    def heads(x, n):  # [B, T, n*D] -> [B, n, T, D]
+        return g.transpose(g.reshape(x, (0, 0, n, D)), (0, 2, 1, 3))
+
+    def fp16_values(x):  # what the open block will hold: the value rounded to fp16, in the compute dtype
+        if cdt == TensorProto.FLOAT16:
+            return x
+        return g.cast(g.cast(x, TensorProto.FLOAT16), cdt)
+
+    # ---------------------------------------------------------------- layers
+    embed = g.const(w.embed.astype(npd), "embed")
+    h = g.gather(embed, ids)  # [B, T, hidden]
+    inv_sqrt_d = g.scalar(1.0 / np.sqrt(D), npd)
+    new_k, new_v = [], []
+    for layer, lw in enumerate(w.layers):
+        x = rms_norm(h, lw.input_norm)
+        q = rope(heads(linear(x, lw.wq, lw.bq, "wq"), nh))
+        k = fp16_values(rope(heads(linear(x, lw.wk, lw.bk, "wk"), H)))
+        v = fp16_values(heads(linear(x, lw.wv, lw.bv, "wv"), H))
+        new_k.append(g.unsqueeze(g.cast(g.transpose(k, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))  # [1, B, T, H, D]
+        new_v.append(g.unsqueeze(g.cast(g.transpose(v, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))
+        o = attention.emit(ctx, layer, g.mul(q, inv_sqrt_d), k, v)  # [B, nh, T, D]
+        o = g.reshape(g.transpose(o, (0, 2, 1, 3)), (0, 0, nh * D))
+        h = g.add(h, linear(o, lw.wo, hint="wo"))
+        x = rms_norm(h, lw.post_norm)
+        gate = linear(x, lw.w_gate, hint="w_gate")
+        act = g.mul(gate, g.op("Sigmoid", gate))
+        h = g.add(h, linear(g.mul(act, linear(x, lw.w_up, hint="w_up")), lw.w_down, hint="w_down"))
+
+    # ---------------------------------------------------------------- outputs
+    rows = g.add(g.mul(g.op("Range", zero, g.op("Squeeze", B, g.i64(0)), one), g.op("Squeeze", T, g.i64(0))), g.sub(new_lens, one))
+    last = g.gather(g.reshape(h, (-1, hid)), rows)  # [B, hidden] at each sequence's last valid token
+    last = rms_norm(last, w.final_norm)
+    head = embed if w.tied else g.const(w.lm_head.astype(npd), "lm_head")
+    logits = g.op("Gemm", last, head, transB=1)
+    if cdt != TensorProto.FLOAT:
+        logits = g.cast(logits, TensorProto.FLOAT)
+    g.op("Identity", logits, outputs=["logits"])
+    g.op("Concat", *new_k, outputs=["new_k"], axis=0)
+    g.op("Concat", *new_v, outputs=["new_v"], axis=0)
+    out_specs = [
+        TensorSpec(name="logits", shape=["batch", w.vocab_size], dtype="float32"),
+        TensorSpec(name="new_k", shape=[L, "batch", "new_tokens", H, D], dtype="float16"),
+        TensorSpec(name="new_v", shape=[L, "batch", "new_tokens", H, D], dtype="float16"),
+    ]
+    for s in out_specs:
+        g.output(s.name, TensorProto.FLOAT if s.dtype == "float32" else TensorProto.FLOAT16, s.shape)
+    return g.model(), specs_in, out_specs

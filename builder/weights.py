@@ -1,0 +1,121 @@
+"""LLaMA-architecture weights as numpy arrays: Llama, Mistral and Qwen2 (q/k/v biases), tied or untied embeddings.
+
+Read from a loaded transformers model (``trtkv.models.load_model``), so GGUF files and HF directories
+both arrive here in the transformers rotate-half RoPE layout (docs/kv-formats.md section 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trtkv.errors import TrtkvError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq (and attention_scaling) fixed at load
+
+
+@dataclass
+class LayerWeights:
+    input_norm: np.ndarray
+    wq: np.ndarray  # [hidden, nh*D] (transposed for x @ W)
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray  # [nh*D, hidden]
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    post_norm: np.ndarray
+    w_gate: np.ndarray  # [hidden, inter]
+    w_up: np.ndarray
+    w_down: np.ndarray  # [inter, hidden]
+
+
+@dataclass
+class ModelWeights:
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    inv_freq: np.ndarray  # [D/2] float32, rope scaling applied
+    attention_scaling: float
+    embed: np.ndarray  # [V, hidden]
+    lm_head: np.ndarray | None  # [V, hidden]; None when tied to embed
+    final_norm: np.ndarray
+    layers: list[LayerWeights] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is None
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().to("cpu", torch.float32).numpy().copy()
+
+
+def _t(w: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(_np(w).T)
+
+
+def extract_weights(model) -> ModelWeights:
+    """Numpy float32 weights and the RoPE constants of a transformers LLaMA-family causal LM."""
+    cfg = model.config.get_text_config(decoder=True)
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise TrtkvError(f"RoPE scaling {rope_type!r} changes with the sequence length and is not supported by the step network", f"use a model with RoPE type one of {STATIC_ROPE_TYPES}")
+    base = model.model
+    rot = base.rotary_emb
+    nh = cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    layers = []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(
+            LayerWeights(
+                input_norm=_np(layer.input_layernorm.weight),
+                wq=_t(a.q_proj.weight), wk=_t(a.k_proj.weight), wv=_t(a.v_proj.weight), wo=_t(a.o_proj.weight),
+                bq=_np(a.q_proj.bias), bk=_np(a.k_proj.bias), bv=_np(a.v_proj.bias),
+                post_norm=_np(layer.post_attention_layernorm.weight),
+                w_gate=_t(m.gate_proj.weight), w_up=_t(m.up_proj.weight), w_down=_t(m.down_proj.weight),
+            )
+        )
+        if getattr(a.o_proj, "bias", None) is not None or getattr(m.gate_proj, "bias", None) is not None:
+            raise TrtkvError(f"{arch}: biases on o_proj / MLP are not supported", "use a Llama, Mistral or Qwen2 model")
+    embed = base.embed_tokens.weight
+    head = model.lm_head.weight
+    tied = head.data_ptr() == embed.data_ptr() or bool(getattr(cfg, "tie_word_embeddings", False))
+    eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
+    eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else getattr(cfg, "rope_theta", 10000.0))
+    return ModelWeights(
+        architecture=arch,
+        num_layers=len(layers),
+        num_heads=nh,
+        num_kv_heads=cfg.num_key_value_heads or nh,
+        head_dim=D,
+        hidden_size=cfg.hidden_size,
+        vocab_size=embed.shape[0],
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        rope_theta=theta,
+        inv_freq=rot.inv_freq.detach().to("cpu", torch.float32).numpy().copy(),
+        attention_scaling=float(getattr(rot, "attention_scaling", 1.0)),
+        embed=_np(embed),
+        lm_head=None if tied else _np(head),
+        final_norm=_np(base.norm.weight),
+        layers=layers,
+        eos_token_ids=eos_ids,
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+    )

@@ -1,0 +1,242 @@
+"""The engine directory's manifest: one versioned pydantic schema, everything the runtime and the Triton
+repository generator need to know about a built engine.
+
+An engine directory (written atomically by ``trtkv build-engine``)::
+
+    manifest.json           EngineManifest (this module)
+    model.onnx              the step network (docs/kv-cache-format.md "The engine step contract")
+    model.onnx.data         its weights (ONNX external data)
+    kv_params.safetensors   the KV constants baked into the network, which the runtime needs to SEAL
+                            blocks: ``kv.layers.{i}.{k|v}.{scale|smooth|clip}`` float32
+    tokenizer/              tokenizer files (``AutoTokenizer.from_pretrained(dir / "tokenizer")``)
+    plans/sm{CC}.plan       TensorRT / TensorRT-RTX engines, one per compute capability (TensorRT backends)
+
+``load_manifest(dir)`` reads and validates it (schema version, files present with the recorded sizes,
+the KV format and pool shapes consistent with ``trtkv.cache_layout.PagedKVLayout``) and refuses with
+one ``TrtkvError`` line otherwise. ``EngineManifest.layout(num_blocks, num_slots)`` is the one way the
+runtime gets the pool layout of an engine; it is never re-derived.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trtkv.errors import TrtkvError
+from trtkv.formats import KVFormat
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+ONNX_FILE = "model.onnx"
+ONNX_DATA_FILE = "model.onnx.data"
+KV_PARAMS_FILE = "kv_params.safetensors"
+KV_PARAMS_PREFIX = "kv"  # keys kv.layers.{i}.{k|v}.{field} (trtkv.artifacts.params_to_tensors with format name "kv")
+TOKENIZER_DIR = "tokenizer"
+PLANS_DIR = "plans"
+
+Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt"]
+Attention = Literal["native", "plugin"]
+ComputeDtype = Literal["fp16", "fp32"]
+_REBUILD = "rebuild the engine with `trtkv build-engine ... --force`"
+
+
+class TensorSpec(BaseModel):
+    """One input or output of the step network. Dims are ints or symbolic names (``batch``, ``num_blocks``...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    shape: list[int | str]
+    dtype: str  # as declared at the graph boundary (onnx dtype name, lower case: int64, int8, float16, float32)
+    storage_dtype: str | None = None  # the pool's real dtype when it differs (uint8 codes declared int8)
+
+
+class PoolSpec(BaseModel):
+    """The paged cache of one of K or V, all layers stacked (shapes without the leading layer axis)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_format: str  # TensorFormat.short()
+    data_dtype: str  # storage dtype of data (float16, int8, uint8)
+    packed_dim: int
+    scale: Literal["none", "per_token", "per_block"] = "none"  # dynamic scale tensor kind
+    groups: int = 0  # scales per token and head (per_token kind)
+    zero: bool = False
+
+
+class ModelSpec(BaseModel):
+    """Identity and geometry of the model inside the engine (ModelInfo fields plus what the graph used)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    name: str
+    source: str = ""
+    sha256: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = []
+    bos_token_id: int | None = None
+
+
+class Limits(BaseModel):
+    """What one engine accepts; TensorRT plans are built for exactly these ranges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch: int = Field(ge=1)
+    max_seq_len: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    max_blocks_per_seq: int = Field(ge=1)  # ceil(max_seq_len / block_size): block_tables' second dim at most
+    max_new_tokens_per_step: int = Field(ge=1)  # = block_size: a step never crosses a block boundary
+    max_num_blocks: int = Field(ge=1)  # pool blocks (TensorRT profile max; ONNX Runtime takes any)
+    max_num_slots: int = Field(ge=1)  # open-block slots (TensorRT profile max)
+
+
+class PlanFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    compute_capability: int  # 80, 86, 89, 120 (sm_XY as XY)
+    path: str
+    bytes: int
+    build_seconds: float
+
+
+class CalibrationRef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    path: str = ""
+    sha256: str = ""  # of recipe.json + kv_scales.safetensors; "" when no calibration was used
+    format_name: str = ""  # the format's name inside the artifact
+
+
+class EngineManifest(BaseModel):
+    """manifest.json of an engine directory."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    schema_version: int = SCHEMA_VERSION
+    trtkv_version: str
+    created: str
+    model: ModelSpec
+    kv_format: KVFormat  # with the engine's block size (fmt.with_block_size)
+    kv_spec: str
+    backend: Backend
+    attention: Attention
+    dtype: ComputeDtype  # compute and weight dtype of the network
+    opset: int
+    limits: Limits
+    k_pool: PoolSpec
+    v_pool: PoolSpec
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    all_logits: bool = False  # logits [B, T, V] instead of [B, V]
+    bytes_per_token: float  # pool bytes per token, K + V, all layers, scales included
+    bytes_per_block: int  # one pool block, K + V, all layers
+    tail_bytes_per_slot: int  # one sequence slot's fp16 open blocks, K + V, all layers
+    calibration: CalibrationRef
+    files: dict[str, int]  # relative path -> bytes
+    plans: list[PlanFile] = []
+    build: dict[str, Any] = {}  # versions, host, seconds per stage
+    runtime_needs: dict[str, str] = {}  # backend -> what it needs at run time
+
+    # ------------------------------------------------------------------ helpers
+
+    def layout(self, num_blocks: int, num_slots: int):
+        """The per-layer ``PagedKVLayout`` of this engine for a pool of ``num_blocks`` blocks and ``num_slots`` slots."""
+        from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
+
+        return PagedKVLayout(self.kv_format, self.model.num_kv_heads, self.model.head_dim, self.limits.block_size, num_blocks, num_slots)
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def plan_for(self, compute_capability: int) -> PlanFile | None:
+        return next((p for p in self.plans if p.compute_capability == compute_capability), None)
+
+
+def pool_spec(layout, which: str) -> PoolSpec:
+    """The manifest's description of one pool, read from a ``PagedKVLayout``."""
+    t = layout.tensor_format(which)
+    kind = "none" if not t.is_dynamic else ("per_block" if t.is_block_wise else "per_token")
+    return PoolSpec(
+        tensor_format=t.short(),
+        data_dtype=str(layout.data_dtype(which)).removeprefix("torch."),
+        packed_dim=layout.packed_dim(which),
+        scale=kind,
+        groups=t.groups(layout.head_dim),
+        zero=t.is_dynamic and not t.symmetric,
+    )
+
+
+def load_manifest(engine_dir: str | Path, *, check_files: bool = True) -> EngineManifest:
+    """Read and validate ``engine_dir/manifest.json``; one ``TrtkvError`` line for anything wrong."""
+    root = Path(engine_dir).expanduser()
+    if not root.is_dir():
+        raise TrtkvError(f"engine directory {root} does not exist", "build one with `trtkv build-engine --out DIR`")
+    path = root / MANIFEST_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise TrtkvError(f"{root} is not an engine directory (no {MANIFEST_FILE})", "build one with `trtkv build-engine --out DIR`") from None
+    try:
+        import json  # noqa: PLC0415
+
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise TrtkvError(f"{path} is not valid JSON: {exc}", _REBUILD) from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise TrtkvError(f"{path} has schema version {version}, newer than this trtkv understands ({SCHEMA_VERSION})", "upgrade trtkv")
+    try:
+        m = EngineManifest.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise TrtkvError(f"{path} is invalid: {loc}: {err['msg']}", _REBUILD) from None
+    validate_manifest(m, root if check_files else None)
+    return m
+
+
+def validate_manifest(m: EngineManifest, root: Path | None = None) -> None:
+    """Cross-field checks (and, with ``root``, the files on disk)."""
+    lim = m.limits
+    if m.kv_format.block_size != lim.block_size:
+        raise TrtkvError(f"manifest: KV format block size {m.kv_format.block_size} != engine block size {lim.block_size}", _REBUILD)
+    if lim.max_blocks_per_seq * lim.block_size < lim.max_seq_len:
+        raise TrtkvError(f"manifest: {lim.max_blocks_per_seq} blocks of {lim.block_size} cannot hold max_seq_len {lim.max_seq_len}", _REBUILD)
+    lay = m.layout(1, 1)  # raises TrtkvError for an inconsistent format / geometry
+    for which, spec in (("k", m.k_pool), ("v", m.v_pool)):
+        want = pool_spec(lay, which)
+        if spec != want:
+            raise TrtkvError(f"manifest: {which}_pool {spec.model_dump()} does not match the format's layout {want.model_dump()}", _REBUILD)
+    L = m.model.num_layers
+    if m.bytes_per_block != lay.bytes_per_block() * L or m.tail_bytes_per_slot != lay.tail_bytes_per_slot() * L:
+        raise TrtkvError("manifest: byte counts do not match the format's layout", _REBUILD)
+    names = {t.name for t in m.inputs}
+    for need in ("input_ids", "context_lens", "new_lens", "block_tables", "slot_ids", "k_data", "v_data", "k_tail", "v_tail"):
+        if need not in names:
+            raise TrtkvError(f"manifest: the step network has no input {need}", _REBUILD)
+    if m.backend != "onnxruntime" and not m.plans:
+        raise TrtkvError(f"manifest: backend {m.backend} but no engine plans", _REBUILD)
+    if root is None:
+        return
+    for rel, size in m.files.items():
+        f = root / rel
+        if not f.is_file():
+            raise TrtkvError(f"engine directory {root} lacks {rel}", _REBUILD)
+        if f.stat().st_size != size:
+            raise TrtkvError(f"{f} has {f.stat().st_size} bytes, the manifest says {size} (truncated or replaced?)", _REBUILD)
+    for p in m.plans:
+        if p.path not in m.files:
+            raise TrtkvError(f"manifest: plan {p.path} is not listed in files", _REBUILD)

@@ -1,0 +1,128 @@
+"""The paged KV cache the runtime owns: every layer's pools stacked, plus the fp16 open blocks.
+
+Tensors (the step network's cache inputs, docs/kv-cache-format.md "The engine step contract")::
+
+    k_data, v_data    [L, num_blocks, H, block_size, packed_dim]   the format's storage dtype
+    k_scale, k_zero   [L, *scale_shape]                             fp16, when the format has them
+    v_scale, v_zero
+    k_tail, v_tail    [L, num_slots, H, block_size, D]              fp16 open blocks
+
+Shapes and dtypes come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
+``write_new_rows`` copies every sequence's new K/V rows into its open block and, when the open block is
+full, seals it with ``trtkv.cache_layout.seal_blocks`` (the reference quantizer) into the pool block the
+sequence's block table names for it — the block manager allocates that block before the step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trtkv.artifacts import LayerParams, tensors_to_params
+from trtkv.cache_layout import KVPool, PagedKVLayout, seal_blocks
+from trtkv.errors import TrtkvError
+from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest
+from trtkv.runtime.step import StepBatch, StepOutput
+
+POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
+
+
+def load_kv_params(engine_dir: str | Path, num_layers: int) -> list[LayerParams]:
+    """The KV constants an engine baked in (static scales, smoothing, clip): one ``LayerParams`` per layer."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    path = Path(engine_dir) / KV_PARAMS_FILE
+    if not path.is_file():
+        raise TrtkvError(f"{path} is missing", "rebuild the engine with `trtkv build-engine ... --force`")
+    params = tensors_to_params(load_file(str(path)), num_layers)
+    return params.get(KV_PARAMS_PREFIX) or [LayerParams() for _ in range(num_layers)]
+
+
+class PagedKVCache:
+    """Stacked pools and open blocks for ``num_blocks`` pool blocks and ``num_slots`` sequence slots."""
+
+    def __init__(
+        self,
+        layout: PagedKVLayout,
+        num_layers: int,
+        params: list[LayerParams] | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self.layout = layout
+        self.num_layers = num_layers
+        self.params = params or [LayerParams() for _ in range(num_layers)]
+        if len(self.params) != num_layers:
+            raise TrtkvError(f"{len(self.params)} layer params for {num_layers} layers", "use the engine's kv_params.safetensors")
+        self.tensors: dict[str, torch.Tensor] = {}
+        for which in ("k", "v"):
+            pool = layout.allocate(which, device)
+            for field in ("data", "scale", "zero", "tail"):
+                t = getattr(pool, field)
+                if t is not None:
+                    self.tensors[f"{which}_{field}"] = torch.zeros((num_layers, *t.shape), dtype=t.dtype, device=device)
+
+    @classmethod
+    def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu") -> "PagedKVCache":
+        """A cache for the engine in ``engine_dir`` (its layout and baked KV constants)."""
+        lim = manifest.limits
+        if num_blocks > lim.max_num_blocks or num_slots > lim.max_num_slots:
+            if manifest.backend != "onnxruntime":
+                raise TrtkvError(
+                    f"{num_blocks} blocks / {num_slots} slots exceed the engine's limits ({lim.max_num_blocks} / {lim.max_num_slots})",
+                    "use a smaller pool or rebuild with a larger --max-batch / --max-seq-len",
+                )
+        layout = manifest.layout(num_blocks, num_slots)
+        return cls(layout, manifest.model.num_layers, load_kv_params(engine_dir, manifest.model.num_layers), device)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    def pool(self, layer: int, which: str) -> KVPool:
+        """Views of one layer's K or V pool (writes go into the stacked tensors)."""
+        get = lambda f: self.tensors.get(f"{which}_{f}")  # noqa: E731
+        sel = lambda t: None if t is None else t[layer]  # noqa: E731
+        return KVPool(data=sel(get("data")), scale=sel(get("scale")), zero=sel(get("zero")), tail=sel(get("tail")))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def write_new_rows(self, batch: StepBatch, out: StepOutput) -> list[int]:
+        """Copy each sequence's new rows into its open block; seal open blocks that became full.
+
+        Returns the indices (into the batch) of the sequences whose open block was sealed.
+        """
+        bs = self.block_size
+        sealed: list[int] = []
+        ctx = batch.context_lens.tolist()
+        new = batch.new_lens.tolist()
+        slots = batch.slot_ids.tolist()
+        k_tail, v_tail = self.tensors["k_tail"], self.tensors["v_tail"]
+        for b in range(batch.batch_size):
+            c, n, s = ctx[b], new[b], slots[b]
+            off = c % bs
+            if off + n > bs:
+                raise TrtkvError(f"sequence {b}: {n} new rows at offset {off} cross a block of {bs}", "split steps at block boundaries")
+            # new_k [L, B, T, H, D] -> tail [L, S, H, bs, D]
+            k_tail[:, s, :, off : off + n] = out.new_k[:, b, :n].transpose(1, 2).to(k_tail.dtype)
+            v_tail[:, s, :, off : off + n] = out.new_v[:, b, :n].transpose(1, 2).to(v_tail.dtype)
+            if off + n == bs:
+                idx = c // bs
+                if idx >= batch.block_tables.shape[1] or int(batch.block_tables[b, idx]) < 0:
+                    raise TrtkvError(
+                        f"sequence {b} fills its open block at {c + n} tokens but its block table has no block at index {idx}",
+                        "allocate the block that receives the sealed block before the step",
+                    )
+                self.seal(s, int(batch.block_tables[b, idx]))
+                sealed.append(b)
+        return sealed
+
+    def seal(self, slot: int, block: int) -> None:
+        """Quantize open block ``slot`` of every layer into pool block ``block`` (``cache_layout.seal_blocks``)."""
+        blocks = torch.tensor([block], dtype=torch.long)
+        for layer in range(self.num_layers):
+            for which in ("k", "v"):
+                pool = self.pool(layer, which)
+                params = getattr(self.params[layer], which)
+                seal_blocks(self.layout, which, pool, pool.tail[slot : slot + 1].float(), blocks, params)
