@@ -254,3 +254,43 @@ def test_smollm2_int4_server_greedy_is_offline_token_for_token(builtin_model, tm
     finally:
         server.stop()
     assert got == want
+
+
+def test_serve_cli_starts_prints_endpoints_and_stops_on_sigterm(engines, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ports = [str(free_port()) for _ in range(3)]
+    cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engines["fp16"]), "--repo", str(tmp_path / "repo"), "--kv-memory", "0.01",
+           "--max-seqs", "4", "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        out = "".join(lines)
+        assert "ready" in out and f"http://127.0.0.1:{ports[0]}" in out and "curl" in out and "blocks" in out, out
+        assert generate(f"http://127.0.0.1:{ports[0]}", "hello", 4)["text_output"].startswith("hello")
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped" in rest
+        assert not any(p.isdigit() and _listening(int(p)) for p in ports)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
