@@ -181,3 +181,11 @@ def test_find_tritonserver_bundled_or_clear_error(monkeypatch, tmp_path):
     b = find_tritonserver()
     assert b.bundled and b.path.name == "tritonserver"
     assert json.dumps(str(b.path))
+
+
+def test_client_wait_ready_times_out_with_a_clear_error():
+    from trtkv.triton_repo.client import wait_ready
+    from trtkv.triton_repo.server import free_port
+
+    with pytest.raises(TrtkvError, match="was not ready within 1 s"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 1)

@@ -64,6 +64,24 @@ def _error_text(payload: bytes) -> str:
         return payload.decode(errors="replace")
 
 
+def wait_ready(url: str, timeout: float) -> None:
+    """Poll ``/v2/health/ready`` until the server answers 200 (e.g. right after ``trtkv serve ... &``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn, prefix = _conn(url, 5)
+        try:
+            conn.request("GET", prefix + "/v2/health/ready")
+            if conn.getresponse().status == 200:
+                return
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            raise TrtkvError(f"{url} was not ready within {timeout:.0f} s", "start it with `trtkv serve ENGINE_DIR` and check its log")
+        time.sleep(0.5)
+
+
 def generate(url: str, prompt: str, max_tokens: int = 64, *, model: str = MODEL, timeout: float = 300.0, **params) -> dict:
     """One non-streaming request; returns the JSON response (``text_output`` holds the text)."""
     conn, resp = _post(url, f"/v2/models/{model}/generate", request_body(prompt, max_tokens, **params), timeout)

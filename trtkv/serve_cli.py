@@ -169,11 +169,16 @@ def register(app: typer.Typer, handle_errors) -> None:
         stream: Annotated[bool, typer.Option("--stream/--no-stream", help="print tokens as they come")] = True,
         kv_memory: KvMemoryOpt = None,
         backend: BackendOpt = "auto",
+        wait: Annotated[float, typer.Option(help="with --url: wait up to this many seconds for the server to be ready")] = 0.0,
     ) -> None:
         """Generate text for PROMPT, offline with --engine or from a running server with --url."""
         if (engine is None) == (url is None):
             raise TrtkvError("generate needs exactly one of --engine DIR and --url URL", "pass --engine trtkv-out/engine or --url http://127.0.0.1:8000")
         if url is not None:
+            if wait > 0:
+                from trtkv.triton_repo.client import wait_ready
+
+                wait_ready(url, wait)
             _generate_remote(url, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream)
         else:
             _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, kv_memory, backend)
