@@ -152,6 +152,12 @@ def build_engine(
     bs = block_size or base_fmt.block_size or 64
     fmt = base_fmt.with_block_size(bs)
     att = get_backend(attention)
+    if attention == "plugin" and (backend != "onnxruntime" or dtype != "fp32"):
+        raise TrtkvError(
+            f"plugin attention builds only for --backend onnxruntime --dtype fp32 (got {backend}, {dtype}): no TensorRT plugin implements "
+            "the sealed-block PagedSealedAttention op yet",
+            "use --attention native for TensorRT / TensorRT-RTX engines",
+        )
 
     # ------------------------------------------------------------ model and calibration
     if loaded is None:
@@ -198,6 +204,11 @@ def build_engine(
             save_file(params_to_tensors({KV_PARAMS_PREFIX: params}), str(tmp / KV_PARAMS_FILE), metadata={"trtkv": __version__, "format": fmt.spec()})
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+            if attention == "plugin":
+                from trtkv.builder.ort_ops import write_ort_model  # noqa: PLC0415
+                from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
+
+                write_ort_model(str(tmp / ONNX_FILE), str(tmp / ORT_PLUGIN_ONNX_FILE))
         with stages.stage("check", "onnx.checker + one ONNX Runtime step"):
             _check(tmp, fmt, info, layout1, params, attention, smoke_check)
         plans = []
@@ -264,7 +275,9 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
         from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
 
         register_ort_ops(so)
-    sess = ort.InferenceSession(str(tmp / ONNX_FILE), so, providers=["CPUExecutionProvider"])
+    from trtkv.manifest import ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
+
+    sess = ort.InferenceSession(str(tmp / (ORT_PLUGIN_ONNX_FILE if attention == "plugin" else ONNX_FILE)), so, providers=["CPUExecutionProvider"])
     bs = layout1.block_size
     cache = PagedKVCache(PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 2, 1), info.num_layers, params)
     batch = StepBatch.make([[1, 2]], [bs], [[0, 1]], [0])

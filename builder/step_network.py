@@ -92,6 +92,7 @@ def build_step_network(
     MB = g.shape_dim(btab, 1)
     ctx.sealed_len = g.mul(MB, g.i64(bs))
     ctx.extra["q_shape"] = g.concat(B, g.i64(nh), T, g.i64(D), axis=0)
+    ctx.extra["graph_inputs"] = {**cache, "block_tables": btab, "context_lens": ctx_lens, "slot_ids": slots}
 
     zero, one = g.scalar(0, np.int64), g.scalar(1, np.int64)
     bs_c = g.scalar(bs, np.int64)

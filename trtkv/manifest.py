@@ -6,6 +6,7 @@ An engine directory (written atomically by ``trtkv build-engine``)::
     manifest.json           EngineManifest (this module)
     model.onnx              the step network (docs/kv-cache-format.md "The engine step contract")
     model.onnx.data         its weights (ONNX external data)
+    model.ort.onnx          plugin attention only: the same graph for ONNX Runtime (builder/ort_ops.py)
     kv_params.safetensors   the KV constants baked into the network, which the runtime needs to SEAL
                             blocks: ``kv.layers.{i}.{k|v}.{scale|smooth|clip}`` float32
     tokenizer/              tokenizer files (``AutoTokenizer.from_pretrained(dir / "tokenizer")``)
@@ -31,6 +32,7 @@ SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 ONNX_DATA_FILE = "model.onnx.data"
+ORT_PLUGIN_ONNX_FILE = "model.ort.onnx"  # plugin attention: model.onnx with the trtkv:: nodes renamed for onnxruntime-extensions
 KV_PARAMS_FILE = "kv_params.safetensors"
 KV_PARAMS_PREFIX = "kv"  # keys kv.layers.{i}.{k|v}.{field} (trtkv.artifacts.params_to_tensors with format name "kv")
 TOKENIZER_DIR = "tokenizer"

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.manifest import ONNX_FILE, EngineManifest, load_manifest
+from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE, EngineManifest, load_manifest
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch, StepOutput
 
@@ -62,11 +62,13 @@ class OnnxRuntimeEngine(Engine):
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
+        onnx_file = ONNX_FILE
         if self.manifest.attention == "plugin":
             from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
 
             register_ort_ops(so)
-        self.session = ort.InferenceSession(str(self.dir / ONNX_FILE), so, providers=providers or ["CPUExecutionProvider"])
+            onnx_file = ORT_PLUGIN_ONNX_FILE
+        self.session = ort.InferenceSession(str(self.dir / onnx_file), so, providers=providers or ["CPUExecutionProvider"])
         self._inputs = [i.name for i in self.session.get_inputs()]
 
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
