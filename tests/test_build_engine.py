@@ -417,3 +417,17 @@ def test_native_and_plugin_graphs_give_the_same_logits(tmp_path, tiny_dir, tiny_
             assert (a.float() - b.float()).abs().max().item() < 5e-3, name
         else:
             assert (a != b).float().mean().item() < 0.01, name
+
+
+# --------------------------------------------------------------------------- TensorRT-RTX: every format's graph pattern
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8", "fp8", "int4", "k=int8:token:asym,v=int4:g8:sym:hadamard"])
+def test_tensorrt_rtx_builds_every_pool_pattern(tmp_path, tiny_dir, tiny_loaded, tiny_cal, kv):
+    """The tiny model's native network for each pool encoding (fp16, int8 Cast, fp8 LUT Gather, int4 and unsigned
+    int8 integer unpack from the int8-declared pool, dynamic / per-block scales) parses and builds for SM89."""
+    pytest.importorskip("tensorrt_rtx")
+    out = build_engine(str(tiny_dir), tiny_cal if kv == "fp8" else None, kv, tmp_path / "rtx", backend="tensorrt-rtx", compute_capabilities=[89],
+                       block_size=16, max_seq_len=128, max_batch=4, loaded=tiny_loaded)
+    m = load_manifest(out)
+    assert m.plans[0].compute_capability == 89 and m.plans[0].bytes > 0 and (out / m.plans[0].path).stat().st_size == m.plans[0].bytes
