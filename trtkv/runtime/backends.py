@@ -155,8 +155,11 @@ class TorchReferenceEngine(Engine):
     name = "torch"
 
     def __init__(self, model, manifest: EngineManifest | None = None):
+        import inspect  # noqa: PLC0415
+
         self.model = model
         self.manifest = manifest
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5 renamed it
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
@@ -182,7 +185,7 @@ class TorchReferenceEngine(Engine):
                     ]
                     dc.update(kv[0].transpose(0, 1)[None].to(dtype), kv[1].transpose(0, 1)[None].to(dtype), layer)
             pos = torch.arange(c, c + n)[None]
-            out = self.model(input_ids=batch.input_ids[b : b + 1, :n], position_ids=pos, past_key_values=dc, use_cache=True)
+            out = self.model(input_ids=batch.input_ids[b : b + 1, :n], position_ids=pos, use_cache=True, **{self._cache_kw: dc})
             logits[b] = out.logits[0, -1].float()
             for layer in range(L):
                 keys, values = dc.layers[layer].keys, dc.layers[layer].values
