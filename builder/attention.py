@@ -92,13 +92,20 @@ class AttentionBackend(ABC):
 # --------------------------------------------------------------------------- native
 
 
-def _fp8_lut() -> np.ndarray:
-    """Value of every e4m3fn bit pattern, indexed by ``int8(bits) + 128`` (the pool is declared int8)."""
-    import torch  # noqa: PLC0415
+def _byte_lut(kind: str) -> np.ndarray:
+    """Decode table of every byte, indexed by ``int32(x) + 128`` where ``x`` is the byte read as int8 (the pool's
+    graph dtype): ``uint8`` -> the unsigned value; ``fp8`` -> the e4m3fn value; ``int4`` / ``int4_sym`` -> [256, 2]
+    (low nibble = even channel, high nibble; symmetric codes minus 8). One Gather decodes a whole tile."""
+    b = ((np.arange(256) - 128) & 0xFF).astype(np.uint8)
+    if kind == "uint8":
+        return b.astype(np.float32)
+    if kind == "fp8":
+        import torch  # noqa: PLC0415
 
-    bits = ((np.arange(256) - 128) & 0xFF).astype(np.uint8)
-    vals = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().numpy()
-    return np.nan_to_num(vals, nan=0.0).astype(np.float32)  # 0x7F / 0xFF never occur (inputs clamp to ±448)
+        vals = torch.from_numpy(b).view(torch.float8_e4m3fn).float().numpy()
+        return np.nan_to_num(vals, nan=0.0).astype(np.float32)  # 0x7F / 0xFF never occur (inputs clamp to ±448)
+    pair = np.stack([b & 0x0F, b >> 4], -1).astype(np.float32)
+    return pair - 8.0 if kind == "int4_sym" else pair
 
 
 def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: TensorParams | None = None) -> np.ndarray | None:
@@ -115,6 +122,14 @@ def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: Ten
     return s.reshape(H, 1, D).astype(np.float32)
 
 
+def _lut(ctx: StepContext, kind: str) -> str:
+    """One initializer per decode table, shared by every layer."""
+    key = f"lut_{kind}"
+    if key not in ctx.extra:
+        ctx.extra[key] = ctx.g.const(_byte_lut(kind), key)
+    return ctx.extra[key]
+
+
 class NativeAttention(AttentionBackend):
     name = "native"
     block_sizes = (4, 8, 16, 32, 64, 128, 256)
@@ -124,8 +139,9 @@ class NativeAttention(AttentionBackend):
     def _codes(self, ctx: StepContext, which: str, layer: int) -> str:
         """Sealed codes of layer ``layer`` as values [B, H, MB, bs, D] (compute dtype): the pool in transformed space.
 
-        Gather(pool, block_table) -> Transpose -> decode (int4 / asym int8 / fp8 from the int8-declared pool
-        with integer arithmetic or a LUT) -> Cast, times the gathered dynamic scales (+ zero).
+        Gather(pool, block_table) -> Transpose -> decode -> times the gathered dynamic scales (+ zero). Decode: fp16
+        and int8 codes are a Cast; unsigned int8, fp8 bits and packed int4 (all int8 at the graph boundary) are one
+        Gather from a 256-entry table indexed by int32(x) + 128 (no bit ops, no UINT8 tensors: TensorRT-RTX has neither).
         """
         g, lay = ctx.g, ctx.layout
         t = lay.tensor_format(which)
@@ -137,23 +153,13 @@ class NativeAttention(AttentionBackend):
             x = g.cast(codes, f32)
         elif t.dtype == "int8" and (t.symmetric or t.is_static):
             x = g.cast(codes, f32)
-        elif t.dtype == "int8":  # unsigned codes declared int8: (int32(x) + 256) mod 256
-            y = g.add(g.cast(codes, TensorProto.INT32), g.scalar(256, np.int32))
-            u = g.sub(y, g.mul(g.div(y, g.scalar(256, np.int32)), g.scalar(256, np.int32)))
-            x = g.cast(u, f32)
+        elif t.dtype == "int8":  # unsigned codes declared int8: LUT[int8 + 128] = the unsigned value
+            x = g.gather(_lut(ctx, "uint8"), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
         elif t.dtype == "fp8_e4m3":
-            i = g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32))
-            x = g.gather(g.const(_fp8_lut(), "fp8_lut"), i)
-        else:  # int4: y = int32(x) + 256; lo = y mod 16; hi = (y div 16) mod 16; even channel in the low nibble
-            y = g.add(g.cast(codes, TensorProto.INT32), g.scalar(256, np.int32))
-            sixteen = g.scalar(16, np.int32)
-            hi_raw = g.div(y, sixteen)
-            lo = g.sub(y, g.mul(hi_raw, sixteen))
-            hi = g.sub(hi_raw, g.mul(g.div(hi_raw, sixteen), sixteen))
-            pair = g.concat(g.unsqueeze(lo, -1), g.unsqueeze(hi, -1), axis=-1)  # [B, H, MB, bs, P, 2]
-            x = g.cast(g.reshape(pair, (0, 0, 0, 0, D)), f32)
-            if t.symmetric:
-                x = g.sub(x, g.scalar(8.0, np.float32))
+            x = g.gather(_lut(ctx, "fp8"), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
+        else:  # int4: LUT[int8 + 128] = (low nibble, high nibble) -> [..., P, 2] -> [..., D], even channel first
+            lut = _lut(ctx, "int4_sym" if t.symmetric else "int4")
+            x = g.reshape(g.gather(lut, g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32))), (0, 0, 0, 0, D))
         if t.is_dynamic:
             x = self._apply_dynamic(ctx, which, idx, x, t)
         return x if ctx.compute == f32 else g.cast(x, ctx.compute)
