@@ -193,7 +193,7 @@ _REQUIRED_CONFIG = {  # checkpoint.md "mandatory" fields, the LLaMA fields of LL
 }
 
 
-@pytest.mark.parametrize("name,tp", [("gqa", 1), ("gqa", 2), ("mqa", 2), ("mqa", 4)])
+@pytest.mark.parametrize("name,tp", [("gqa", 1), ("gqa", 2), ("gqa", 4), ("mqa", 2), ("mqa", 4)])
 def test_trtllm_names_shapes_config_and_rank_splits_reassemble(tiny, tmp_path, name, tp):
     d, model, cal, _ = tiny(name)
     out = tmp_path / f"trt-{name}-{tp}"
@@ -297,7 +297,7 @@ def trtllm_reference_logits(cfg: dict, ranks: list[dict[str, torch.Tensor]], ids
     return torch.cat([x @ w["lm_head.weight"].T for w in ranks], -1)[..., : cfg["vocab_size"]]
 
 
-@pytest.mark.parametrize("name,tp", [("gqa", 2), ("mqa", 4)])
+@pytest.mark.parametrize("name,tp", [("gqa", 2), ("gqa", 4), ("mqa", 4)])
 def test_trtllm_checkpoint_computes_the_original_model(tiny, tmp_path, name, tp):
     d, model, cal, _ = tiny(name)
     out = tmp_path / "trt"
@@ -369,6 +369,7 @@ def test_scale_values_max_method_equal_ranges_and_fp8_includes_query(tiny, tmp_p
     windows = token_windows(lm.tokenizer, recipe.dataset["spec"], seq_len=recipe.seq_len, samples=recipe.samples, seed=recipe.seed)
     qref = _query_absmax_reference(model, windows)
     torch.testing.assert_close(torch.tensor(res.q_amax), qref, rtol=1e-5, atol=1e-6)
+    assert any(qref[i] > max(kmax[i], vmax[i]) for i in range(L))  # Q sets the scale somewhere: the check below bites
     w = _load_rank(tmp_path / "f8" / "rank0.safetensors")
     for i in range(L):
         want = max(kmax[i].item(), vmax[i].item(), qref[i].item())
