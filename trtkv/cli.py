@@ -222,9 +222,9 @@ def export(
 
     res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
                             max_shard_size=max_shard_size, q_windows=q_windows)
-    console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]")
+    console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
     for note in res.notes:
-        console.print(f"  {note}")
+        console.print(f"  {note}", soft_wrap=True)
     console.print(f"next: {res.next_step()}", soft_wrap=True, highlight=False)
 
 
