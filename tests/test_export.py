@@ -417,6 +417,8 @@ def test_refusals_name_problem_and_fix(tiny, tmp_path):
         export_checkpoint(cal, str(d), "onnx", tmp_path / "c")
     with pytest.raises(TrtkvError, match="attention heads cannot be split"):
         export_checkpoint(cal, str(d), "trtllm", tmp_path / "c", tp_size=3, kv="int8-static")
+    with pytest.raises(TrtkvError, match="4 attention heads"):
+        export_checkpoint(cal, str(d), "vllm", tmp_path / "c", tp_size=3)
     do, _, calo, _ = tiny("odd")
     with pytest.raises(TrtkvError, match="3 KV heads cannot be split over --tp-size 2"):
         export_checkpoint(calo, str(do), "trtllm", tmp_path / "c", tp_size=2, kv="int8-static")

@@ -409,6 +409,11 @@ def export_checkpoint(
     cfg = loaded.model.config
     if target == "trtllm":
         check_trtllm_model(loaded.info, cfg, tp_size)
+    elif loaded.info.num_heads % tp_size:
+        raise TrtkvError(
+            f"vLLM cannot split {loaded.info.num_heads} attention heads over --tensor-parallel-size {tp_size}",
+            f"use a tp size dividing {loaded.info.num_heads}",
+        )
     elif loaded.info.num_kv_heads % tp_size and tp_size % loaded.info.num_kv_heads:
         raise TrtkvError(
             f"vLLM cannot split {loaded.info.num_kv_heads} KV heads over --tensor-parallel-size {tp_size}",
