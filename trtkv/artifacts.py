@@ -15,6 +15,7 @@ calibrate that format.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -159,10 +160,10 @@ def tensors_to_params(tensors: Mapping[str, torch.Tensor], num_layers: int) -> d
 # --------------------------------------------------------------------------- atomic save
 
 
-def _unwritable(path: Path, exc: BaseException) -> TrtkvError:
+def _unwritable(path: Path, exc: BaseException, what: str = "the calibration artifact") -> TrtkvError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return TrtkvError(
-        f"cannot write the calibration artifact to {path}: {reason}",
+        f"cannot write {what} to {path}: {reason}",
         "choose an --out directory whose parent exists and is writable (or fix its permissions)",
     )
 
@@ -195,46 +196,29 @@ def _fix_modes(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
-def save_calibration(
-    out_dir: str | Path,
-    recipe: CalibrationRecipe,
-    params: Mapping[str, list[LayerParams]],
-    stats_tensors: Mapping[str, torch.Tensor] | None = None,
-    report_files: Mapping[str, bytes | str | Path] | None = None,
-) -> Path:
-    """Write an artifact directory atomically and return its path.
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | Path, *, what: str = "the calibration artifact") -> Iterator[Path]:
+    """Build a directory atomically: yields a fresh sibling ``{DIR}.tmp-XXXX`` to fill.
 
-    Everything is written into a sibling ``{DIR}.tmp-XXXX`` first; only when every file is
-    complete is it moved into place with ``os.replace`` (an existing ``DIR`` is moved aside
-    first and deleted after the swap). On any failure nothing new is left behind and an existing
-    ``DIR`` is untouched. ``report_files`` maps relative paths (``report.md``, ``plots/x.png``,
-    ``trtllm/...``) to their content.
+    When the ``with`` body completes, the temporary directory gets ordinary modes and is moved into
+    place with ``os.replace`` (an existing ``DIR`` is moved aside first and deleted after the swap).
+    On any failure nothing new is left behind and an existing ``DIR`` is untouched; an ``OSError``
+    becomes a ``TrtkvError`` naming the path. ``what`` names the output in those messages.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
-        raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact")
+        raise TrtkvError(f"--out {out} exists and is not a directory", f"pass a directory path for {what}")
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=parent))
     except OSError as exc:
-        raise _unwritable(parent, exc) from None
+        raise _unwritable(parent, exc, what) from None
 
     old: Path | None = None
     try:
         _fix_modes(tmp)
-        num_layers = recipe.model.num_layers
-        for name, layers in params.items():
-            if len(layers) != num_layers:
-                raise ValueError(f"format {name}: {len(layers)} layer params for a {num_layers}-layer model")
-        (tmp / RECIPE_FILE).write_text(recipe.model_dump_json(indent=2) + "\n")
-        save_file(params_to_tensors(params), str(tmp / SCALES_FILE), metadata={"trtkv": __version__, "schema": str(SCHEMA_VERSION)})
-        if stats_tensors:
-            save_file({k: v.detach().cpu().contiguous() for k, v in stats_tensors.items()}, str(tmp / STATS_FILE))
-        for rel, content in (report_files or {}).items():
-            _write_file(tmp, rel, content)
+        yield tmp
         _fix_modes(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=parent))
@@ -247,11 +231,41 @@ def save_calibration(
                 os.replace(old / "prev", out)
             shutil.rmtree(old, ignore_errors=True)
         if isinstance(exc, OSError):
-            raise _unwritable(out, exc) from None
+            raise _unwritable(out, exc, what) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return out
+
+
+def save_calibration(
+    out_dir: str | Path,
+    recipe: CalibrationRecipe,
+    params: Mapping[str, list[LayerParams]],
+    stats_tensors: Mapping[str, torch.Tensor] | None = None,
+    report_files: Mapping[str, bytes | str | Path] | None = None,
+) -> Path:
+    """Write an artifact directory atomically (``atomic_directory``) and return its path.
+
+    Everything is written into a sibling ``{DIR}.tmp-XXXX`` first; only when every file is
+    complete is it moved into place with ``os.replace`` (an existing ``DIR`` is moved aside
+    first and deleted after the swap). On any failure nothing new is left behind and an existing
+    ``DIR`` is untouched. ``report_files`` maps relative paths (``report.md``, ``plots/x.png``,
+    ``trtllm/...``) to their content.
+    """
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    num_layers = recipe.model.num_layers
+    for name, layers in params.items():
+        if len(layers) != num_layers:
+            raise ValueError(f"format {name}: {len(layers)} layer params for a {num_layers}-layer model")
+    with atomic_directory(out_dir) as tmp:
+        (tmp / RECIPE_FILE).write_text(recipe.model_dump_json(indent=2) + "\n")
+        save_file(params_to_tensors(params), str(tmp / SCALES_FILE), metadata={"trtkv": __version__, "schema": str(SCHEMA_VERSION)})
+        if stats_tensors:
+            save_file({k: v.detach().cpu().contiguous() for k, v in stats_tensors.items()}, str(tmp / STATS_FILE))
+        for rel, content in (report_files or {}).items():
+            _write_file(tmp, rel, content)
+    return Path(out_dir).expanduser().absolute()
 
 
 # --------------------------------------------------------------------------- load

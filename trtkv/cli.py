@@ -1,4 +1,4 @@
-"""The ``trtkv`` command line: calibrate, eval, plan (build-engine and serve come with the builder stage).
+"""The ``trtkv`` command line: calibrate, eval, plan, export (build-engine and serve come with the builder stage).
 
 Every user mistake surfaces as a ``TrtkvError`` and is printed as one line (problem — fix) with exit
 code 2; ``--debug`` shows the traceback instead. Heavy imports happen inside the commands so that
@@ -201,6 +201,31 @@ def plan(
             "rows": [r.__dict__ for r in rows],
         }
         _atomic_write_text(json_out, json.dumps(payload, indent=2))
+
+
+@app.command()
+@handle_errors
+def export(
+    calibration: Annotated[Path, typer.Option(help="calibration directory from `trtkv calibrate`")],
+    to: Annotated[str, typer.Option("--to", help="vllm (Hugging Face checkpoint + compressed-tensors KV scheme) | trtllm (TensorRT-LLM checkpoint)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")],
+    model: ModelOpt = DEFAULT_MODEL,
+    kv: Annotated[str, typer.Option("--kv", help="KV format to export: fp8 (vllm, trtllm), int8-static (trtllm)")] = "fp8",
+    tp_size: Annotated[int, typer.Option(help="tensor-parallel ranks (trtllm: one rank file each; vllm: echoed in the serve command)")] = 1,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
+    dtype: Annotated[str, typer.Option(help="weights dtype: auto (the source's fp16/bf16, else float16) | float16 | bfloat16 | float32")] = "auto",
+    max_shard_size: Annotated[str, typer.Option(help="vllm: largest safetensors shard (e.g. 5GB, 500MB)")] = "5GB",
+    q_windows: Annotated[Optional[int], typer.Option(help="trtllm fp8: calibration windows run to measure the query range (default all; 0 skips)")] = None,
+) -> None:
+    """Write a complete vLLM or TensorRT-LLM checkpoint of the model with the calibrated KV scales."""
+    from trtkv.export import export_checkpoint
+
+    res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
+                            max_shard_size=max_shard_size, q_windows=q_windows)
+    console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
+    for note in res.notes:
+        console.print(f"  {note}", soft_wrap=True)
+    console.print(f"next: {res.next_step()}", soft_wrap=True, highlight=False)
 
 
 def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):
