@@ -107,8 +107,8 @@ def check_target_format(target: str, fmt: KVFormat) -> None:
         raise TrtkvError(f"{target} cannot undo trtkv's smoothing / Hadamard transforms of {_describe(fmt)}", fix)
     if any(not t.symmetric for t in ts):
         raise TrtkvError(f"{target} takes symmetric KV scales only; {_describe(fmt)} is asymmetric", fix)
-    if fmt.recent_tokens:
-        raise TrtkvError(f"{target} has no fp16 window of recent tokens ({_describe(fmt)})", fix)
+    if fmt.block_size is not None:
+        raise TrtkvError(f"{target} has no fp16 open block per sequence ({_describe(fmt)} seals blocks of {fmt.block_size})", fix)
 
 
 # --------------------------------------------------------------------------- scales
