@@ -23,6 +23,7 @@ GPUS: dict[str, int] = {
     "L4-24GB": 23034,
     "RTX4090-24GB": 24564,
 }
+DEFAULT_GPU = "H100-80GB"  # assumed when neither --gpu nor --gpu-mem is given (said in the output)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
         if gpu_mem_gib <= 0:
             raise TrtkvError(f"--gpu-mem must be positive, got {gpu_mem_gib}", "give the GPU memory in GiB, e.g. --gpu-mem 80")
         return int(gpu_mem_gib * GIB)
-    name = gpu or "H100-80GB"
+    name = gpu or DEFAULT_GPU
     for known, mib in GPUS.items():
         if known.lower() == name.lower():
             return mib * MIB
