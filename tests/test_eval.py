@@ -143,9 +143,9 @@ def test_run_eval_with_calibration_artifact(tiny_model, tmp_path):
     """End to end on a tiny saved model: calibrate a smoothed int4 format, then eval it from the artifact."""
     from trtkv.calibration.run import run_calibration
 
-    model_dir, _ = tiny_model("mistral", with_tokenizer=True, head_dim=64)  # calibrate always adds int4 (g64)
+    model_dir, _ = tiny_model("mistral", with_tokenizer=True, head_dim=64)
     spec = "k=int4:g32:sym:smooth:hadamard,v=int4:g32:asym:hadamard"
-    art = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "calib", formats=[spec], samples=2, seq_len=32,
+    art = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "calib", formats=[spec, "fp8"], samples=2, seq_len=32,
                           device="cpu", dtype="float32", progress=False)
     with pytest.raises(TrtkvError, match="calibrat"):
         run_eval(str(model_dir), "builtin:pydoc", [spec], windows=2, seq_len=32, device="cpu", progress=False)

@@ -211,7 +211,12 @@ INVALID = [
     ("k=int4:bchannel:asym,v=int8:token", ["bchannel", "sealed blocks", "block="]),
     ("k=int8:token,v=int8:token,shared", ["shared_kv_scale", "per_tensor"]),
     ("k=,v=int8:token", ["empty tensor spec"]),
-    ("k=int8:token", ["unknown KV format"]),
+    ("k=int8:token:tensor,v=int8:token", ["conflicting granularity words", "'token'", "'tensor'"]),
+    ("k=int8:g32:token,v=int8:token", ["conflicting granularity words", "'g32'", "'token'"]),
+    ("k=int8:token:sym:asym,v=int8:token", ["conflicting symmetry words", "'sym'", "'asym'"]),
+    ("k=int4:g64:smooth:smooth,v=int4:token", ["repeated word 'smooth'"]),
+    ("k=int8:token,v=int8:token,k=int4:token", ["repeated field", "'k=int8:token'", "'k=int4:token'"]),
+    ("k=int8:token,v=int8:token,block=4,block=8", ["repeated field", "'block=4'", "'block=8'"]),
     ("does/not/exist.json", ["does not exist", "does/not/exist.json"]),
 ]
 
@@ -245,6 +250,14 @@ def test_invalid_json_files(tmp_path, content, words):
     for w in words:
         assert w in ei.value.problem, ei.value.problem
     assert str(path) in ei.value.problem
+
+
+@pytest.mark.parametrize("spec,missing", [("k=int8:token", "v="), ("v=int8:token,block=4", "k=")])
+def test_missing_k_or_v_is_named(spec, missing):
+    with pytest.raises(TrtkvError) as ei:
+        get_format(spec)
+    assert f"missing {missing}" in ei.value.problem and "unknown KV format" not in ei.value.problem
+    assert missing in ei.value.fix
 
 
 def test_group_size_must_divide_head_dim():

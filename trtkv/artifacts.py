@@ -16,6 +16,7 @@ calibrate that format.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -300,7 +301,7 @@ class Calibration:
             raise TrtkvError(
                 f"calibration {self.path} was made for {want.name} (sha256 {want.sha256[:12]}) but the model "
                 f"{got.name} has sha256 {got.sha256[:12]} (same shape, different weights)",
-                f"calibrate this model (trtkv calibrate --model {got.name}), or pass allow_other_model to reuse the scales",
+                f"calibrate this model (trtkv calibrate --model {got.name}), or pass --allow-other-model to reuse the scales",
             )
 
     def _resolve(self, fmt: str | KVFormat) -> tuple[str, KVFormat]:
@@ -371,6 +372,15 @@ def load_calibration(path: str | Path) -> Calibration:
         raise TrtkvError(f"{scales_path} is unreadable: {exc}", _RERUN) from None
     params = tensors_to_params(tensors, recipe.model.num_layers)
     return Calibration(path=root, recipe=recipe, params=params)
+
+
+def calibration_sha256(path: str | Path) -> str:
+    """Identity of an artifact: sha256 over ``recipe.json`` and ``kv_scales.safetensors`` (name, NUL, bytes, in that order)."""
+    h = hashlib.sha256()
+    for name in (RECIPE_FILE, SCALES_FILE):
+        h.update(name.encode() + b"\0")
+        h.update((Path(path) / name).read_bytes())
+    return h.hexdigest()
 
 
 def load_stats_tensors(path: str | Path) -> dict[str, torch.Tensor]:

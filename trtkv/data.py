@@ -436,15 +436,17 @@ def token_windows(
     seed: int = 0,
     split: str = "calib",
     text_field: str = "text",
+    samples_flag: str = "--samples",
 ) -> torch.LongTensor:
     """``[n, seq_len]`` non-overlapping token windows of one split, ``samples`` of them chosen with ``seed``.
 
-    Windows come back in source order. ``samples=None`` returns every window.
+    Windows come back in source order. ``samples=None`` returns every window. ``samples_flag`` is the
+    command-line flag that set ``samples`` (``--samples`` for calibrate, ``--windows`` for eval), named in errors.
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise TrtkvError(f"--seq-len must be a positive integer, got {seq_len!r}", "pass e.g. --seq-len 512")
     if samples is not None and (not isinstance(samples, int) or samples < 1):
-        raise TrtkvError(f"--samples must be a positive integer, got {samples!r}", "pass e.g. --samples 64, or omit it")
+        raise TrtkvError(f"{samples_flag} must be a positive integer, got {samples!r}", f"pass e.g. {samples_flag} 64")
     ids = split_tokens(tokenizer, spec, split, text_field)
     n = ids.numel() // seq_len
     if n == 0:
@@ -457,8 +459,8 @@ def token_windows(
         return windows.clone()
     if samples > n:
         raise TrtkvError(
-            f"the '{split}' split of dataset '{spec}' has {n} windows of {seq_len} tokens, fewer than --samples {samples}",
-            f"lower --samples to at most {n}, lower --seq-len, or use a dataset with more text",
+            f"the '{split}' split of dataset '{spec}' has {n} windows of {seq_len} tokens, fewer than {samples_flag} {samples}",
+            f"lower {samples_flag} to at most {n}, lower --seq-len, or use a dataset with more text",
         )
     g = torch.Generator().manual_seed(int(seed))
     pick = torch.randperm(n, generator=g)[:samples].sort().values

@@ -289,22 +289,36 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel)."""
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel).
+
+    Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
+    """
     parts = [p.strip() for p in text.split(":") if p.strip()]
     if not parts:
         raise ValueError("empty tensor spec")
     fields: dict = {"dtype": _DTYPE_ALIASES.get(parts[0], parts[0])}
+    seen: dict[str, str] = {}  # field -> the word that set it
     for word in parts[1:]:
-        if word in _GRAN_WORDS:
-            fields["granularity"] = _GRAN_WORDS[word]
-        elif re.fullmatch(r"g\d+", word):
-            fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
+        if word in _GRAN_WORDS or re.fullmatch(r"g\d+", word):
+            field = "granularity"
         elif word in ("sym", "asym"):
-            fields["symmetric"] = word == "sym"
+            field = "symmetry"
         elif word in ("smooth", "hadamard"):
-            fields[word] = True
+            field = word
         else:
             raise ValueError(f"unknown word {word!r}")
+        if field in seen:
+            what = f"repeated word {word!r}" if seen[field] == word else f"conflicting {field} words {seen[field]!r} and {word!r}"
+            raise ValueError(f"{what} in {text.strip()!r}: give one")
+        seen[field] = word
+        if word in _GRAN_WORDS:
+            fields["granularity"] = _GRAN_WORDS[word]
+        elif field == "granularity":
+            fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
+        elif field == "symmetry":
+            fields["symmetric"] = word == "sym"
+        else:
+            fields[word] = True
     return TensorFormat(**fields)
 
 
@@ -320,12 +334,20 @@ def get_format(spec: str | KVFormat) -> KVFormat:
             if not path.is_file():
                 raise TrtkvError(f"KV format file {spec} does not exist", SPEC_HELP)
             return KVFormat.model_validate(json.loads(path.read_text()))
-        if "k=" not in spec or "v=" not in spec:
+        keys = [item.partition("=")[0].strip() for item in spec.split(",")]
+        if "k" not in keys and "v" not in keys:
             raise TrtkvError(f"unknown KV format {spec!r}", SPEC_HELP)
+        for need in ("k", "v"):
+            if need not in keys:
+                raise TrtkvError(f"KV format {spec!r} is missing {need}=", f"add {need}=<dtype>:<granularity> (both k= and v= are required), e.g. '{spec},{need}=int8:token'")
         fields: dict = {"name": spec}
+        seen: dict[str, str] = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
             key = key.strip()
+            if key in seen:
+                raise ValueError(f"repeated field {seen[key]!r} and {item.strip()!r}: give {key} once")
+            seen[key] = item.strip()
             if key in ("k", "v"):
                 fields[key] = parse_tensor_spec(value)
             elif key == "block":
@@ -352,3 +374,70 @@ def _reason(exc: Exception) -> str:
         return msg
     got = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" (got {err['input']!r})"
     return f"{loc}: {msg}{got}"
+
+
+# --------------------------------------------------------------------------- fitting a format to a model
+
+
+def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | None]:
+    """Fit ``fmt`` to a model's ``head_dim``: ``(format, note)``, or ``(None, why)`` when it cannot fit.
+
+    A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
+    (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80). Hadamard rotations use blocks of the largest
+    power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
+    smaller than ``head_dim``. int4 packing and Hadamard rotations need an even ``head_dim``.
+    """
+    changes, parts = [], {}
+    for side in ("k", "v"):
+        tf: TensorFormat = getattr(fmt, side)
+        if head_dim % 2 and (tf.dtype == "int4" or tf.hadamard):
+            return None, f"{fmt.name}: {'int4 packing' if tf.dtype == 'int4' else 'a Hadamard rotation'} needs an even head_dim, the model has {head_dim}"
+        g = tf.group_size
+        if g is not None and head_dim % g:
+            fit = max((d for d in range(2, min(g, head_dim) + 1) if head_dim % d == 0), default=None)
+            if fit is None:
+                return None, f"{fmt.name}: no group size from 2 to {g} divides head_dim {head_dim}"
+            parts[side] = tf.model_copy(update={"group_size": fit})
+            changes.append(f"{side.upper()} g{g}->g{fit}")
+    block = head_dim & -head_dim
+    rotated = [s.upper() for s in ("k", "v") if getattr(fmt, s).hadamard]
+    if rotated and block < head_dim:
+        changes.append(f"Hadamard blocks of {block}")
+    if not changes:
+        return fmt, None
+    note = f"{fmt.name} at head_dim {head_dim}: " + ", ".join(changes)
+    if parts:
+        fmt = fmt.model_copy(update={**parts, "description": (fmt.description + f" [fitted to head_dim {head_dim}]").strip()})
+    return fmt, note
+
+
+def fit_formats(specs: list[str | KVFormat], head_dim: int, *, optional: bool = False) -> tuple[list[KVFormat], list[str]]:
+    """Resolve ``specs`` for a model of ``head_dim``: ``(formats, one-line notes)``.
+
+    Presets (and, with ``optional``, every format: the defaults) are fitted with ``fit_format``; a
+    format that cannot fit is skipped with a note when ``optional``, else it is an error. A spec the
+    user wrote out keeps its group size: one that does not divide ``head_dim`` is an error naming
+    the group sizes that do.
+    """
+    out, notes = [], []
+    for spec in specs:
+        fmt = get_format(spec)
+        preset = PRESETS.get(fmt.name) == fmt
+        if not (preset or optional):
+            bad = [t.group_size for t in (fmt.k, fmt.v) if t.group_size and head_dim % t.group_size]
+            if bad:
+                divisors = [str(d) for d in range(2, head_dim + 1) if head_dim % d == 0 and d <= max(bad)]
+                raise TrtkvError(
+                    f"KV format {fmt.name!r}: group size {bad[0]} does not divide the model's head_dim {head_dim}",
+                    f"use a group size that divides {head_dim} (g{', g'.join(divisors[-3:]) if divisors else head_dim}), or a preset",
+                )
+        fitted, note = fit_format(fmt, head_dim)
+        if fitted is None:
+            if optional:
+                notes.append(f"skipped {note}")
+                continue
+            raise TrtkvError(f"KV format {note}", "choose a format without int4 / hadamard for this model")
+        if note:
+            notes.append(note)
+        out.append(fitted)
+    return out, notes
