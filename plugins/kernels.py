@@ -324,8 +324,8 @@ def _load_open(tail_ptr, new_ptr, trow, nrow, tmask, nmask, kvh, smooth_ptr, sta
     ``((x / smooth) @ H) / static``, as even / odd halves [N, HEAD_DIM//2] fp32 (zeros where masked), so the
     folded query and the stored-space accumulator serve sealed and open rows alike."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    j = tl.arange(0, HALF)
     if HAD:
+        j = tl.arange(0, HALF)
         lo = tl.full([N, HALF], 0.0, tl.float32)
         hi = tl.full([N, HALF], 0.0, tl.float32)
         for c0 in range(0, HEAD_DIM, HAD_CHUNK):
@@ -337,21 +337,22 @@ def _load_open(tail_ptr, new_ptr, trow, nrow, tmask, nmask, kvh, smooth_ptr, sta
             hp = had_ptr + kk[:, None] * HEAD_DIM + 2 * j[None, :]
             lo = tl.dot(x, tl.load(hp), lo, input_precision="ieee")
             hi = tl.dot(x, tl.load(hp + 1), hi, input_precision="ieee")
+        if STATIC:
+            s_lo = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j)
+            s_hi = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j + 1)
+            lo = lo * tl.where(s_lo > 0, 1.0 / tl.where(s_lo > 0, s_lo, 1.0), 0.0)[None, :]
+            hi = hi * tl.where(s_hi > 0, 1.0 / tl.where(s_hi > 0, s_hi, 1.0), 0.0)[None, :]
     else:
-        tp = tail_ptr + trow[:, None] * HEAD_DIM + 2 * j[None, :]
-        np_ = new_ptr + nrow[:, None] * HEAD_DIM + 2 * j[None, :]
-        lo = (tl.load(tp, mask=tmask[:, None], other=0.0).to(tl.float32)
-              + tl.load(np_, mask=nmask[:, None], other=0.0).to(tl.float32))
-        hi = (tl.load(tp + 1, mask=tmask[:, None], other=0.0).to(tl.float32)
-              + tl.load(np_ + 1, mask=nmask[:, None], other=0.0).to(tl.float32))
+        # whole rows, read contiguously (vectorized) and split in registers, as _load_halves does
+        cols = tl.arange(0, HEAD_DIM)
+        x = (tl.load(tail_ptr + trow[:, None] * HEAD_DIM + cols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+             + tl.load(new_ptr + nrow[:, None] * HEAD_DIM + cols[None, :], mask=nmask[:, None], other=0.0).to(tl.float32))
         if SMOOTH:
-            lo = lo / tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j)[None, :]
-            hi = hi / tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j + 1)[None, :]
-    if STATIC:
-        s_lo = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j)
-        s_hi = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j + 1)
-        lo = lo * tl.where(s_lo > 0, 1.0 / tl.where(s_lo > 0, s_lo, 1.0), 0.0)[None, :]
-        hi = hi * tl.where(s_hi > 0, 1.0 / tl.where(s_hi > 0, s_hi, 1.0), 0.0)[None, :]
+            x = x / tl.load(smooth_ptr + kvh * HEAD_DIM + cols)[None, :]
+        if STATIC:
+            sc = tl.load(static_ptr + kvh * HEAD_DIM + cols)
+            x = x * tl.where(sc > 0, 1.0 / tl.where(sc > 0, sc, 1.0), 0.0)[None, :]
+        lo, hi = tl.split(tl.reshape(x, [N, HALF, 2]))
     return lo, hi
 
 
@@ -528,6 +529,7 @@ def paged_decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
     PREC: tl.constexpr,
+    OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = contract.decode_grids(...)[0] = (batch, kv_heads, num_partitions). One program: all query
@@ -566,7 +568,7 @@ def paged_decode_partition_kernel(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
             sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, b, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, BLOCK_N, PREC, HAD_CHUNK)
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
@@ -656,6 +658,7 @@ def paged_prefill_kernel(
     BLOCK_H: tl.constexpr,  # query heads per KV head, padded to a power of two
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = contract.prefill_grid(max_seqlen_q, kv_heads, batch, BLOCK_M). Rows of a program are (token,
@@ -698,7 +701,7 @@ def paged_prefill_kernel(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sealed_end, kv_end,
             sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, q_begin, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, BLOCK_N, PREC, HAD_CHUNK)
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
         _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -777,7 +780,10 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     if problem or partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} {problem or 'must be a multiple of the key tile'}")
     part = dict(kv)
-    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32)
+    # OPEN_N: key tile of the open block (at most block_size rows): small, so that its fp16 loads and the
+    # transforms into the stored space add few registers to the sealed loop's (no spills, see aot.py)
+    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32,
+                OPEN_N=16)
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
     return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
@@ -798,7 +804,7 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
     else:
         rows, block_n, warps = 16, 32, 4
     block_m = max(1, rows // block_h, 16 // block_h)
-    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32)
+    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32, OPEN_N=16)
     return {"constexprs": kv, "num_warps": warps}
 
 
