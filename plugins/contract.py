@@ -233,11 +233,6 @@ def prefill_grid(max_seqlen_q, num_kv_heads, batch, block_m: int, ops: SymOps = 
 # op specs
 # ------------------------------------------------------------------------------------------------
 
-# dtype names used across the contract: trtkv.formats.ELEM_TYPES keys (which give each name's torch /
-# ONNX / Triton / TensorRT spelling)
-DTYPE_NAMES = ("float16", "float32", "int8", "uint8", "int32")
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """One input or output of an op. ``dtype`` is a dtype name or ``"codes:k"`` / ``"codes:v"`` /

@@ -54,7 +54,6 @@ import triton.language as tl
 from trtkv.plugins import contract as _C
 
 LOG2E = 1.4426950408889634
-FP16_MAX = 65504.0
 
 
 
@@ -97,9 +96,10 @@ def _rint(x):
 
 
 @triton.jit
-def _fp16_round(x):
-    """The fp32 value an fp16 scale slot stores (clamp to the finite range, round to nearest even)."""
-    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+def _fp16_round(x, FMAX: tl.constexpr):
+    """The fp32 value an fp16 scale slot stores: clamp to the finite range ``FMAX`` (DTYPES["fp16"]), round to
+    nearest even. Without the clamp a range above 65504 would store an infinite scale."""
+    return tl.minimum(tl.maximum(x, -FMAX), FMAX).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -162,6 +162,7 @@ def seal_kernel(
     QMAX: tl.constexpr,
     QMAX_ASYM: tl.constexpr,  # asymmetric codes 0 .. QMAX_ASYM (DTYPES asym_max)
     CODE_OFFSET: tl.constexpr,  # added to symmetric codes stored unsigned (packed int4: 8)
+    SCALE_MAX: tl.constexpr,  # largest finite scale / zero-point (fp16: DTYPES["fp16"].sym_max)
     HAD_CHUNK: tl.constexpr = 32,
 ):
     """grid = contract.seal_grid(n, kv_heads): one program quantizes one block of one KV head as
@@ -203,15 +204,15 @@ def seal_kernel(
             sptr = bh * HEAD_DIM + cols
             if SYM:
                 amax = _rmax(tl.abs(x), 0)
-                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)))
+                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
             else:
                 mn = _rmin(x, 0)
                 mx = _rmax(x, 0)
                 rng = mx - mn
-                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5)
-                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)))
+                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 y = tl.minimum(tl.maximum((x - zero[None, :]) * inv[None, :], 0.0), QMAX_ASYM)
                 tl.store(zero_ptr + sptr, zero.to(tl.float16))
@@ -224,7 +225,7 @@ def seal_kernel(
             sptr = rows[:, None] * G + g_off[None, :]
             if SYM:
                 amax = _rmax(tl.abs(xg), 2)
-                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)))
+                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 yg = tl.minimum(tl.maximum(xg * inv[:, :, None], QMIN), QMAX)
             else:
@@ -232,8 +233,8 @@ def seal_kernel(
                 mx = _rmax(xg, 2)
                 rng = mx - mn
                 # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
-                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5)
-                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)))
+                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
                 yg = tl.minimum(tl.maximum((xg - zero[:, :, None]) * inv[:, :, None], 0.0), QMAX_ASYM)
                 tl.store(zero_ptr + sptr, zero.to(tl.float16))
@@ -746,12 +747,14 @@ def _gs(c: dict, head_dim: int) -> int:
 
 
 def seal_config(spec, head_dim: int, block_size: int) -> dict:
+    from trtkv.formats import DTYPES
+
     c = format_constexprs(spec)
     return {
         "constexprs": dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DTYPE=c["DTYPE"], STATIC=c["STATIC"],
                            SYM=c["SYM"], GS=_gs(c, head_dim), BCH=c["BCH"], SMOOTH=c["SMOOTH"], HAD=c["HAD"],
                            QMIN=c["QMIN"], QMAX=c["QMAX"], QMAX_ASYM=c["QMAX_ASYM"], CODE_OFFSET=c["CODE_OFFSET"],
-                           HAD_CHUNK=32),
+                           SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=32),
         "num_warps": 4,
     }
 

@@ -17,7 +17,7 @@ import torch
 
 from trtkv.cache_layout import KVPool, PagedKVLayout
 from trtkv.errors import TrtkvError
-from trtkv.formats import PRESETS, get_format
+from trtkv.formats import ELEM_TYPES, PRESETS, get_format
 from trtkv.plugins import contract as C
 from trtkv.quant import TensorParams, hadamard_matrix, quantize_block
 
@@ -340,8 +340,7 @@ def test_kernel_signature_names_a_kernel_binding_mismatch():
 # the pure-engine attention contract, launched in TensorRT's argument order (Triton interpreter)
 # ------------------------------------------------------------------------------------------------
 
-_TORCH = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
-          "int32": torch.int32}
+_TORCH = {n: e.torch for n, e in ELEM_TYPES.items()}
 
 
 def _trt_order_launch(op: str, a, tensors: dict) -> list:
