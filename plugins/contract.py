@@ -461,7 +461,7 @@ DECODE_REDUCE = OpSpec(
         TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("v")),
     ),
     outputs=(TensorSpec("out", 3, "float16", "output", "[batch, q_heads, head_dim]", "attention output"),),
-    attrs=(AttrSpec("v_format", str, "V tensor format spec"), *_A_HEADS, _A_BLOCK, _A_PART),
+    attrs=(AttrSpec("v_format", str, "V tensor format spec"), *_A_HEADS, _A_PART),
 )
 
 PREFILL = OpSpec(
@@ -722,10 +722,10 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
     D = attrs["head_dim"]
     H = attrs["num_kv_heads"]
     Hq = attrs.get("num_q_heads", H)
-    bs = attrs["block_size"]
+    bs = attrs.get("block_size", 16)  # every op with pool / tail inputs has it
     rows = batch if op.name == "PagedDecodePartition" else tokens
     S = partitions if partitions is not None else (
-        num_partitions(max_blocks, attrs) if "partition_size" in attrs else 2)
+        num_partitions(max_blocks, attrs) if "partition_size" in attrs and "block_size" in attrs else 2)
 
     out = []
     for t in op.inputs:
