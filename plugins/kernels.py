@@ -329,7 +329,7 @@ def _load_open(tail_ptr, new_ptr, trow, nrow, tmask, nmask, kvh, smooth_ptr, sta
         j = tl.arange(0, HALF)
         lo = tl.full([N, HALF], 0.0, tl.float32)
         hi = tl.full([N, HALF], 0.0, tl.float32)
-        for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+        for c0 in tl.range(0, HEAD_DIM, HAD_CHUNK, num_stages=1):  # no multi-buffered H slices
             kk = c0 + tl.arange(0, HAD_CHUNK)
             x = (tl.load(tail_ptr + trow[:, None] * HEAD_DIM + kk[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
                  + tl.load(new_ptr + nrow[:, None] * HEAD_DIM + kk[None, :], mask=nmask[:, None], other=0.0).to(tl.float32))
@@ -448,7 +448,9 @@ def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
     """Online softmax over positions [kv_start, kv_end) of the open block (which starts at position
     ``open_start``): offsets < ``open_len`` are tail rows ``tail_row0 + offset``, later ones this step's
     rows ``new_row0 + offset - open_len`` (fp16, model space, moved to the stored space on load)."""
-    for start in range(kv_start, kv_end, BLOCK_N):
+    # not software-pipelined (num_stages=1): at most a block of rows, and multi-buffering its fp16 loads
+    # would cost ~14 KiB of shared memory (decode at head_dim 128 over the 48 KiB launch limit)
+    for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
         off = kpos - open_start
