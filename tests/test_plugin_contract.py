@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -698,8 +699,9 @@ def test_aot_impl_with_a_stand_in_tensorrt(monkeypatch, op):
 
 @pytest.mark.slow
 def test_aot_impl_warns_about_shared_memory_above_48k(monkeypatch):
-    """fp16 KV at head_dim 128: the decode partition needs 53248 B of dynamic shared memory, which a
-    launch only gets after raising the function's limit (unknown whether TensorRT does)."""
+    """int4 prefill with tf32 dots at head_dim 128 needs more than 48 KiB of dynamic shared memory on
+    sm_90, which a launch only gets after raising the function's limit (unknown whether TensorRT does);
+    the decode partition with the default tf32x3 stays under it."""
     pytest.importorskip("triton")
     from trtkv.plugins import trt_plugins as T
 
@@ -707,16 +709,18 @@ def test_aot_impl_warns_about_shared_memory_above_48k(monkeypatch):
     monkeypatch.setattr(T, "_import_trt", lambda: (trt, trtp))
     real = T.compile_kernel
     monkeypatch.setattr(T, "compile_kernel", lambda *a, **k: real(*a, **{**k, "arch": 90}))
-    op = C.DECODE_PARTITION
-    T.register_plugins([op.name])
-    a = attrs(op.name, "fp16")
     to_trt = T.trt_dtypes(trt)
-    shapes = C.expected_input_shapes(op, a, batch=2, max_blocks=4)
-    descs = [_Desc(s, to_trt[d]) for s, d in zip(shapes, C.input_dtypes(op, a))]
-    outs = reg[op.plugin_id]["register"](*descs, **a)
-    with pytest.warns(UserWarning, match="dynamic shared memory"):
-        _, _, params, _ = reg[op.plugin_id]["aot_impl"](*descs, *a.values(), outs, 0)
-    assert params.shared_mem > C.SHARED_MEM_DEFAULT_LIMIT
+    for op, prec, warns in ((C.PREFILL, "tf32", True), (C.DECODE_PARTITION, "tf32x3", False)):
+        T.register_plugins([op.name])
+        a = attrs(op.name, "int4", precision=prec)
+        shapes = C.expected_input_shapes(op, a, batch=2, max_blocks=4)
+        descs = [_Desc(s, to_trt[d]) for s, d in zip(shapes, C.input_dtypes(op, a))]
+        outs = reg[op.plugin_id]["register"](*descs, **a)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            _, _, params, _ = reg[op.plugin_id]["aot_impl"](*descs, *a.values(), outs, 0)
+        assert any("dynamic shared memory" in str(x.message) for x in w) == warns, op.name
+        assert (params.shared_mem > C.SHARED_MEM_DEFAULT_LIMIT) == warns
 
 
 # ------------------------------------------------------------------------------------------------
