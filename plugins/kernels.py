@@ -182,7 +182,7 @@ def seal_kernel(
         if HAD:
             # x @ H accumulated over HAD_CHUNK input channels: registers hold a [HAD_CHUNK, HEAD_DIM] slice of H
             x = tl.full([BLOCK_SIZE, HEAD_DIM], 0.0, tl.float32)
-            for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+            for c0 in tl.range(0, HEAD_DIM, HAD_CHUNK, num_stages=1):  # no multi-buffered slices
                 kk = c0 + tl.arange(0, HAD_CHUNK)
                 xc = tl.load(x_ptr + src[:, None] + kk[None, :]).to(tl.float32)
                 if SMOOTH:
@@ -787,7 +787,9 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     part = dict(kv)
     # OPEN_N: key tile of the open block (at most block_size rows): small, so that its fp16 loads and the
     # transforms into the stored space add few registers to the sealed loop's (no spills, see aot.py)
-    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32,
+    # HAD_CHUNK 16: the query fold and the open rows' rotation hold [16, head_dim] slices of H (32 spills at
+    # head_dim 128 when K and V are both rotated, sm_90)
+    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=16,
                 OPEN_N=16)
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
