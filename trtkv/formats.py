@@ -39,17 +39,50 @@ class DtypeTraits:
     sym_max: float
     asym_max: int  # asymmetric codes are unsigned 0..asym_max (ints only)
     codes_per_byte: int
-    storage: torch.dtype  # dtype of the packed storage tensor in a pool
+    storage: torch.dtype  # dtype of the packed storage tensor in a pool (symmetric / static codes)
+    storage_asym: torch.dtype | None = None  # asymmetric (unsigned) codes, when they differ from ``storage``
 
     @property
     def packed_bytes_per_code(self) -> float:
         return self.bits / 8
 
+    def storage_for(self, symmetric: bool) -> torch.dtype:
+        """Torch dtype of a pool's ``data`` tensor for symmetric (or static) / asymmetric codes."""
+        return self.storage if symmetric or self.storage_asym is None else self.storage_asym
+
+    def elem_type(self, symmetric: bool) -> "ElemType":
+        """The storage element type of these codes, with its name for every consumer."""
+        return ELEM_TYPES[str(self.storage_for(symmetric)).removeprefix("torch.")]
+
+
+@dataclass(frozen=True)
+class ElemType:
+    """One element type exchanged between torch, ONNX graphs, Triton kernels and TensorRT plugins."""
+
+    name: str  # torch / numpy name, the contract's dtype name ("float16", "uint8", ...)
+    torch: torch.dtype
+    onnx: int  # onnx.TensorProto element type
+    triton: str  # Triton pointer type of a kernel argument ("*fp16")
+    trt: str  # tensorrt.DataType attribute ("float16" -> trt.float16)
+
+
+ELEM_TYPES: dict[str, ElemType] = {
+    e.name: e
+    for e in [
+        ElemType("float16", torch.float16, 10, "*fp16", "float16"),
+        ElemType("bfloat16", torch.bfloat16, 16, "*bf16", "bfloat16"),
+        ElemType("float32", torch.float32, 1, "*fp32", "float32"),
+        ElemType("int8", torch.int8, 3, "*i8", "int8"),
+        ElemType("uint8", torch.uint8, 2, "*u8", "uint8"),
+        ElemType("int32", torch.int32, 6, "*i32", "int32"),
+        ElemType("int64", torch.int64, 7, "*i64", "int64"),
+    ]
+}
 
 DTYPES: dict[str, DtypeTraits] = {
     "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, 1, torch.float16),
     "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, 1, torch.uint8),
-    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8),
+    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8, torch.uint8),
     "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8),
 }
 
@@ -96,6 +129,11 @@ class TensorFormat(BaseModel):
     @property
     def is_quantized(self) -> bool:
         return self.dtype != "fp16"
+
+    @property
+    def storage(self) -> ElemType:
+        """Element type of this format's pool codes (``DTYPES`` row, by symmetry; static codes are symmetric)."""
+        return self.traits.elem_type(self.symmetric)
 
     @property
     def is_static(self) -> bool:
