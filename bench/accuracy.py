@@ -6,9 +6,10 @@ on the same held-out eval windows with ``trtkv.evaluate.evaluate_formats`` (real
 unquantized baseline computed once per batch). Writes ``bench/results/accuracy-<date>.md`` and
 ``.json`` with the command, the machine and the library versions.
 
-    python bench/accuracy.py                       # every row, 64 windows x 512 tokens
-    python bench/accuracy.py --rows presets --windows 16
-    python bench/accuracy.py --rows int4,int4-recent,int4-v-plain --windows 16 --no-write
+    python bench/accuracy.py --rows presets                   # presets, 64 windows x 512 tokens
+    python bench/accuracy.py --rows grid --windows 16         # block size x key layout
+    python bench/accuracy.py --rows presets --eval-dataset builtin:shakespeare   # text unlike the calib corpus
+    python bench/accuracy.py --rows int4,int8 --seq-len 2048 --windows 8        # long windows
 """
 
 from __future__ import annotations
@@ -46,35 +47,33 @@ class Row:
         return f if f.name == self.name else f.model_copy(update={"name": self.name})
 
 
-K_BEST = "int4:g64:asym:smooth:hadamard"
-V_BEST = "int4:g64:asym:hadamard"
+K_TOKEN = "int4:token:asym:smooth:hadamard"  # best per-token key recipe without sealed blocks
+K_CHANNEL = "int4:bchannel:asym"  # per channel over each sealed block (KIVI's key layout)
+V_BEST = "int4:token:asym:hadamard"
 ROWS: list[Row] = [
     # presets
-    Row("int8", "int8", method="max", note="preset (no calibration)"),
+    Row("int8", "int8", method="max", note="preset: per token, sealed blocks of 64 (no calibration)"),
+    Row("int8-token", "int8-token", method="max", note="preset: per token, every token quantized on write"),
     Row("int8-static", "int8-static", note="preset (calibrated, shared K/V scale)"),
     Row("fp8", "fp8", note="preset (calibrated per-tensor scales)"),
-    Row("int4", "int4", note="preset"),
-    Row("int4-recent", "int4-recent", note="preset: int4 + newest tokens in fp16"),
+    Row("int4", "int4", note="preset: keys per channel per sealed block of 64, values per token rotated"),
+    Row("int4-token", "int4-token", note="preset: per token, keys smoothed+rotated, quantized on write"),
     Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
-    # the road to the int4 recipe (all at 4.5 bits per element unless noted)
-    Row("k-only", f"k={K_BEST},v=fp16", note="int4 keys alone (10.25 bits)"),
-    Row("v-only", f"k=fp16,v={V_BEST}", note="int4 values alone (10.25 bits)"),
-    Row("plain-asym", "k=int4:g64:asym,v=int4:g64:asym", note="asym per token, no transforms"),
-    Row("k-hadamard", "k=int4:g64:asym:hadamard,v=int4:g64:asym", note="keys rotated only"),
-    Row("k-smooth", "k=int4:g64:asym:smooth,v=int4:g64:asym", note="keys smoothed (alpha 0.5) only"),
-    Row("int4-qsmooth", f"k={K_BEST},v={V_BEST}", note="proposal: K smoothing from query stats, sqrt(rms_K/rms_Q); mse clip on V only",
-        query_smoothing=True),
-    Row("int4-v-plain", f"k={K_BEST},v=int4:g64:asym", note="previous int4 preset: values not rotated"),
-    Row("int4-alpha0.25", f"k={K_BEST},v={V_BEST}", alpha=0.25, note="smoothing exponent 0.25"),
-    Row("int4-alpha0.75", f"k={K_BEST},v={V_BEST}", alpha=0.75, note="smoothing exponent 0.75"),
-    Row("int4-max", f"k={K_BEST},v={V_BEST}", method="max", note="no MSE clip search"),
-    Row("int4-ksym32", f"k=int4:g32:sym:smooth:hadamard,v={V_BEST}", note="keys symmetric groups of 32"),
-    Row("int4-vsym32", f"k={K_BEST},v=int4:g32:sym:hadamard", note="values symmetric groups of 32"),
-    Row("int4-recent16", f"k={K_BEST},v={V_BEST},recent=16", note="16 newest tokens fp16"),
-    Row("int4-recent32", f"k={K_BEST},v={V_BEST},recent=32", note="32 newest tokens fp16"),
-    Row("int4-recent128", f"k={K_BEST},v={V_BEST},recent=128", note="128 newest tokens fp16"),
+    # sealed blocks: block size x key layout (pool bits 4.5 at head_dim 64 for every row but block 16/32 bchannel)
+    *[Row(f"int4-kch-b{b}", f"k={K_CHANNEL},v={V_BEST},block={b}", note=f"keys per channel per block, block {b}") for b in (16, 32, 64, 128)],
+    *[Row(f"int4-ktok-b{b}", f"k={K_TOKEN},v={V_BEST},block={b}", note=f"keys per token smoothed+rotated, block {b}") for b in (16, 32, 64, 128)],
+    Row("int4-kch-b64-vplain", f"k={K_CHANNEL},v=int4:token:asym,block=64", note="values not rotated"),
+    Row("int4-kch-b64-vg32", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64", note="values symmetric groups of 32, rotated"),
+    Row("int4-kch-b64-vch", f"k={K_CHANNEL},v=int4:bchannel:asym,block=64", note="values per channel per block too"),
+    Row("int4-kch-b64-max", f"k={K_CHANNEL},v={V_BEST},block=64", method="max", note="no MSE clip search on values"),
+    Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
+    Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
-GROUPS = {"presets": [r.name for r in ROWS if r.note.startswith("preset")], "all": [r.name for r in ROWS]}
+GROUPS = {
+    "presets": [r.name for r in ROWS if r.note.startswith("preset")],
+    "grid": [r.name for r in ROWS if "-b" in r.name],
+    "all": [r.name for r in ROWS],
+}
 
 
 def machine() -> dict:
@@ -181,18 +180,21 @@ def to_markdown(data: dict, rows: dict[str, Row]) -> str:
         "",
         f"Model `{meta['model']}`, dataset `{meta['dataset']}`: **{meta['windows']} eval-split windows x {meta['seq_len']} tokens** "
         f"({meta['tokens']:,} predicted positions); calibration on the calib split ({meta['calib_windows']} windows). "
-        "Every format runs through the really-quantized transformers cache (`trtkv.kv_cache`, write-then-read); "
+        f"Evaluated on `{meta.get('eval_dataset', meta['dataset'])}` (eval split). "
+        "Every format runs through the really-quantized transformers cache (`trtkv.kv_cache`): sealed-block formats "
+        "see their own block in fp16 and older blocks quantized, exactly the paged engine's semantics; others are "
+        "quantized on write; "
         "the fp16 baseline is computed once per batch. KL = mean KL(p_fp16 || p_format) in nats; "
         f"generation match = share of {meta['generate_tokens']} greedy tokens before the first divergence from fp16, "
-        f"over {meta['generate_prompts']} prompts. Bits per element include scales / zero-points, at {meta['seq_len']} tokens "
-        "(long-context limit in parentheses where different).",
+        f"over {meta['generate_prompts']} prompts. Pool bits per element include scales / zero-points; bits@ctx is the mean "
+        f"for one sequence of {meta['seq_len']} tokens with the fp16 open block of sealed formats counted in full.",
         "",
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_count']} threads), `{meta['machine']['uname']}`  ",
         f"torch {meta['machine']['torch']}, transformers {meta['machine']['transformers']}, trtkv commit {meta['commit']}, "
         f"wall time {meta['seconds']:.0f} s",
         "",
-        "| format | spec | calib | bits/elem | KV bytes/token | ppl | Δppl % | KL mean | KL p99 | top-1 % | gen match % | note |",
+        "| format | spec | calib | pool bits | bits@ctx | ppl | Δppl % | KL mean | KL p99 | top-1 % | gen match % | note |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in data["results"]:
@@ -205,12 +207,10 @@ def to_markdown(data: dict, rows: dict[str, Row]) -> str:
             calib = "query smoothing"
         else:
             calib = row.method + (f", α={row.alpha:g}" if row.fmt().k.smooth or row.fmt().v.smooth else "")
-        bits = f"{r['bits_per_element']:.4g}"
-        if abs(r["bits_per_element_long_context"] - r["bits_per_element"]) > 1e-9:
-            bits += f" ({r['bits_per_element_long_context']:.4g})"
+        bits = f"{r['pool_bits_per_element']:.4g} | {r['bits_per_element']:.4g}"
         gm = "-" if r["generation_match"] is None else f"{100 * r['generation_match']:.1f}"
         lines.append(
-            f"| {r['format']} | `{r['spec']}` | {calib} | {bits} | {r['kv_bytes_per_token']:,.0f} | {r['ppl']:.4f} | "
+            f"| {r['format']} | `{r['spec']}` | {calib} | {bits} | {r['ppl']:.4f} | "
             f"{r['ppl_delta_pct']:+.3f} | {r['kld_mean']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.2f} | {gm} | "
             f"{'' if row is None else row.note} |"
         )
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dataset", default="builtin:pydoc")
-    p.add_argument("--rows", default="all", help="all | presets | comma-separated row names")
+    p.add_argument("--eval-dataset", default=None, help="evaluate on this dataset's eval split (default: --dataset)")
+    p.add_argument("--rows", default="all", help="all | presets | grid | comma-separated row names")
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--calib-windows", type=int, default=64)
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     loaded = load_model(args.model, args.device, args.dtype)
     params, calib_windows = calibrate(loaded, rows, args)
-    windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=args.seed, split="eval")
+    windows = token_windows(loaded.tokenizer, args.eval_dataset or args.dataset, seq_len=args.seq_len, samples=args.windows, seed=args.seed, split="eval")
     info = loaded.info
     results = evaluate_formats(
         loaded.model,
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "model": args.model,
         "dataset": args.dataset,
+        "eval_dataset": args.eval_dataset or args.dataset,
         "windows": int(windows.shape[0]),
         "seq_len": args.seq_len,
         "tokens": results[0].tokens,

@@ -3,26 +3,27 @@
     python bench/gpu_check.py --out $OUT         # on a CUDA GPU (written for one H200, < 8 minutes)
     python bench/gpu_check.py --dry-run          # CPU, Triton interpreter, tiny sizes (< 1 minute)
 
+The cache follows the sealed-block contract (docs/kv-cache-format.md): sealed blocks in the pool, each
+sequence's fp16 open block in ``tail[slot]``, this step's fp16 rows beside them.
+
 Sections
-1. correctness: every kernel (quantize-append, split-K decode, prefill) for each KV preset, CUDA vs the
-   torch reference (``trtkv.plugins.reference``: write_paged / gather_paged, float64 attention). Decode
-   and prefill run twice: over the pool holding every position (the torch runtime's path) and over a
-   pool whose step slots hold stale rows, with this step's rows passed beside it (``NEW_ROWS``: the
-   pure-engine path of the TensorRT plugins).
+1. correctness: every kernel (block seal, split-K decode, prefill) for each KV preset, CUDA vs the torch
+   reference (``trtkv.plugins.reference``: seal_blocks / gather_paged, float64 attention). The pools are
+   sealed by the seal kernel; tail rows past each context and unused pool blocks hold NaN.
 2. TensorRT ABI: all four plugin ops compiled the way ``trtkv.plugins.trt_plugins`` compiles them for
-   TensorRT (attribute constexprs, ``NEW_ROWS=True``, PTX parameters reordered to inputs / int32 scalars
-   / outputs, Triton's hidden scratch parameters dropped) and launched through the CUDA driver API
+   TensorRT (attribute constexprs, PTX parameters reordered to inputs / int32 scalars / outputs,
+   Triton's hidden scratch parameters dropped) and launched through the CUDA driver API
    (cuModuleLoadData / cuLaunchKernel, raising the function's dynamic shared memory limit above 48 KiB)
    in exactly that order with the contract's grid -- what a TensorRT AOT plugin does -- compared with the
    regular Triton launch. The dry run compiles the same PTX and replaces the driver launch with a
    TensorRT-order launch on the interpreter.
 3. bandwidth: device-to-device copy of a large tensor (read + write bytes / time): the reference rate.
-4. decode timing: heads 32 query / 8 KV, head_dim 128, block 16, contexts 4k / 32k / 128k, batch 1
-   and 8: the fp16 baseline is torch ``scaled_dot_product_attention`` (flash backend, ``enable_gqa``) on a
-   contiguous fp16 cache; ours is the engine's decode step: paged fp16 / int8 / int4 pools holding
-   ``ctx - 1`` tokens plus one new row per sequence read beside them (``NEW_ROWS``). Each timing is the
-   median over repeats of CUDA-graph replays (no launch overhead) between CUDA events, after warmup.
-   Achieved bandwidth counts the bytes read: codes + scales (+ zero-points) + new rows + query + block table.
+4. decode timing: heads 32 query / 8 KV, head_dim 128, contexts 4k / 32k / 128k, batch 1 and 8: the fp16
+   baseline is torch ``scaled_dot_product_attention`` (flash backend, ``enable_gqa``) on a contiguous fp16
+   cache; ours is the engine's decode step: ``ctx - 1`` cached tokens (sealed blocks of the format's block
+   size, the rest in the open block) plus one new row per sequence. Each timing is the median over repeats
+   of CUDA-graph replays (no launch overhead) between CUDA events, after warmup. Achieved bandwidth counts
+   the bytes read: codes + scales (+ zero-points) + open-block rows + new rows + query + block table.
 5. targets: int4 >= 2.5x faster than fp16 SDPA at 32k batch 8 and >= 70% of copy bandwidth;
    int8 >= 1.6x.
 
@@ -59,10 +60,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from trtkv.cache_layout import KVPool, PagedKVLayout  # noqa: E402
-from trtkv.formats import get_format  # noqa: E402
+from trtkv.formats import ELEM_TYPES, get_format  # noqa: E402
 from trtkv.quant import TensorParams, forward_transform  # noqa: E402
 
-HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK = 32, 8, 128, 16  # BLOCK: cache block size of formats without their own
 CONTEXTS = (4096, 32768, 131072)
 BATCHES = (1, 8)
 TIMED_FORMATS = ("fp16", "int8", "int4")
@@ -135,130 +136,118 @@ def _cpu_params(p: TensorParams | None) -> TensorParams | None:
 
 
 class Case:
-    """A paged cache of ``ctx_lens[b]`` tokens per sequence whose last ``new[b]`` are this step's (prefill).
+    """Sequences holding ``ctx_lens[b]`` cached tokens (sealed blocks + open block) and ``new[b]`` rows of
+    this step (``ctx % block + new <= block``: a step never crosses a block boundary).
 
-    ``pools()`` are empty pools; ``write(...)`` fills them with the append kernel. For the pure-engine
-    contract, ``stale(pool, which, mask)`` is a copy whose slots of the masked positions hold other rows
-    (as before the runtime writes the step's rows) and ``new_rows(which, mask)`` are the masked
-    positions' rows in pool-row form, quantized by the append kernel (what PagedKVAppend returns).
-    Masks: ``is_new`` (prefill: the last ``new[b]`` positions), ``is_last`` (decode: the last position)."""
+    ``seal()`` writes the sealed blocks with the seal kernel (the thing under test in section 1);
+    ``k_pool / v_pool`` carry the open blocks (``tail``). Unused pool blocks and tail rows hold NaN."""
 
     def __init__(self, fmt_name: str, ctx_lens: list[int], new: list[int], heads_q: int, heads_kv: int,
-                 head_dim: int, block: int, device, seed: int = 0):
-        self.fmt = get_format(fmt_name)
-        self.ctx = ctx_lens
-        self.new = new
-        self.hq, self.hkv, self.d, self.bs = heads_q, heads_kv, head_dim, block
+                 head_dim: int, device, seed: int = 0):
+        fmt = get_format(fmt_name)
+        bs = fmt.block_size or BLOCK
+        self.fmt = fmt.with_block_size(bs)
+        self.ctx, self.new = ctx_lens, new
+        assert all(c % bs + n <= bs for c, n in zip(ctx_lens, new)), (ctx_lens, new, bs)
+        self.hq, self.hkv, self.d, self.bs = heads_q, heads_kv, head_dim, bs
         g = torch.Generator().manual_seed(seed)
-        blocks_per = [math.ceil(c / block) for c in ctx_lens]
-        self.max_blocks = max(blocks_per)
-        nblocks = sum(blocks_per) + 3
-        self.layout = PagedKVLayout(self.fmt, heads_kv, head_dim, block, nblocks)
+        sealed = [c // bs for c in ctx_lens]
+        self.max_blocks = max(sealed) + 1
+        nblocks = sum(sealed) + 3
+        B = len(ctx_lens)
+        self.layout = PagedKVLayout(self.fmt, heads_kv, head_dim, bs, nblocks, num_slots=B + 1)
         perm = torch.randperm(nblocks, generator=g)
-        bt = torch.zeros(len(ctx_lens), self.max_blocks, dtype=torch.int32)
+        bt = torch.full((B, self.max_blocks), -1, dtype=torch.int32)
         i = 0
-        for b, n in enumerate(blocks_per):
+        for b, n in enumerate(sealed):
             bt[b, :n] = perm[i:i + n]
             i += n
+        self.sealed = sealed
         self.block_table = bt.to(device)
+        self.slot_ids = torch.randperm(B + 1, generator=g)[:B].to(torch.int32).to(device)
         self.context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
-        total = sum(ctx_lens)
-        # keys with a few outlier channels, values plain: quantization sees realistic ranges
-        k = torch.randn(total, heads_kv, head_dim, generator=g)
-        k[..., :4] *= 4
-        v = torch.randn(total, heads_kv, head_dim, generator=g)
-        self.k_rows = k.half().to(device)
-        self.v_rows = v.half().to(device)
-        slots = []
-        for b, c in enumerate(ctx_lens):
-            pos = torch.arange(c)
-            slots.append(bt[b, pos // block].long() * block + pos % block)
-        self.slots = torch.cat(slots).to(torch.int32).to(device)
-        starts = [sum(ctx_lens[:b]) for b in range(len(ctx_lens))]
-        self.is_new = torch.zeros(total, dtype=torch.bool)
-        self.is_last = torch.zeros(total, dtype=torch.bool)
-        for b, c in enumerate(ctx_lens):
-            self.is_new[starts[b] + c - new[b]:starts[b] + c] = True
-            self.is_last[starts[b] + c - 1] = c > 0
-        self.k_params = make_params(self.fmt, "k", self.k_rows, heads_kv, head_dim)
-        self.v_params = make_params(self.fmt, "v", self.v_rows, heads_kv, head_dim)
-        nq = sum(new)
-        self.q_dec = torch.randn(len(ctx_lens), heads_q, head_dim, generator=g).half().to(device)
-        self.q_pre = torch.randn(nq, heads_q, head_dim, generator=g).half().to(device)
+
+        def rows(*shape):  # keys with a few outlier channels, values plain: realistic ranges
+            k = torch.randn(*shape, generator=g)
+            k[..., :4] *= 4
+            return k.half().to(device), torch.randn(*shape, generator=g).half().to(device)
+
+        self.k_blocks, self.v_blocks = rows(max(sum(sealed), 1), heads_kv, bs, head_dim)  # sealed blocks, in order
+        self.k_tail_rows, self.v_tail_rows = rows(B, bs, heads_kv, head_dim)
+        self.k_new, self.v_new = rows(sum(new), heads_kv, head_dim)
+        self.k_params = make_params(self.fmt, "k", self.k_blocks.transpose(1, 2).reshape(-1, heads_kv, head_dim),
+                                    heads_kv, head_dim)
+        self.v_params = make_params(self.fmt, "v", self.v_blocks.transpose(1, 2).reshape(-1, heads_kv, head_dim),
+                                    heads_kv, head_dim)
+        self.q_dec = torch.randn(B, heads_q, head_dim, generator=g).half().to(device)
+        self.q_pre = torch.randn(sum(new), heads_q, head_dim, generator=g).half().to(device)
         cu = [0]
         for n in new:
             cu.append(cu[-1] + n)
         self.cu = torch.tensor(cu, dtype=torch.int32, device=device)
         self.device = device
+        self.k_pool, self.v_pool = self.empty_pools()
 
-    def pools(self):
-        return self.layout.allocate("k", self.device), self.layout.allocate("v", self.device)
+    def empty_pools(self):
+        """Pools full of NaN / garbage codes, tails written with each sequence's open-block rows."""
+        out = []
+        for which in ("k", "v"):
+            p = self.layout.allocate(which, self.device)
+            p.data.view(torch.uint8).fill_(0x7E)
+            for t in (p.scale, p.zero, p.tail):
+                if t is not None:
+                    t.fill_(float("nan"))
+            tail_rows = self.k_tail_rows if which == "k" else self.v_tail_rows
+            for b, c in enumerate(self.ctx):
+                s, n = int(self.slot_ids[b]), c % self.bs
+                p.tail[s, :, :n] = tail_rows[b, :n].transpose(0, 1)
+            out.append(p)
+        return out
 
     def spec(self, which: str) -> str:
         return (self.fmt.k if which == "k" else self.fmt.v).short()
 
-    def rows(self, which: str) -> torch.Tensor:
-        return self.k_rows if which == "k" else self.v_rows
-
     def params(self, which: str) -> TensorParams | None:
         return self.k_params if which == "k" else self.v_params
 
-    def write(self, which: str, pool: KVPool, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def blocks_of(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n, kv_heads, block, D], destination pool blocks [n]) of every sealed block."""
+        dest = torch.cat([self.block_table[b, :n].long() for b, n in enumerate(self.sealed)]) if sum(self.sealed) \
+            else torch.zeros(0, dtype=torch.long, device=self.device)
+        rows = (self.k_blocks if which == "k" else self.v_blocks)[: dest.numel()]
+        return rows, dest
+
+    def seal(self, which: str, pool: KVPool) -> None:
         from trtkv.plugins import ops
 
+        rows, dest = self.blocks_of(which)
         prm = self.params(which)
-        ops.launch_quantize_append(rows, slots, pool.data, pool.scale, pool.zero, self.spec(which),
-                                   _p(prm, "scale"), _p(prm, "smooth"), _p(prm, "clip"))
+        if dest.numel():
+            ops.launch_seal_into(rows, dest, pool.data, pool.scale, pool.zero, self.spec(which), _p(prm, "scale"),
+                                 _p(prm, "smooth"), _p(prm, "clip"))
 
-    def stale(self, pool: KVPool, which: str, mask: torch.Tensor) -> KVPool:
-        out = KVPool(pool.data.clone(), _clone(pool.scale), _clone(pool.zero))
-        m = mask.to(self.slots.device)
-        self.write(which, out, self.rows(which)[m] * 30, self.slots[m])  # other rows: garbage at those slots
-        return out
+    def attn_args(self, kp: KVPool | None = None, vp: KVPool | None = None, prefill: bool = False) -> tuple:
+        """ops.launch_paged_decode / _prefill arguments after q (and cu_seqlens)."""
+        kp, vp = kp or self.k_pool, vp or self.v_pool
+        if prefill:
+            k_new, v_new = self.k_new, self.v_new
+        else:  # decode: each sequence's first new row
+            first = self.cu[:-1].long()
+            k_new, v_new = self.k_new[first], self.v_new[first]
+        return (kp.data, kp.scale, kp.zero, vp.data, vp.scale, vp.zero, kp.tail, vp.tail, k_new, v_new,
+                self.block_table, self.context_lens, self.slot_ids, self.spec("k"), self.spec("v"),
+                _p(self.k_params, "scale"), _p(self.k_params, "smooth"), _p(self.v_params, "scale"),
+                _p(self.v_params, "smooth"))
 
-    def new_rows(self, which: str, mask: torch.Tensor) -> tuple:
-        """(data, scale, zero) ``[n, kv_heads, ...]``: the append kernel on a pool of one-token blocks."""
-        n = int(mask.sum())
-        pool = PagedKVLayout(self.fmt, self.hkv, self.d, 1, max(n, 1)).allocate(which, self.device)
-        self.write(which, pool, self.rows(which)[mask.to(self.slots.device)],
-                   torch.arange(n, dtype=torch.int32, device=self.device))
-        sq = lambda t: None if t is None else t.reshape(t.shape[0], t.shape[1], t.shape[3])  # noqa: E731
-        return sq(pool.data), sq(pool.scale), sq(pool.zero)
-
-    def new_kwargs(self, mask: torch.Tensor) -> dict:
-        """``k_new_data=..., v_new_zero=...`` for the ops launchers."""
-        kn, vn = self.new_rows("k", mask), self.new_rows("v", mask)
-        names = ("k_new_data", "k_new_scale", "k_new_zero", "v_new_data", "v_new_scale", "v_new_zero")
-        return dict(zip(names, kn + vn))
-
-    def attn_args(self, kp: KVPool, vp: KVPool) -> tuple:
-        """The pool / table / format / constant arguments of ops.launch_paged_decode / _prefill."""
-        return (kp.data, kp.scale, kp.zero, vp.data, vp.scale, vp.zero, self.block_table, self.context_lens,
-                self.spec("k"), self.spec("v"), _p(self.k_params, "scale"), _p(self.k_params, "smooth"),
-                _p(self.v_params, "scale"), _p(self.v_params, "smooth"))
-
-    def reference(self, q, cu, kp: KVPool, vp: KVPool, new: dict | None = None) -> torch.Tensor:
-        """float64 attention over the pools (with ``new`` rows: over the pools after their write)."""
+    def reference(self, prefill: bool, kp: KVPool | None = None, vp: KVPool | None = None) -> torch.Tensor:
+        """float64 attention over the pools (gather_paged) followed by this step's rows."""
         from trtkv.plugins import reference as ref
 
-        k_cpu, v_cpu = _cpu_pool(kp), _cpu_pool(vp)
-        bt, cl, cu_c = _cpu(self.block_table), _cpu(self.context_lens), _cpu(cu)
-        if new is not None:
-            n = {k: _cpu(v) for k, v in new.items()}
-            k_cpu = ref.pool_with_new_rows(k_cpu, KVPool(n["k_new_data"], n["k_new_scale"], n["k_new_zero"]), bt, cl,
-                                           cu_c)
-            v_cpu = ref.pool_with_new_rows(v_cpu, KVPool(n["v_new_data"], n["v_new_scale"], n["v_new_zero"]), bt, cl,
-                                           cu_c)
-        return ref.paged_attention_ref(_cpu(q), cu_c, k_cpu, v_cpu, bt, cl, self.spec("k"), self.spec("v"),
-                                       _cpu_params(self.k_params), _cpu_params(self.v_params))
-
-
-def _clone(t):
-    return None if t is None else t.clone()
-
-
-def _cpu_pool(p: KVPool) -> KVPool:
-    return KVPool(_cpu(p.data), _cpu(p.scale), _cpu(p.zero))
+        a = [_cpu(x) if isinstance(x, torch.Tensor) else x for x in self.attn_args(kp, vp, prefill)]
+        kpool, vpool = KVPool(a[0], a[1], a[2], a[6]), KVPool(a[3], a[4], a[5], a[7])
+        q = _cpu(self.q_pre if prefill else self.q_dec)
+        return ref.paged_attention_ref(q, _cpu(self.cu) if prefill else None, kpool, vpool, a[8], a[9], a[10], a[11],
+                                       a[12], a[13], a[14], _cpu_params(self.k_params), _cpu_params(self.v_params))
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -272,19 +261,18 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_correctness(log: Log, device, dry: bool, budget_s: float = 1e9) -> list[dict]:
-    """Kernels vs the torch reference: append (bit-exact codes / scales), decode and prefill over the pool
-    (the torch runtime's path: the pool already holds the step's rows) and over a stale pool plus this
-    step's new rows (the pure-engine path of the TensorRT plugins, ``NEW_ROWS``)."""
+    """Kernels vs the torch reference: seal (bit-exact codes / scales but for Hadamard rounding ties),
+    decode and prefill over sealed blocks + open blocks + this step's rows."""
     from trtkv.plugins import ops
     from trtkv.plugins import reference as ref
 
     rows = []
     if dry:
-        shapes = [dict(ctx=[37, 20], new=[3, 1], hq=4, hkv=2, d=64, bs=16)]
+        shapes = [dict(ctx=[37, 20, 64], new=[3, 1, 16], hq=4, hkv=2, d=64)]
         formats = DRY_FORMATS
     else:
-        shapes = [dict(ctx=[1, 300, 77, 1024], new=[1, 5, 77, 16], hq=32, hkv=8, d=128, bs=16),
-                  dict(ctx=[513, 45], new=[1, 45], hq=8, hkv=8, d=64, bs=32)]
+        shapes = [dict(ctx=[1, 300, 77, 1024, 63], new=[1, 4, 3, 16, 1], hq=32, hkv=8, d=128),
+                  dict(ctx=[513, 45, 0], new=[1, 3, 16], hq=8, hkv=8, d=64)]
         formats = CHECK_FORMATS
     t_start = time.time()
     # the timing geometry for every format first, then the second shape (the budget may cut it short)
@@ -296,46 +284,34 @@ def check_correctness(log: Log, device, dry: bool, budget_s: float = 1e9) -> lis
                 log(f"correctness {tag}: skipped (time budget)")
                 continue
             try:
-                c = Case(fmt_name, sh["ctx"], sh["new"], sh["hq"], sh["hkv"], sh["d"], sh["bs"], device)
-                kp, vp = c.pools()
-                # append: kernel vs reference write (bit-exact codes / scales expected)
-                for which, pool in (("k", kp), ("v", vp)):
+                bs = get_format(fmt_name).block_size or BLOCK
+                new = [min(n, bs - c % bs) for c, n in zip(sh["ctx"], sh["new"])]  # within the open block
+                c = Case(fmt_name, sh["ctx"], new, sh["hq"], sh["hkv"], sh["d"], device)
+                # seal: kernel vs reference (bit-exact codes / scales expected; Hadamard: summation-order ties)
+                for which, pool in (("k", c.k_pool), ("v", c.v_pool)):
+                    c.seal(which, pool)
+                    blocks, dest = c.blocks_of(which)
+                    if not dest.numel():
+                        continue
                     prm = c.params(which)
-                    c.write(which, pool, c.rows(which), c.slots)
-                    rpool = c.layout.allocate(which, "cpu")
-                    ref.quantize_append_ref(_cpu(c.rows(which)), _cpu(c.slots), rpool.data, rpool.scale, rpool.zero,
-                                            c.spec(which), _cpu(_p(prm, "scale")), _cpu(_p(prm, "smooth")),
-                                            _cpu(_p(prm, "clip")))
-                    got = pool.data.cpu()
-                    mism = float((got.view(torch.uint8) != rpool.data.view(torch.uint8)).float().mean()) \
-                        if got.dtype != torch.float16 else float((got != rpool.data).float().mean())
+                    want = ref.seal_ref(_cpu(blocks), c.spec(which), _cpu(_p(prm, "scale")), _cpu(_p(prm, "smooth")),
+                                        _cpu(_p(prm, "clip")))
+                    got = pool.data[dest].cpu()
+                    mism = float((got.view(torch.uint8) != want[0].view(torch.uint8)).float().mean()) \
+                        if got.dtype != torch.float16 else float((got != want[0]).float().mean())
                     smis = 0.0
-                    if rpool.scale is not None:  # fraction of scales not bit-equal (fp32 sum-order ties)
-                        smis = float((pool.scale.cpu() != rpool.scale).float().mean())
+                    if want[1] is not None:  # fraction of scales not bit-equal (fp32 sum-order ties)
+                        smis = float((pool.scale[dest].cpu() != want[1]).float().mean())
                     ok = mism <= 1e-3 and smis <= 1e-3
-                    rows.append(dict(kernel="quantize_append", case=f"{tag} {which}", code_mismatch=mism,
-                                     scale_mismatch=smis, ok=ok))
-                # decode / prefill over the full pool (torch runtime: the pool holds the step's rows)
-                args = c.attn_args(kp, vp)
-                r = c.reference(c.q_dec, None, kp, vp)
+                    rows.append(dict(kernel="seal", case=f"{tag} {which}", code_mismatch=mism, scale_mismatch=smis,
+                                     ok=ok))
                 psize = 64 if dry else 512  # the ops default (several partitions at ctx 1024)
-                e = _err(ops.launch_paged_decode(c.q_dec, *args, partition_size=psize), r)
+                e = _err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=psize), c.reference(False))
                 rows.append(dict(kernel="paged_decode", case=f"{tag} part{psize}", rel_err=e, ok=e < 2e-2))
-                r = c.reference(c.q_pre, c.cu, kp, vp)
-                e = _err(ops.launch_paged_prefill(c.q_pre, c.cu, *args), r)
+                e = _err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=16), c.reference(False))
+                rows.append(dict(kernel="paged_decode", case=f"{tag} part16", rel_err=e, ok=e < 2e-2))
+                e = _err(ops.launch_paged_prefill(c.q_pre, c.cu, *c.attn_args(prefill=True)), c.reference(True))
                 rows.append(dict(kernel="paged_prefill", case=tag, rel_err=e, ok=e < 2e-2))
-                # pure engine: the step's slots hold stale rows, the new rows come beside the pool
-                for kernel, mask, q, cu in (("paged_decode", c.is_last, c.q_dec, None),
-                                            ("paged_prefill", c.is_new, c.q_pre, c.cu)):
-                    ks, vs = c.stale(kp, "k", mask), c.stale(vp, "v", mask)
-                    new = c.new_kwargs(mask)
-                    if cu is None:  # partition 64: many partitions; the ABI check's regular launch reuses it
-                        out = ops.launch_paged_decode(q, *c.attn_args(ks, vs), partition_size=64, **new)
-                    else:
-                        out = ops.launch_paged_prefill(q, cu, *c.attn_args(ks, vs), **new)
-                    e = _err(out, c.reference(q, cu, ks, vs, new))
-                    rows.append(dict(kernel=f"{kernel} (new rows)", case=f"{tag}{' part64' if cu is None else ''}",
-                                     rel_err=e, ok=e < 2e-2))
             except Exception as exc:  # one failing case must not hide the others
                 rows.append(dict(kernel="?", case=tag, ok=False, error=f"{type(exc).__name__}: {exc}"[:400]))
                 log(traceback.format_exc(limit=3))
@@ -425,8 +401,7 @@ class DriverKernel:
                   "cuLaunchKernel")
 
 
-_TORCH_DT = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
-             "int32": torch.int32}
+_TORCH_DT = {n: e.torch for n, e in ELEM_TYPES.items()}  # trtkv.formats.ELEM_TYPES
 
 
 def _assemble_cubin(ptx: str, arch: int | None) -> bytes:
@@ -455,15 +430,15 @@ def _contract_inputs(op, attrs, tensors: dict, device):
     for t, d in zip(op.inputs, C.input_dtypes(op, attrs)):
         x = tensors.get(t.name) if t.used(attrs) else None
         if x is None:
-            x = torch.zeros(C.placeholder_shape(t), dtype=_TORCH_DT[d], device=device)
-        assert x.dtype == _TORCH_DT[d] and x.dim() == t.rank, (t.name, x.dtype, tuple(x.shape), d)
+            x = torch.zeros(C.placeholder_shape(t, attrs), dtype=_TORCH_DT[d], device=device)
+        assert x.dtype == _TORCH_DT[d] and x.dim() == t.rank_of(attrs), (t.name, x.dtype, tuple(x.shape), d)
         out.append(x.contiguous())
     return out
 
 
 ABI_FORMATS = ("int4", "int8-static", "fp8", "int8", "fp16", "int4-g32")  # coverage first (time budget)
 DRY_ABI_FORMATS = ("int8", "int4")
-ABI_OPS = ("PagedKVAppend", "PagedDecodePartition", "PagedDecodeReduce", "PagedPrefillAttention")
+ABI_OPS = ("PagedKVSeal", "PagedDecodePartition", "PagedDecodeReduce", "PagedPrefillAttention")
 
 
 def _abi_attrs(op_name: str, fmt_name: str, dry: bool):
@@ -473,7 +448,8 @@ def _abi_attrs(op_name: str, fmt_name: str, dry: bool):
 
     hq, hkv, d = (4, 2, 64) if dry else (32, 8, 128)
     prec = "tf32" if op_name == "PagedPrefillAttention" else "tf32x3"
-    return C.attrs_for(op_name, get_format(fmt_name), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
+    f = get_format(fmt_name)
+    return C.attrs_for(op_name, f, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=f.block_size or BLOCK,
                        partition_size=64, precision=prec)
 
 
@@ -499,31 +475,30 @@ def _interpreter_trt_launch(op_name: str, attrs):
 
 
 class _AbiData:
-    """One format's data for the ABI checks: a case, its pools with stale step slots, the new rows."""
+    """One format's data for the ABI checks: a case with sealed pools (seal kernel), tails and new rows."""
 
     def __init__(self, fmt_name: str, device, dry: bool):
         hq, hkv, d = (4, 2, 64) if dry else (32, 8, 128)
-        ctx, new = ([37, 20], [3, 20]) if dry else ([700, 130, 1], [16, 130, 1])
-        c = self.c = Case(fmt_name, ctx, new, hq, hkv, d, 16, device, seed=5)
-        kp, vp = c.pools()
-        c.write("k", kp, c.k_rows, c.slots)
-        c.write("v", vp, c.v_rows, c.slots)
-        self.dec = (c.stale(kp, "k", c.is_last), c.stale(vp, "v", c.is_last), c.new_kwargs(c.is_last))
-        self.pre = (c.stale(kp, "k", c.is_new), c.stale(vp, "v", c.is_new), c.new_kwargs(c.is_new))
+        bs = get_format(fmt_name).block_size or BLOCK
+        ctx = [37, 20, 2 * bs] if dry else [700, 130, 1, 5 * bs]
+        new = [min(3, bs - c % bs) for c in ctx]
+        c = self.c = Case(fmt_name, ctx, new, hq, hkv, d, device, seed=5)
+        c.seal("k", c.k_pool)
+        c.seal("v", c.v_pool)
 
-    def attention_tensors(self, which: str) -> dict:
-        """Contract tensors of PagedDecodePartition ('dec') / PagedPrefillAttention ('pre')."""
+    def attention_tensors(self, prefill: bool) -> dict:
+        """Contract tensors of PagedDecodePartition / PagedPrefillAttention."""
         from trtkv.quant import hadamard_matrix
 
         c = self.c
-        kp, vp, new = self.dec if which == "dec" else self.pre
-        t = dict(q=c.q_dec if which == "dec" else c.q_pre, cu_seqlens=c.cu, block_tables=c.block_table,
-                 context_lens=c.context_lens, hadamard=hadamard_matrix(c.d, torch.float32, c.device),
+        a = c.attn_args(prefill=prefill)
+        t = dict(q=c.q_pre if prefill else c.q_dec, cu_seqlens=c.cu, block_tables=c.block_table,
+                 context_lens=c.context_lens, slot_ids=c.slot_ids, k_new=a[8], v_new=a[9],
+                 hadamard=hadamard_matrix(c.d, torch.float32, c.device),
                  k_static=_static_hd(c.k_params, c.hkv, c.d, c.device), k_smooth=_p(c.k_params, "smooth"),
                  v_static=_static_hd(c.v_params, c.hkv, c.d, c.device), v_smooth=_p(c.v_params, "smooth"))
-        for w, pool in (("k", kp), ("v", vp)):
-            t.update({f"{w}_data": pool.data, f"{w}_scale": pool.scale, f"{w}_zero": pool.zero})
-        t.update(new)
+        for w, pool in (("k", c.k_pool), ("v", c.v_pool)):
+            t.update({f"{w}_data": pool.data, f"{w}_scale": pool.scale, f"{w}_zero": pool.zero, f"{w}_tail": pool.tail})
         return t
 
 
@@ -546,25 +521,21 @@ def _abi_case(op_name: str, attrs, data: _AbiData, launch, constexprs: dict, num
         launch(L.grid, L.block, [*ins, *L.scalars, *outs])
         return outs
 
-    if op_name == "PagedKVAppend":
+    if op_name == "PagedKVSeal":
         which = "k"
-        rows_t = c.rows(which)
+        blocks, _ = c.blocks_of(which)
         prm = c.params(which)
-        dest = torch.arange(rows_t.shape[0], dtype=torch.int32, device=device)
-        codes, scale, zero = run(dict(rows=rows_t, dest=dest, static_scale=_static_hd(prm, c.hkv, c.d, device),
-                                      smooth=_p(prm, "smooth"), clip=torch.ones(c.hkv, device=device),
-                                      hadamard=_hadamard(c.d, device)))
-        want = c.new_rows(which, torch.ones(rows_t.shape[0], dtype=torch.bool))  # regular launch, same rows
-        ok = torch.equal(codes, want[0]) and (want[1] is None or torch.equal(scale, want[1])) \
-            and (want[2] is None or torch.equal(zero, want[2]))
+        outs = run(dict(rows=blocks, static_scale=_static_hd(prm, c.hkv, c.d, device), smooth=_p(prm, "smooth"),
+                        clip=torch.ones(c.hkv, device=device), hadamard=_hadamard(c.d, device)))
+        want = ops.launch_seal(blocks, c.spec(which), _p(prm, "scale"), _p(prm, "smooth"))  # regular launch
+        ok = all(w is None or torch.equal(o, w) for o, w in zip(outs, want))
         return dict(ok=bool(ok), status="TensorRT-order launch == regular launch (bit-exact)" if ok else "MISMATCH")
     if op_name in ("PagedDecodePartition", "PagedDecodeReduce"):
-        kp, vp, new = data.dec
         prec = attrs.get("precision", "tf32x3")  # the reduce has no dots
-        prep = PreparedDecode(c.q_dec, c.attn_args(kp, vp), new, c.max_blocks * c.bs, prec, attrs["partition_size"])
+        prep = PreparedDecode(c.q_dec, c.attn_args(), prec, attrs["partition_size"])
         want = prep().clone()  # the regular partition + reduce launches
         if op_name == "PagedDecodePartition":
-            part = run(data.attention_tensors("dec"))
+            part = run(data.attention_tensors(False))
             for dst, src in zip((prep.part_m, prep.part_l, prep.part_acc), part):
                 assert dst.shape == src.shape, (dst.shape, src.shape)
                 dst.copy_(src)
@@ -576,13 +547,12 @@ def _abi_case(op_name: str, attrs, data: _AbiData, launch, constexprs: dict, num
                      hadamard=_hadamard(c.d, device))
             (got,) = run(t)
         e = _err(got, want)
-        return dict(ok=e < 1e-3, rel_err=e, status="TensorRT-order launch vs regular decode (new rows)")
+        return dict(ok=e < 1e-3, rel_err=e, status="TensorRT-order launch vs regular decode")
     if op_name == "PagedPrefillAttention":
-        kp, vp, new = data.pre
-        want = ops.launch_paged_prefill(c.q_pre, c.cu, *c.attn_args(kp, vp), precision=attrs["precision"], **new)
-        (got,) = run(data.attention_tensors("pre"))
+        want = ops.launch_paged_prefill(c.q_pre, c.cu, *c.attn_args(prefill=True), precision=attrs["precision"])
+        (got,) = run(data.attention_tensors(True))
         e = _err(got, want)
-        return dict(ok=e < 1e-3, rel_err=e, status="TensorRT-order launch vs regular prefill (new rows)")
+        return dict(ok=e < 1e-3, rel_err=e, status="TensorRT-order launch vs regular prefill")
     raise AssertionError(op_name)
 
 
@@ -773,43 +743,48 @@ def _with(ctx, fn):
         return fn()
 
 
-def _paged_setup(fmt_name, B, ctx, hq, hkv, d, bs, device):
-    """A pool holding B sequences of ``ctx - 1`` tokens plus this step's one new row per sequence in
-    pool-row form (the pure-engine decode step a TensorRT engine runs). Random codes / scales: timing only."""
+def _paged_setup(fmt_name, B, ctx, hq, hkv, d, device):
+    """B sequences holding ``ctx - 1`` cached tokens -- sealed blocks of the format's block size in the pool,
+    the rest in the open block -- plus this step's one new row each (the engine's decode step). Random
+    codes / scales: timing only."""
     fmt = get_format(fmt_name)
-    blocks = B * math.ceil(ctx / bs)
-    lay = PagedKVLayout(fmt, hkv, d, bs, blocks)
-    one = PagedKVLayout(fmt, hkv, d, 1, B)  # B one-token blocks: [B, kv_heads, 1, ...] = new rows
-    pools, new = [], {}
+    bs = fmt.block_size or BLOCK
+    cached = ctx - 1
+    sealed = cached // bs
+    blocks = max(B * sealed, 1)
+    lay = PagedKVLayout(fmt, hkv, d, bs, blocks, num_slots=B)
+    pools = []
     for which in ("k", "v"):
-        for layout, keep in ((lay, True), (one, False)):
-            p = layout.allocate(which, device)
-            if p.data.dtype == torch.float16:
-                p.data.normal_()
-            else:
-                p.data.view(torch.uint8).random_(0, 255)
-            if p.scale is not None:
-                p.scale.uniform_(0.01, 0.02)
-            if p.zero is not None:
-                p.zero.uniform_(-0.1, 0.1)
-            if keep:
-                pools.append(p)
-            else:
-                sq = lambda t: None if t is None else t.reshape(B, hkv, t.shape[3])  # noqa: E731
-                new.update({f"{which}_new_data": sq(p.data), f"{which}_new_scale": sq(p.scale),
-                            f"{which}_new_zero": sq(p.zero)})
-    bt = torch.randperm(blocks, device=device).to(torch.int32).view(B, -1).contiguous()
-    cl = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        p = lay.allocate(which, device)
+        if p.data.dtype == torch.float16:
+            p.data.normal_()
+        else:
+            p.data.view(torch.uint8).random_(0, 255)
+        if p.scale is not None:
+            p.scale.uniform_(0.01, 0.02)
+        if p.zero is not None:
+            p.zero.uniform_(-0.1, 0.1)
+        p.tail.normal_()
+        pools.append(p)
+    bt = torch.randperm(blocks, device=device).to(torch.int32)[: B * sealed].view(B, sealed).contiguous() if sealed \
+        else torch.zeros(B, 1, dtype=torch.int32, device=device)
+    cl = torch.full((B,), cached, dtype=torch.int32, device=device)
+    slots = torch.arange(B, dtype=torch.int32, device=device)
     q = torch.randn(B, hq, d, dtype=torch.float16, device=device)
+    k_new = torch.randn(B, hkv, d, dtype=torch.float16, device=device)
+    v_new = torch.randn(B, hkv, d, dtype=torch.float16, device=device)
     k_params = make_params(fmt, "k", torch.randn(4, hkv, d, device=device), hkv, d)
     v_params = make_params(fmt, "v", torch.randn(4, hkv, d, device=device), hkv, d)
-    read = q.numel() * 2 + bt.numel() * 4 + cl.numel() * 4
-    for p in pools:  # all ctx slots (the newest slot is not read: a small overcount, 1 / ctx)
+    read = q.numel() * 2 + bt.numel() * 4 + cl.numel() * 4 + (k_new.numel() + v_new.numel()) * 2
+    for p in pools:  # every sealed block and the open rows
         for t in (p.data, p.scale, p.zero):
             if t is not None:
-                read += t.numel() * t.element_size()
-    read += sum(t.numel() * t.element_size() for t in new.values() if t is not None)
-    return fmt, pools, new, bt, cl, q, k_params, v_params, read
+                read += t.numel() * t.element_size() * (B * sealed) // blocks
+        read += 2 * B * hkv * (cached % bs) * d
+    args = (pools[0].data, pools[0].scale, pools[0].zero, pools[1].data, pools[1].scale, pools[1].zero,
+            pools[0].tail, pools[1].tail, k_new, v_new, bt, cl, slots, fmt.k.short(), fmt.v.short(),
+            _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"), _p(v_params, "smooth"))
+    return q, args, read
 
 
 class PreparedDecode:
@@ -817,27 +792,24 @@ class PreparedDecode:
     only the launches (capturable in a CUDA graph: no allocation, no host copy). Kernel arguments are
     passed by parameter name, so a reordered kernel signature cannot shift them.
 
-    ``args``: ops.launch_paged_decode's arguments after q up to v_smooth (pools, block table, context
-    lengths, formats, constants); ``new``: ``k_new_data=..`` this step's rows (NEW_ROWS) or None (the pool
-    holds every position)."""
+    ``args``: ops.launch_paged_decode's arguments after q up to v_smooth (pools, tails, new rows, block
+    table, context lengths, slots, formats, constants)."""
 
-    def __init__(self, q, args: tuple, new: dict | None, max_context_len: int, precision: str,
-                 partition_size: int = 512, interpret: bool | None = None):
+    def __init__(self, q, args: tuple, precision: str, partition_size: int = 512, interpret: bool | None = None):
+        from trtkv.plugins import contract as C
         from trtkv.plugins import kernels as K
         from trtkv.plugins import ops
 
-        (k_data, k_scale, k_zero, v_data, v_scale, v_zero, bt, cl, k_fmt, v_fmt, k_static, k_smooth, v_static,
-         v_smooth) = args
+        (k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, bt, cl, slots, k_fmt, v_fmt,
+         k_static, k_smooth, v_static, v_smooth) = args
         interpret = (not q.is_cuda) if interpret is None else interpret
-        kf, vf, t = ops._attn_common(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_fmt, v_fmt,
-                                     k_static, k_smooth, v_static, v_smooth)
         B, heads, d = q.shape
+        kf, vf, t = ops._attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
+                                      v_new, k_fmt, v_fmt, k_static, k_smooth, v_static, v_smooth, B)
         kvh, bs = k_data.shape[1], k_data.shape[2]
-        names = ("k_new_data", "k_new_scale", "k_new_zero", "v_new_data", "v_new_scale", "v_new_zero")
-        self.new_rows = ops._new_rows(t, kf, vf, B, kvh, d, tuple((new or {}).get(n) for n in names))
-        cfg = K.decode_config(kf, vf, d, heads // kvh, partition_size, precision, interpret=interpret,
-                              new_rows=self.new_rows)
-        self.grid_p, self.grid_r = K.decode_grids(B, kvh, max_context_len, partition_size)
+        cfg = K.decode_config(kf, vf, d, heads // kvh, partition_size, precision, interpret=interpret)
+        bt, cl, slots = bt.to(torch.int32).contiguous(), cl.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous()
+        self.grid_p, self.grid_r = C.decode_grids(B, kvh, bt.shape[1], bs, partition_size)
         S = self.grid_p[2]
         self.part_m = torch.empty(B, heads, S, device=q.device)
         self.part_l = torch.empty_like(self.part_m)
@@ -845,9 +817,8 @@ class PreparedDecode:
         self.out = torch.empty_like(q)
         kmod = K.load_kernels(interpret)
         self._part, self._red = kmod.paged_decode_partition_kernel, kmod.paged_decode_reduce_kernel
-        bt, cl = bt.to(torch.int32).contiguous(), cl.to(torch.int32).contiguous()
-        common = dict(block_table_ptr=bt, context_lens_ptr=cl, q_ptr=q.contiguous(), part_m_ptr=self.part_m,
-                      part_l_ptr=self.part_l, part_acc_ptr=self.part_acc, out_ptr=self.out,
+        common = dict(block_table_ptr=bt, context_lens_ptr=cl, slot_ids_ptr=slots, q_ptr=q.contiguous(),
+                      part_m_ptr=self.part_m, part_l_ptr=self.part_l, part_acc_ptr=self.part_acc, out_ptr=self.out,
                       qk_scale=(1.0 / math.sqrt(d)) * K.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=bs,
                       max_blocks=bt.shape[1], num_partitions=S, **t)
         self._p_args = {n: common[n] for n in self._part.arg_names if n in common}
@@ -869,17 +840,17 @@ class PreparedDecode:
 
 
 def decode_timing(log: Log, device, dry: bool, copy_bw: float, budget_s: float = 1e9) -> list[dict]:
-    """Decode attention of one new token per sequence as the TensorRT engine runs it: the pool holds
-    ``ctx - 1`` tokens and the step's new row comes beside it (NEW_ROWS), vs fp16 SDPA over ``ctx``."""
+    """Decode attention of one new token per sequence as the TensorRT engine runs it: ``ctx - 1`` cached
+    tokens (sealed blocks + open block) and the step's new row, vs fp16 SDPA over ``ctx``."""
     from trtkv.plugins import ops
 
     rows = []
     if dry:
-        grid = [(64, 1), (128, 2)]
-        hq, hkv, d, bs = 4, 2, 64, 16
+        grid = [(64, 1), (160, 2)]
+        hq, hkv, d = 4, 2, 64
     else:
         grid = [(c, b) for c in CONTEXTS for b in BATCHES]
-        hq, hkv, d, bs = HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK
+        hq, hkv, d = HEADS_Q, HEADS_KV, HEAD_DIM
     timer = _time_cpu if dry else _time_cuda
     t_start = time.time()
     for ctx, B in grid:
@@ -902,16 +873,12 @@ def decode_timing(log: Log, device, dry: bool, copy_bw: float, budget_s: float =
         log(_fmt_row(rows[-1]))
         for fmt_name in TIMED_FORMATS:
             try:
-                fmt, (kp, vp), new, bt, cl, q, kpar, vpar, read = _paged_setup(fmt_name, B, ctx, hq, hkv, d, bs,
-                                                                              device)
-                args = (kp.data, kp.scale, kp.zero, vp.data, vp.scale, vp.zero, bt, cl, fmt.k.short(),
-                        fmt.v.short(), _p(kpar, "scale"), _p(kpar, "smooth"), _p(vpar, "scale"), _p(vpar, "smooth"))
+                q, args, read = _paged_setup(fmt_name, B, ctx, hq, hkv, d, device)
                 for prec in (("ieee",) if dry else ("tf32x3", "tf32")):
                     mode = "prepared"
                     try:
-                        fn = PreparedDecode(q, args, new, ctx, prec)
-                        assert fn.new_rows
-                        want = ops.launch_paged_decode(q, *args, max_context_len=ctx, precision=prec, **new)
+                        fn = PreparedDecode(q, args, prec)
+                        want = ops.launch_paged_decode(q, *args, precision=prec)
                         same = _err(fn(), want)
                         assert same < 1e-3, f"prepared decode differs from ops.launch_paged_decode: {same}"
                         t = timer(fn)
@@ -919,14 +886,13 @@ def decode_timing(log: Log, device, dry: bool, copy_bw: float, budget_s: float =
                         log(f"prepared decode unavailable ({type(exc).__name__}: {str(exc)[:200]}); timing "
                             "ops.launch_paged_decode eagerly (includes Python launch overhead)")
                         mode = "ops-eager"
-                        fn = (lambda prec=prec: ops.launch_paged_decode(q, *args, max_context_len=ctx, precision=prec,
-                                                                        **new))
+                        fn = (lambda prec=prec: ops.launch_paged_decode(q, *args, precision=prec))
                         t = timer(fn) if dry else _time_cuda(fn, use_graph=False)
                     rows.append(dict(impl=f"paged-{fmt_name}", precision=prec, mode=mode, ctx=ctx, batch=B,
                                      us=t * 1e6, bytes_read=read, gbs=read / t / 1e9, bw_frac=read / t / copy_bw,
                                      speedup=(base / t) if base else None))
                     log(_fmt_row(rows[-1]))
-                del kp, vp, new, fn
+                del args, fn
             except Exception as exc:
                 rows.append(dict(impl=f"paged-{fmt_name}", ctx=ctx, batch=B, error=f"{type(exc).__name__}: {exc}"[:300]))
                 log(_fmt_row(rows[-1]))
@@ -998,7 +964,7 @@ def write_report(out_dir: Path, result: dict) -> tuple[Path, Path]:
     cb = result["copy"]
     L += ["", f"## Bandwidth reference: device copy {cb['bandwidth_gbs']:.0f} GB/s" if cb else
           "## Bandwidth reference: not measured yet", "",
-          "## Decode attention timing (one new token per sequence, read beside the pool: the engine's step)", "",
+          "## Decode attention timing (one new token per sequence: sealed blocks + open block + the new row)", "",
           "| impl | prec/backend | ctx | batch | us | GB/s | % copy | speedup vs SDPA |", "|---|---|---|---|---|---|---|---|"]
     for r in result["timing"]:
         if "error" in r:
@@ -1040,8 +1006,9 @@ def main(argv=None) -> int:
     log(f"env: {env}")
     t0 = time.time()
     result = dict(date=_dt.datetime.now().isoformat(timespec="seconds"), dry_run=args.dry_run, env=env,
-                  geometry=("heads 4 q / 2 kv, head_dim 64, block 16" if args.dry_run else
-                            f"heads {HEADS_Q} q / {HEADS_KV} kv, head_dim {HEAD_DIM}, block {BLOCK}, fp16 queries"),
+                  geometry=("heads 4 q / 2 kv, head_dim 64, block: the format's (else 16)" if args.dry_run else
+                            f"heads {HEADS_Q} q / {HEADS_KV} kv, head_dim {HEAD_DIM}, block: the format's (int8 / int4: "
+                            f"64), else {BLOCK}; fp16 queries"),
                   correctness=[], trt_abi=[], copy=None, timing=[], targets=[], seconds=0.0, complete=False)
     out_dir = Path(args.out)
 

@@ -56,7 +56,7 @@ def trtllm_supported(fmt: KVFormat) -> bool:
     """TensorRT-LLM's KV cache takes one static per-tensor INT8 or FP8 scale per layer, symmetric, untransformed."""
     return all(
         t.dtype in TRTLLM_ALGO and t.granularity == "per_tensor" and not t.smooth and not t.hadamard for t in (fmt.k, fmt.v)
-    ) and fmt.k.dtype == fmt.v.dtype and fmt.recent_tokens == 0
+    ) and fmt.k.dtype == fmt.v.dtype and fmt.block_size is None
 
 
 def trtllm_scales(params: Sequence[LayerParams]) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def vllm_supported(fmt: KVFormat) -> bool:
     """vLLM's FP8 KV cache: static symmetric e4m3 scales per tensor, or per KV head (``attn_head``)."""
     return all(
         t.dtype == "fp8_e4m3" and t.granularity in ("per_tensor", "per_head") and not t.smooth and not t.hadamard for t in (fmt.k, fmt.v)
-    ) and fmt.k.granularity == fmt.v.granularity and fmt.recent_tokens == 0
+    ) and fmt.k.granularity == fmt.v.granularity and fmt.block_size is None
 
 
 def vllm_scales(params: Sequence[LayerParams]) -> dict[str, torch.Tensor]:

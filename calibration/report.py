@@ -6,7 +6,9 @@ Plots (matplotlib, Agg backend):
 * ``plots/key_channels.png`` -- per-channel key absmax (pre-RoPE vs post-RoPE) for a few layers and
   a layers x channels heatmap: outliers sit in RoPE pairs (channel i and i + head_dim/2);
 * ``plots/clipping.png``    -- the chosen clipping per layer for each calibrated format
-  (range / max-calibration range; 1.0 means plain max calibration).
+  (range / max-calibration range; 1.0 means plain max calibration), one colour per format.
+
+Layer axes have integer ticks; a value axis is logarithmic only when its values span a decade or more.
 """
 
 from __future__ import annotations
@@ -38,26 +40,59 @@ def _plt():
     return plt
 
 
-def plot_absmax(stats: KVStats) -> bytes:
+def _layer_axis(axis) -> None:
+    """Layers are integers: no fractional ticks (a 2-layer model would get 0, 0.2, ... 1)."""
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _value_scale(ax, values: list[float]) -> None:
+    """Log y axis only when the values span at least a decade; a narrow range stays linear and readable."""
+    pos = [v for v in values if v > 0]
+    if pos and max(pos) / min(pos) >= 10:
+        ax.set_yscale("log")
+
+
+def _colours(n: int) -> list:
+    """``n`` distinct colours: tab10 up to 10, tab20 up to 20, then evenly spaced hues."""
+    import matplotlib  # noqa: PLC0415
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["hsv"](i / n) for i in range(n)]
+
+
+def figure_absmax(stats: KVStats):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     x = list(range(stats.num_layers))
+    values = []
     for kind, label, style in (("k", "K (cached, post-RoPE)", "-o"), ("k_pre", "K pre-RoPE", "--"), ("v", "V", "-s")):
-        ax.plot(x, stats.absmax(kind, "per_tensor").tolist(), style, label=label, markersize=3)
-    ax.set_yscale("log")
+        y = stats.absmax(kind, "per_tensor").tolist()
+        values += y
+        ax.plot(x, y, style, label=label, markersize=3)
+    _value_scale(ax, values)
+    _layer_axis(ax.xaxis)
     ax.set_xlabel("layer")
     ax.set_ylabel("absmax")
     ax.set_title("K / V absmax per layer")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _png(fig)
+    return fig
+
+
+def plot_absmax(stats: KVStats) -> bytes:
+    return _png(figure_absmax(stats))
 
 
 def _sample_layers(n: int, k: int = 4) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if n > 1 else [0]
 
 
-def plot_key_channels(stats: KVStats) -> bytes:
+def figure_key_channels(stats: KVStats):
     plt = _plt()
     layers = _sample_layers(stats.num_layers)
     D = stats.head_dim
@@ -81,28 +116,40 @@ def plot_key_channels(stats: KVStats) -> bytes:
         ax.set_title(f"log10 key channel absmax, {title}")
         ax.set_xlabel("channel")
         ax.set_ylabel("layer")
+        _layer_axis(ax.yaxis)
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
-def plot_clipping(ratios: dict[str, dict[str, list[float | None]]], num_layers: int) -> bytes:
+def plot_key_channels(stats: KVStats) -> bytes:
+    return _png(figure_key_channels(stats))
+
+
+def figure_clipping(ratios: dict[str, dict[str, list[float | None]]], num_layers: int):
+    """One colour per format (K solid, V dashed)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     x = list(range(num_layers))
-    for name, r in ratios.items():
+    colours = _colours(len(ratios))
+    for colour, (name, r) in zip(colours, ratios.items()):
         for kv, style in (("k", "-"), ("v", "--")):
             vals = r.get(kv) or []
             if vals and all(v is not None for v in vals):
-                ax.plot(x, vals, style, marker=".", label=f"{name} {kv.upper()}")
+                ax.plot(x, vals, style, marker=".", color=colour, label=f"{name} {kv.upper()}")
     ax.set_ylim(top=max(1.05, ax.get_ylim()[1]))
+    _layer_axis(ax.xaxis)
     ax.set_xlabel("layer")
     ax.set_ylabel("range / absmax range")
     ax.set_title("chosen clipping per layer (1.0 = max calibration)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2)
-    return _png(fig)
+    if ax.get_legend_handles_labels()[0]:  # below the axes: many formats must not hide the lines
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    return fig
+
+
+def plot_clipping(ratios: dict[str, dict[str, list[float | None]]], num_layers: int) -> bytes:
+    return _png(figure_clipping(ratios, num_layers))
 
 
 def rope_outliers(stats: KVStats, top: int = 4) -> list[dict[str, Any]]:

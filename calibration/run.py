@@ -15,9 +15,9 @@ from trtkv.calibration.report import render_report
 from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
 from trtkv.calibration.stats import DEFAULT_RESERVOIR, KVStats, collect_stats
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, get_format
+from trtkv.formats import KVFormat, fit_formats, get_format
 
-DEFAULT_FORMATS = ("int8-static", "fp8", "int4")
+DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
 
 
 def wants_params(fmt: KVFormat, method: str) -> bool:
@@ -25,13 +25,22 @@ def wants_params(fmt: KVFormat, method: str) -> bool:
     return fmt.needs_calibration or (method == "mse" and any(t.is_quantized and t.is_dynamic and not t.is_block_wise for t in (fmt.k, fmt.v)))
 
 
-def resolve_formats(formats: Sequence[str | KVFormat] | None) -> list[KVFormat]:
-    """Default formats plus the requested ones, de-duplicated by name, in order."""
+def resolve_formats(formats: Sequence[str | KVFormat] | None, head_dim: int | None = None) -> tuple[list[KVFormat], list[str]]:
+    """The formats to calibrate and one-line notes: the requested ones, or ``DEFAULT_FORMATS`` when none are.
+
+    With ``head_dim`` every format is fitted to the model (``trtkv.formats.fit_formats``): presets get
+    group sizes that divide ``head_dim`` (said in a note); a default that cannot fit is skipped with a
+    note; a requested format that cannot fit is an error. De-duplicated by name, in order.
+    """
+    specs = list(formats) if formats else list(DEFAULT_FORMATS)
+    if head_dim is None:
+        fmts, notes = [get_format(s) for s in specs], []
+    else:
+        fmts, notes = fit_formats(specs, head_dim, optional=not formats)
     out: dict[str, KVFormat] = {}
-    for spec in [*DEFAULT_FORMATS, *(formats or [])]:
-        f = get_format(spec)
+    for f in fmts:
         out.setdefault(f.name, f)
-    return list(out.values())
+    return list(out.values()), notes
 
 
 def _summary(t) -> list[float] | float | None:
@@ -106,29 +115,43 @@ def run_calibration(
     smooth_alpha: float = 0.5,
     reservoir: int = DEFAULT_RESERVOIR,
     loaded: Any = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
 
-    Calibrates ``DEFAULT_FORMATS`` plus ``formats``; returns the artifact path. ``loaded`` (a
-    ``trtkv.models.LoadedModel`` of ``model``) skips loading the model again.
+    Calibrates ``formats`` (default: ``DEFAULT_FORMATS``), fitted to the model's head_dim; returns the
+    artifact path. ``loaded`` (a ``trtkv.models.LoadedModel`` of ``model``) skips loading the model
+    again; ``tokenizer`` is a directory with tokenizer files for a model that has none.
+
+    Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
+    of windows) is checked before the weights are loaded.
     """
     from rich.console import Console  # noqa: PLC0415
 
     from trtkv.data import describe_dataset, token_windows, window_count  # noqa: PLC0415
-    from trtkv.models import load_model  # noqa: PLC0415
+    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype  # noqa: PLC0415
 
     if method not in METHODS:
         raise TrtkvError(f"unknown calibration method {method!r}", f"use --method {' | '.join(METHODS)}")
     if batch_size < 1:
         raise TrtkvError(f"--batch-size must be at least 1, got {batch_size}", "pass e.g. --batch-size 4")
-    fmts = resolve_formats(formats)
+    out_path = Path(out).expanduser()
+    if out_path.exists() and not out_path.is_dir():
+        raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact (an existing artifact directory is replaced)")
+    info = loaded.info if loaded is not None else model_info(model)
+    fmts, notes = resolve_formats(formats, info.head_dim)
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
+    if loaded is None:
+        resolve_dtype(dtype, resolve_device(device))
+    tok = loaded.tokenizer if loaded is not None and tokenizer is None else load_tokenizer(model, tokenizer)
+    if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
+        samples = min(window_count(tok, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES) or None
+    windows = token_windows(tok, dataset, seq_len=seq_len, samples=samples, seed=seed, split="calib", text_field=text_field)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
 
     if loaded is None:
-        loaded = load_model(model, device=device, dtype=dtype)
-    if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
-        samples = min(window_count(loaded.tokenizer, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES)
-    windows = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=samples, seed=seed, split="calib", text_field=text_field)
+        loaded = load_model(model, device=device, dtype=dtype, tokenizer=tok)
     console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype})")
 
     stats = collect_stats(loaded, windows, batch_size=batch_size, progress=progress, reservoir=reservoir, seed=seed)

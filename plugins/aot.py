@@ -7,8 +7,10 @@ spill bytes, stack frame), plus the launch grid as a formula over input shapes. 
 TensorRT plugin glue consumes (``tensorrt.plugin`` ``aot_impl`` takes a kernel name, PTX and launch
 parameters).
 
-Attention configurations are compiled with ``NEW_ROWS=True``, the pure-engine contract of the TensorRT
-plugins (the newest positions come from this step's rows, the pool is read only; docs/plugins.md).
+The kernels follow the sealed-block cache contract (docs/kv-cache-format.md): the seal kernel quantizes
+whole blocks (``BLOCK_SIZE`` is a constexpr: the format's own block size, else ``DEFAULT_BLOCK_SIZE``); the
+attention kernels read sealed blocks, the fp16 open block (tail) and this step's fp16 rows. Grid formulas
+are the contract's grid functions (``trtkv.plugins.contract``) evaluated on symbolic dims.
 
 Kernel parameter order in the PTX: the runtime (non-constexpr) arguments of the Triton function in
 declaration order (inputs, then outputs, then scalars; see ``KernelConfig.args``), followed by the
@@ -33,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trtkv.formats import PRESETS, KVFormat, TensorFormat
+from trtkv.formats import ELEM_TYPES, PRESETS, KVFormat, TensorFormat
 
 _REPO_CACHE = Path(__file__).resolve().parents[1] / ".triton_cache"
 if (_REPO_CACHE.parent / "pyproject.toml").is_file():
@@ -43,6 +45,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from . import contract as C  # noqa: E402
 from . import kernels as _k  # noqa: E402
 
 ARCHS = (80, 90)
@@ -51,14 +54,20 @@ GQA_RATIOS = (1, 4, 8)  # prefill buckets (BLOCK_H = next power of two); decode 
 DEFAULT_PRECISION = "tf32x3"  # decode (ops.DECODE_PRECISION)
 PREFILL_PRECISION = "tf32"  # prefill (ops.PREFILL_PRECISION)
 SPILL_LIMIT_BYTES = 64  # ptxas spill stores above this fail tests/test_kernels_aot.py
+DEFAULT_BLOCK_SIZE = 64  # cache block size of formats without their own (the sealed presets use 64)
+_Q_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def _data_type(fmt: TensorFormat) -> str:
-    if fmt.dtype == "fp16":
-        return "*fp16"
-    if fmt.dtype == "int8" and (fmt.symmetric or fmt.is_static):
-        return "*i8"
-    return "*u8"
+    return fmt.storage.triton
+
+
+def _ptr(name: str) -> str:
+    return ELEM_TYPES[name].triton
+
+
+def block_size_of(fmt: KVFormat) -> int:
+    return fmt.block_size or DEFAULT_BLOCK_SIZE
 
 
 def _tag(fmt: TensorFormat) -> str:
@@ -82,12 +91,21 @@ class KernelConfig:
 
 
 GRID_VARS = {
-    "tokens": "rows.shape[0]",
+    "blocks": "rows.shape[0] (blocks sealed)",
     "batch": "q.shape[0] (decode) / context_lens.shape[0] (prefill)",
     "kv_heads": "k_data.shape[1]",
-    "max_context_len": "block_table.shape[1] * k_data.shape[2], or a tighter bound",
+    "max_blocks": "block_tables.shape[1]",
     "max_seqlen_q": "max query tokens of one sequence, or total_q = q.shape[0]",
 }
+
+
+def _grid_text(grid) -> list[str]:
+    """A contract grid evaluated on ``Sym`` dims -> its formula strings (``eval_grid`` evaluates them)."""
+    return [d.text if isinstance(d, C.Sym) else str(int(d)) for d in grid]
+
+
+def _v(name: str) -> C.Sym:
+    return C.Sym(name, 1)
 
 
 def _signature(kernel: str, types: dict, constexprs: dict) -> tuple[dict, list[str]]:
@@ -103,41 +121,45 @@ def _signature(kernel: str, types: dict, constexprs: dict) -> tuple[dict, list[s
 
 
 def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
-    return dict(q_ptr=f"*{q_dtype}", out_ptr=f"*{q_dtype}", k_data_ptr=_data_type(kf), v_data_ptr=_data_type(vf),
-                k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16",
-                k_new_data_ptr=_data_type(kf), v_new_data_ptr=_data_type(vf), k_new_scale_ptr="*fp16",
-                k_new_zero_ptr="*fp16", v_new_scale_ptr="*fp16", v_new_zero_ptr="*fp16",
-                k_static_ptr="*fp32", k_smooth_ptr="*fp32", v_static_ptr="*fp32", v_smooth_ptr="*fp32",
-                had_ptr="*fp32", block_table_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
-                part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", qk_scale="fp32")
+    q = _ptr(_Q_DTYPES[q_dtype])
+    f16, f32, i32 = _ptr("float16"), _ptr("float32"), _ptr("int32")
+    return dict(q_ptr=q, out_ptr=q, k_data_ptr=_data_type(kf), v_data_ptr=_data_type(vf),
+                k_scale_ptr=f16, k_zero_ptr=f16, v_scale_ptr=f16, v_zero_ptr=f16,
+                k_tail_ptr=f16, v_tail_ptr=f16, k_new_ptr=f16, v_new_ptr=f16,
+                k_static_ptr=f32, k_smooth_ptr=f32, v_static_ptr=f32, v_smooth_ptr=f32,
+                had_ptr=f32, block_table_ptr=i32, context_lens_ptr=i32, cu_seqlens_q_ptr=i32, slot_ids_ptr=i32,
+                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32")
 
 
-def append_kernel_config(fmt: TensorFormat, head_dim: int, x_dtype: str = "fp16") -> KernelConfig:
-    cfg = _k.append_config(fmt, head_dim)
+def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtype: str = "fp16") -> KernelConfig:
+    cfg = _k.seal_config(fmt, head_dim, block_size)
     c = cfg["constexprs"]
-    types = dict(x_ptr=f"*{x_dtype}", slot_ptr="*i32", data_ptr=_data_type(fmt), scale_ptr="*fp16",
-                 zero_ptr="*fp16", static_scale_ptr="*fp32", smooth_ptr="*fp32", clip_ptr="*fp32", had_ptr="*fp32")
-    sig, args = _signature("quantize_append_kernel", types, c)
-    return KernelConfig("quantize_append_kernel", f"quantize_append.{_tag(fmt)}.d{head_dim}.{x_dtype}", c, sig,
-                        cfg["num_warps"], ["cdiv(tokens, %d)" % c["BLOCK_T"], "kv_heads", "1"], args)
+    f16, f32 = _ptr("float16"), _ptr("float32")
+    types = dict(x_ptr=_ptr(_Q_DTYPES[x_dtype]), data_ptr=_data_type(fmt), scale_ptr=f16, zero_ptr=f16,
+                 static_scale_ptr=f32, smooth_ptr=f32, clip_ptr=f32, had_ptr=f32)
+    sig, args = _signature("seal_kernel", types, c)
+    return KernelConfig("seal_kernel", f"seal.{_tag(fmt)}.d{head_dim}.b{block_size}.{x_dtype}", c, sig,
+                        cfg["num_warps"], _grid_text(C.seal_grid(_v("blocks"), _v("kv_heads"))), args)
 
 
 def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dtype: str = "fp16",
-                          partition_size: int = _k.DEFAULT_PARTITION,
+                          partition_size: int = C.LIMITS.default_partition,
                           precision: str = DEFAULT_PRECISION) -> list[KernelConfig]:
     cfg = _k.decode_config(fmt.k, fmt.v, head_dim, gqa_ratio, partition_size, precision)
     types = _kv_types(fmt.k, fmt.v, q_dtype)
     tag = f"k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{cfg['partition']['constexprs']['BLOCK_H']}.{q_dtype}"
+    gp, gr = C.decode_grids(_v("batch"), _v("kv_heads"), _v("max_blocks"), block_size_of(fmt), partition_size,
+                            C.SYM_OPS)
     pc = cfg["partition"]["constexprs"]
     sig, args = _signature("paged_decode_partition_kernel", types, pc)
-    part = KernelConfig("paged_decode_partition_kernel", f"paged_decode_partition.{tag}.p{partition_size}.{precision}",
-                        pc, sig, cfg["partition"]["num_warps"],
-                        ["batch", "kv_heads", f"cdiv(max_context_len, {partition_size})"], args)
+    part = KernelConfig("paged_decode_partition_kernel",
+                        f"paged_decode_partition.{tag}.b{block_size_of(fmt)}.p{partition_size}.{precision}",
+                        pc, sig, cfg["partition"]["num_warps"], _grid_text(gp), args)
     rc = cfg["reduce"]["constexprs"]
     vtag = f"v-{_tag(fmt.v)}.d{head_dim}.h{rc['BLOCK_H']}.{q_dtype}.p{partition_size}"
     sig, args = _signature("paged_decode_reduce_kernel", types, rc)
     red = KernelConfig("paged_decode_reduce_kernel", f"paged_decode_reduce.{vtag}", rc, sig,
-                       cfg["reduce"]["num_warps"], ["batch", "kv_heads", "1"], args)
+                       cfg["reduce"]["num_warps"], _grid_text(gr), args)
     return [part, red]
 
 
@@ -147,8 +169,8 @@ def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype:
     c = cfg["constexprs"]
     sig, args = _signature("paged_prefill_kernel", _kv_types(fmt.k, fmt.v, q_dtype), c)
     name = f"paged_prefill.k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{c['BLOCK_H']}.{q_dtype}.{precision}"
-    return KernelConfig("paged_prefill_kernel", name, c, sig, cfg["num_warps"],
-                        [f"cdiv(max_seqlen_q, {c['BLOCK_M']})", "kv_heads", "batch"], args)
+    grid = C.prefill_grid(_v("max_seqlen_q"), _v("kv_heads"), _v("batch"), c["BLOCK_M"], C.SYM_OPS)
+    return KernelConfig("paged_prefill_kernel", name, c, sig, cfg["num_warps"], _grid_text(grid), args)
 
 
 def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS,
@@ -160,7 +182,7 @@ def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, g
     for d in head_dims:
         for fmt in formats:
             for tf in (fmt.k, fmt.v):
-                c = append_kernel_config(tf, d, q_dtype)
+                c = seal_kernel_config(tf, d, block_size_of(fmt), q_dtype)
                 out.setdefault(c.name, c)
             for c in decode_kernel_configs(fmt, d, max(gqa_ratios), q_dtype, precision=precision):
                 out.setdefault(c.name, c)
@@ -262,7 +284,7 @@ def compile_config(cfg: KernelConfig, arch: int, options: dict | None = None) ->
 
 def eval_grid(grid: list[str], **dims: int) -> tuple[int, int, int]:
     """Evaluate a grid formula (``KernelConfig.grid``) for concrete dims, e.g. ``eval_grid(g, batch=2, kv_heads=8,
-    max_context_len=4096)``."""
+    max_blocks=64)``."""
     env = {"cdiv": lambda a, b: -(-int(a) // int(b)), **dims}
     return tuple(int(eval(expr, {"__builtins__": {}}, env)) for expr in grid)  # noqa: S307 (our own formulas)
 
@@ -270,14 +292,15 @@ def eval_grid(grid: list[str], **dims: int) -> tuple[int, int, int]:
 def compile_for(fmt: KVFormat | str, head_dim: int, gqa_ratio: int, arch: int, q_dtype: str = "fp16",
                 decode_precision: str = DEFAULT_PRECISION,
                 prefill_precision: str = PREFILL_PRECISION) -> dict[str, CompiledConfig]:
-    """Everything one model layer needs, compiled for sm_<arch>: keys "append_k", "append_v",
+    """Everything one model layer needs, compiled for sm_<arch>: keys "seal_k", "seal_v",
     "decode_partition", "decode_reduce", "prefill" (what the TensorRT plugin glue calls)."""
     from trtkv.formats import get_format
 
     fmt = get_format(fmt)
     part, red = decode_kernel_configs(fmt, head_dim, gqa_ratio, q_dtype, precision=decode_precision)
-    cfgs = {"append_k": append_kernel_config(fmt.k, head_dim, q_dtype),
-            "append_v": append_kernel_config(fmt.v, head_dim, q_dtype),
+    bs = block_size_of(fmt)
+    cfgs = {"seal_k": seal_kernel_config(fmt.k, head_dim, bs, q_dtype),
+            "seal_v": seal_kernel_config(fmt.v, head_dim, bs, q_dtype),
             "decode_partition": part, "decode_reduce": red,
             "prefill": prefill_kernel_config(fmt, head_dim, gqa_ratio, q_dtype, prefill_precision)}
     return {key: compile_config(c, arch) for key, c in cfgs.items()}

@@ -15,15 +15,17 @@ STRING -> char. A declared attribute missing from the node is skipped with a war
 QDP call fails, so ``make_node`` always writes every attribute. ``aot=1`` asks the parser for the
 ahead-of-time implementation (no Python at serve time).
 
-Engines are pure functions (docs/plugins.md, DESIGN.md). No op writes the paged pool:
+Engines are pure functions (docs/plugins.md, docs/kv-cache-format.md "The engine step contract"). No op
+writes the paged pool or the open blocks:
 
-* ``PagedKVAppend`` quantizes the new tokens' K (or V) rows and *returns* their codes / scales /
-  zero-points in pool-row form ([tokens, kv_heads, ...]); the runtime scatters them into the pool
-  at its slot mapping after the step (``cache_layout.write_paged`` would produce the same bytes).
-* The attention ops read the pool (read-only) for the first ``context_len - num_new`` positions of
-  each sequence and the *new rows* (the append outputs of this step) for the last ``num_new``
-  positions, so their result equals attention over the pool after the write
-  (``reference.paged_attention_ref`` on the updated pool) without aliasing any engine input.
+* ``PagedKVSeal`` quantizes full open blocks ``[blocks, kv_heads, block_size, head_dim]`` (fp16) and
+  *returns* their codes / scales / zero-points in pool-block form; the runtime stores them at the pool
+  blocks it allocated (``cache_layout.seal_blocks`` writes the same bytes).
+* The attention ops read, for new token ``t`` of sequence ``b`` (position ``context_lens[b] + t``): the
+  ``context_lens[b] // block_size`` sealed blocks through the block table (dequantized), the open block's
+  ``context_lens[b] % block_size`` rows from ``k_tail / v_tail[slot_ids[b]]`` (fp16) and this step's new
+  rows ``0 .. t`` (fp16, causal). The result equals float64 attention over ``gather_paged(..., slot=)``
+  followed by the new rows (``reference.paged_attention_ref``). A step never crosses a block boundary.
 
 Decode attention is split-K (flash-decoding): an AOT plugin launches exactly one kernel, so the op is
 two nodes, ``PagedDecodePartition`` (partial softmax states per context partition) and
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from trtkv.errors import TrtkvError
+from trtkv.formats import ELEM_TYPES
 
 DOMAIN = "trtkv"  # ONNX domain of the nodes and the TensorRT plugin namespace
 PLUGIN_VERSION = "1"  # tensorrt.plugin registers every op as version "1"
@@ -148,28 +151,112 @@ def value(x: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# op specs
+# limits and launch grids (the one record / definition contract, ops, aot and kernels read)
 # ------------------------------------------------------------------------------------------------
 
-# dtype names used across the contract (``trt_plugins`` maps them to trt.DataType, ``onnx_elem_type`` to ONNX)
-DTYPE_NAMES = ("float16", "float32", "int8", "uint8", "int32")
 
+@dataclass(frozen=True)
+class KernelLimits:
+    """What the Triton kernels accept. Every check of a head dim, block size or partition size reads this.
+
+    * head_dim: tiled whole (``tl.arange``) and split in even / odd halves that feed ``tl.dot`` as the
+      reduction dimension, which must be >= 16: a power of two, 32 .. 256.
+    * block_size: the seal kernel holds one whole block per (block, head) program, its rows are the M
+      dimension of the Hadamard ``tl.dot`` (>= 16); a power of two, 16 .. 128 (larger blocks spill).
+    * partition_size: split-K decode partitions, a power of two >= 16 (a multiple of the kernel's key tile).
+    """
+
+    head_dim_min: int = 32
+    head_dim_max: int = 256
+    block_size_min: int = 16
+    block_size_max: int = 128
+    partition_min: int = 16
+    default_partition: int = 512
+
+    def head_dim_problem(self, d: int) -> str | None:
+        if _is_pow2(d) and self.head_dim_min <= d <= self.head_dim_max:
+            return None
+        return f"must be a power of two between {self.head_dim_min} and {self.head_dim_max} (the kernels' tile width)"
+
+    def block_size_problem(self, bs: int) -> str | None:
+        if _is_pow2(bs) and self.block_size_min <= bs <= self.block_size_max:
+            return None
+        return f"must be a power of two between {self.block_size_min} and {self.block_size_max}"
+
+    def partition_problem(self, p: int) -> str | None:
+        return None if _is_pow2(p) and p >= self.partition_min else f"must be a power of two >= {self.partition_min}"
+
+
+LIMITS = KernelLimits()
+
+
+def _is_pow2(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+# Launch grids, each written once. Arguments may be ints, ``Sym`` or tensorrt.plugin shape expressions
+# (symbolic operand on the left); ``ops`` supplies cdiv. The Triton launchers (ops.py), the TensorRT
+# bindings (BINDINGS below) and the AOT grid formulas (aot.py, evaluated on ``Sym``) all call these.
+
+
+def seal_grid(num_blocks, num_kv_heads, ops: SymOps = None) -> tuple:
+    """Seal: one program per (block to seal, KV head)."""
+    return (num_blocks, num_kv_heads, 1)
+
+
+def decode_partitions(max_blocks, block_size, partition_size, ops: SymOps = None):
+    """Split-K partitions covering any context the block table allows: ``max_blocks`` sealed blocks, an
+    open block of fewer than ``block_size`` rows and the new row: ``< (max_blocks + 1) * block_size`` keys."""
+    ops = ops or INT_OPS
+    return ops.cdiv((max_blocks + 1) * block_size, partition_size)
+
+
+def decode_reduce_grid(batch, num_kv_heads, ops: SymOps = None) -> tuple:
+    """Split-K merge: one program per (sequence, KV head), all its query heads."""
+    return (batch, num_kv_heads, 1)
+
+
+def decode_grids(batch, num_kv_heads, max_blocks, block_size, partition_size, ops: SymOps = None) -> tuple:
+    """(partition grid, reduce grid) of split-K decode."""
+    parts = decode_partitions(max_blocks, block_size, partition_size, ops)
+    return (batch, num_kv_heads, parts), decode_reduce_grid(batch, num_kv_heads, ops)
+
+
+def prefill_grid(max_seqlen_q, num_kv_heads, batch, block_m: int, ops: SymOps = None) -> tuple:
+    """One program per BLOCK_M query tokens of a sequence and KV head; ``max_seqlen_q`` may be any upper
+    bound (e.g. the total query count): programs past a sequence's queries exit at once."""
+    ops = ops or INT_OPS
+    return (ops.cdiv(max_seqlen_q, block_m), num_kv_heads, batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# op specs
+# ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TensorSpec:
     """One input or output of an op. ``dtype`` is a dtype name or ``"codes:k"`` / ``"codes:v"`` /
-    ``"codes"`` (the storage dtype of the K / V / op's tensor format)."""
+    ``"codes"`` (the storage dtype of the K / V / op's tensor format). ``rank`` is an int or, for the
+    scale tensors whose rank depends on the format (per-token ``[.., block_size, groups]`` vs block-wise
+    ``[.., head_dim]``), a function of the attributes."""
 
     name: str
-    rank: int
+    rank: int | Callable[["Attrs"], int]
     dtype: str
-    role: str  # activation | pool | new-rows | block-table | lengths | offsets | constant | partial | output
+    role: str  # activation | pool | tail | new-rows | block-table | lengths | slots | offsets | constant | partial | output
     shape: str  # documentation, e.g. "[tokens, kv_heads, head_dim]"
     doc: str
     needed: Callable[["Attrs"], bool] | None = None  # None: always used; else placeholder when False
 
     def used(self, attrs: "Attrs") -> bool:
         return True if self.needed is None else bool(self.needed(attrs))
+
+    def rank_of(self, attrs: "Attrs | None" = None) -> int:
+        if callable(self.rank):
+            if attrs is None:
+                raise ValueError(f"the rank of {self.name} depends on the format: pass the attributes")
+            return int(self.rank(attrs))
+        return self.rank
 
 
 @dataclass(frozen=True)
@@ -242,28 +329,41 @@ def _had(*which):
     return lambda a: any(_fmt(a, w).hadamard for w in which)
 
 
-def _pool(prefix: str, which: str) -> tuple[TensorSpec, ...]:
+def _scale_rank(lead: int, which: str):
+    """Rank of a scale / zero tensor with ``lead`` leading axes before [kv_heads, ...]: per-token formats
+    add [block_size, groups], block-wise ones [head_dim]."""
+    return lambda a: lead + (2 if _fmt(a, which).is_block_wise else 3)
+
+
+_SCALE_SHAPE = "per-token formats [{n}, kv_heads, block_size, groups]; bchannel [{n}, kv_heads, head_dim]"
+
+
+def _pool(which: str) -> tuple[TensorSpec, ...]:
     W = which.upper()
     return (
-        TensorSpec(f"{prefix}_data", 4, f"codes:{which}", "pool", "[num_blocks, kv_heads, block_size, packed_dim]",
-                   f"{W} pool codes (read-only)"),
-        TensorSpec(f"{prefix}_scale", 4, "float16", "pool", "[num_blocks, kv_heads, block_size, groups]",
+        TensorSpec(f"{which}_data", 4, f"codes:{which}", "pool", "[num_blocks, kv_heads, block_size, packed_dim]",
+                   f"{W} pool codes: sealed blocks (read-only)"),
+        TensorSpec(f"{which}_scale", _scale_rank(1, which), "float16", "pool", _SCALE_SHAPE.format(n="num_blocks"),
                    f"{W} pool dynamic scales", _dyn(which)),
-        TensorSpec(f"{prefix}_zero", 4, "float16", "pool", "[num_blocks, kv_heads, block_size, groups]",
+        TensorSpec(f"{which}_zero", _scale_rank(1, which), "float16", "pool", _SCALE_SHAPE.format(n="num_blocks"),
                    f"{W} pool zero-points (asymmetric)", _asym(which)),
     )
 
 
-def _new_rows(which: str, rows: str) -> tuple[TensorSpec, ...]:
-    W = which.upper()
-    return (
-        TensorSpec(f"{which}_new_data", 3, f"codes:{which}", "new-rows", f"[{rows}, kv_heads, packed_dim]",
-                   f"this step's {W} rows (PagedKVAppend codes output)"),
-        TensorSpec(f"{which}_new_scale", 3, "float16", "new-rows", f"[{rows}, kv_heads, groups]",
-                   f"this step's {W} scales (PagedKVAppend scale output)", _dyn(which)),
-        TensorSpec(f"{which}_new_zero", 3, "float16", "new-rows", f"[{rows}, kv_heads, groups]",
-                   f"this step's {W} zero-points (PagedKVAppend zero output)", _asym(which)),
-    )
+def _tails() -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(f"{w}_tail", 4, "float16", "tail", "[num_slots, kv_heads, block_size, head_dim]",
+                   f"{w.upper()} open blocks (fp16, model channel space); slot s holds its sequence's newest "
+                   "context_len % block_size rows at offsets 0 ..; rows past them may hold anything")
+        for w in ("k", "v"))
+
+
+def _new(rows: str) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(f"{w}_new", 3, "float16", "new-rows", f"[{rows}, kv_heads, head_dim]",
+                   f"this step's {w.upper()} rows (fp16, model channel space: K after RoPE), the values the open "
+                   "block will hold")
+        for w in ("k", "v"))
 
 
 def _const(name: str, which: str, what: str, needed) -> TensorSpec:
@@ -274,27 +374,32 @@ def _const(name: str, which: str, what: str, needed) -> TensorSpec:
 _HAD_DOC = "normalized Hadamard matrix (trtkv.quant.hadamard_matrix)"
 
 _A_KV_FORMATS = (
-    AttrSpec("k_format", str, "K tensor format spec (TensorFormat.short(), e.g. 'int4:g64:asym:smooth:hadamard')"),
+    AttrSpec("k_format", str, "K tensor format spec (TensorFormat.short(), e.g. 'int4:bchannel:asym')"),
     AttrSpec("v_format", str, "V tensor format spec"),
 )
 _A_HEADS = (
     AttrSpec("num_q_heads", int, "query heads (a multiple of num_kv_heads)"),
     AttrSpec("num_kv_heads", int, "KV heads"),
-    AttrSpec("head_dim", int, "head dimension (a power of two, 16..256)"),
+    AttrSpec("head_dim", int, "head dimension (contract.LIMITS: a power of two, 32..256)"),
 )
-_A_BLOCK = AttrSpec("block_size", int, "tokens per pool block (a power of two, >= 16)")
+_A_BLOCK = AttrSpec("block_size", int, "tokens per pool block and open block (contract.LIMITS: a power of two, 16..128)")
 _A_SCALE = AttrSpec("sm_scale", float, "softmax scale (usually 1/sqrt(head_dim))")
 _A_PREC = AttrSpec("precision", str, "tl.dot input precision: ieee | tf32x3 | tf32", "tf32x3")
-_A_PART = AttrSpec("partition_size", int, "context tokens per split-K partition (a power of two, >= 16)", 512)
+_A_PART = AttrSpec("partition_size", int, "context tokens per split-K partition (a power of two, >= 16)",
+                   LIMITS.default_partition)
 
-APPEND = OpSpec(
-    name="PagedKVAppend",
-    doc="Quantize this step's K or V rows; returns them in pool-row form (pure: the pool is not an input).",
+_CTX = ("tokens cached (sealed + open) BEFORE this step; the pool holds the first context_len // block_size "
+        "blocks, the open block the rest")
+_BT = "sealed pool blocks of each sequence; entries past context_len // block_size are never read"
+_SLOTS = "each sequence's open-block slot (index into k_tail / v_tail)"
+
+SEAL = OpSpec(
+    name="PagedKVSeal",
+    doc="Quantize full open blocks into the pool form of sealed blocks (trtkv.quant.quantize_block); returns "
+        "codes / scales / zero-points, which the runtime stores at the blocks it allocated (pure: no pool input).",
     inputs=(
-        TensorSpec("rows", 3, "float16", "activation", "[tokens, kv_heads, head_dim]",
-                   "new K or V rows in the model's channel space (the kernel applies smoothing / Hadamard)"),
-        TensorSpec("dest", 1, "int32", "offsets", "[tokens]",
-                   "output row of each token: arange(tokens); a negative entry skips the token (padding)"),
+        TensorSpec("rows", 4, "float16", "activation", "[blocks, kv_heads, block_size, head_dim]",
+                   "the open blocks to seal, model channel space (the kernel applies smoothing / Hadamard)"),
         _const("static_scale", "", "static scale", _static("x")),
         _const("smooth", "", "smoothing divisors", _smooth("x")),
         TensorSpec("clip", 1, "float32", "constant", "[kv_heads]",
@@ -302,32 +407,35 @@ APPEND = OpSpec(
         TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("x")),
     ),
     outputs=(
-        TensorSpec("codes", 3, "codes", "output", "[tokens, kv_heads, packed_dim]", "quantized codes"),
-        TensorSpec("scale", 3, "float16", "output", "[tokens, kv_heads, groups]", "dynamic scales", _dyn("x")),
-        TensorSpec("zero", 3, "float16", "output", "[tokens, kv_heads, groups]", "zero-points", _asym("x")),
+        TensorSpec("codes", 4, "codes", "output", "[blocks, kv_heads, block_size, packed_dim]", "quantized codes"),
+        TensorSpec("scale", _scale_rank(1, "x"), "float16", "output", _SCALE_SHAPE.format(n="blocks"),
+                   "dynamic scales", _dyn("x")),
+        TensorSpec("zero", _scale_rank(1, "x"), "float16", "output", _SCALE_SHAPE.format(n="blocks"),
+                   "zero-points", _asym("x")),
     ),
     attrs=(
         AttrSpec("tensor_format", str, "the tensor format spec (TensorFormat.short())"),
         AttrSpec("num_kv_heads", int, "KV heads"),
-        AttrSpec("head_dim", int, "head dimension (a power of two, 16..256)"),
+        AttrSpec("head_dim", int, "head dimension (contract.LIMITS)"),
+        _A_BLOCK,
     ),
 )
 
 DECODE_PARTITION = OpSpec(
     name="PagedDecodePartition",
-    doc="Split-K decode attention, stage 1: partial softmax states of one query per sequence over "
-        "partitions of its context (pool rows, then this step's new row).",
+    doc="Split-K decode attention, stage 1: partial softmax states of one new token per sequence (position "
+        "context_len) over partitions of its keys: sealed blocks (pool), open block (tail) and its own new row.",
     inputs=(
         TensorSpec("q", 3, "float16", "activation", "[batch, q_heads, head_dim]", "queries (model channel space)"),
-        *_pool("k", "k"), *_pool("v", "v"),
-        *_new_rows("k", "batch"), *_new_rows("v", "batch"),
+        *_pool("k"), *_pool("v"), *_tails(), *_new("batch"),
         _const("k_static", "k", "static scale", _static("k")),
         _const("k_smooth", "k", "smoothing divisors", _smooth("k")),
-        TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k")),
-        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]",
-                   "pool blocks of each sequence (covering its whole context, the new token included)"),
-        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]",
-                   "context length including the new token; the pool holds the first context_len - 1"),
+        _const("v_static", "v", "static scale", _static("v")),
+        _const("v_smooth", "v", "smoothing divisors", _smooth("v")),
+        TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k", "v")),
+        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]", _BT),
+        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", _CTX),
+        TensorSpec("slot_ids", 1, "int32", "slots", "[batch]", _SLOTS),
     ),
     outputs=(
         TensorSpec("part_m", 3, "float32", "partial", "[batch, q_heads, partitions]", "running max (log2 domain)"),
@@ -358,30 +466,29 @@ DECODE_REDUCE = OpSpec(
 
 PREFILL = OpSpec(
     name="PagedPrefillAttention",
-    doc="Causal (chunked) prefill attention of packed query tokens over the pool rows plus this "
-        "step's new rows.",
+    doc="Causal (chunked) prefill attention of packed new tokens over sealed blocks (pool), the open block "
+        "(tail) and this step's new rows; a step never crosses a block boundary.",
     inputs=(
         TensorSpec("q", 3, "float16", "activation", "[tokens, q_heads, head_dim]", "packed queries of all sequences"),
         TensorSpec("cu_seqlens", 1, "int32", "offsets", "[batch + 1]",
-                   "sequence b's queries (and new rows) are rows cu_seqlens[b] .. cu_seqlens[b+1]-1"),
-        *_pool("k", "k"), *_pool("v", "v"),
-        *_new_rows("k", "tokens"), *_new_rows("v", "tokens"),
+                   "sequence b's queries and new rows are rows cu_seqlens[b] .. cu_seqlens[b+1]-1, at positions "
+                   "context_len .. (padded [B, T] form: cu_seqlens = arange(B + 1) * T; padding rows come last in "
+                   "each sequence and no valid query sees them)"),
+        *_pool("k"), *_pool("v"), *_tails(), *_new("tokens"),
         _const("k_static", "k", "static scale", _static("k")),
         _const("k_smooth", "k", "smoothing divisors", _smooth("k")),
         _const("v_static", "v", "static scale", _static("v")),
         _const("v_smooth", "v", "smoothing divisors", _smooth("v")),
         TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k", "v")),
-        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]",
-                   "pool blocks of each sequence (covering its whole context, the new tokens included)"),
-        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]",
-                   "context length including the new tokens; the pool holds the first "
-                   "context_len - (cu_seqlens[b+1] - cu_seqlens[b])"),
+        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]", _BT),
+        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", _CTX),
+        TensorSpec("slot_ids", 1, "int32", "slots", "[batch]", _SLOTS),
     ),
     outputs=(TensorSpec("out", 3, "float16", "output", "[tokens, q_heads, head_dim]", "attention output"),),
     attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SCALE, _A_PREC),
 )
 
-OPS: dict[str, OpSpec] = {op.name: op for op in (APPEND, DECODE_PARTITION, DECODE_REDUCE, PREFILL)}
+OPS: dict[str, OpSpec] = {op.name: op for op in (SEAL, DECODE_PARTITION, DECODE_REDUCE, PREFILL)}
 
 
 def get_op(name: str) -> OpSpec:
@@ -404,10 +511,6 @@ class Attrs(dict):
     def tensor_format(self, which: str):
         """The TensorFormat of K ('k'), V ('v') or, for PagedKVAppend, its own format ('x')."""
         return _fmt(self, which)
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def validate_attrs(op: OpSpec | str, raw: dict[str, Any]) -> Attrs:
@@ -468,13 +571,15 @@ def _check_values(op: OpSpec, a: Attrs) -> None:
                 msg = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)
                 raise _bad(op, key, a[key], f"is not a tensor format spec ({msg})") from None
     d = a.get("head_dim")
-    if d is not None and not (_is_pow2(d) and 16 <= d <= 256):
-        raise _bad(op, "head_dim", d, "must be a power of two between 16 and 256 (the kernels' tile width)")
+    if d is not None and LIMITS.head_dim_problem(d):
+        raise _bad(op, "head_dim", d, LIMITS.head_dim_problem(d))
     for key, f in fmts.items():
         try:
             f.groups(d)
         except TrtkvError as exc:
             raise _bad(op, key, a[key], f"does not fit head_dim {d}: {exc.problem}") from None
+        if f.dtype == "int4" and d % 2:
+            raise _bad(op, key, a[key], f"packs two codes per byte and needs an even head_dim, got {d}")
     kvh = a.get("num_kv_heads")
     if kvh is not None and kvh < 1:
         raise _bad(op, "num_kv_heads", kvh, "must be >= 1")
@@ -482,14 +587,11 @@ def _check_values(op: OpSpec, a: Attrs) -> None:
     if qh is not None and (qh < 1 or qh % kvh):
         raise _bad(op, "num_q_heads", qh, f"must be a positive multiple of num_kv_heads={kvh}")
     bs = a.get("block_size")
-    if bs is not None and not (_is_pow2(bs) and bs >= 16):
-        raise _bad(op, "block_size", bs, "must be a power of two >= 16")
+    if bs is not None and LIMITS.block_size_problem(bs):
+        raise _bad(op, "block_size", bs, LIMITS.block_size_problem(bs))
     ps = a.get("partition_size")
-    if ps is not None:
-        if not (_is_pow2(ps) and ps >= 16):
-            raise _bad(op, "partition_size", ps, "must be a power of two >= 16")
-        if bs is not None and ps % bs and bs % ps:
-            raise _bad(op, "partition_size", ps, f"and block_size {bs} must divide one another")
+    if ps is not None and LIMITS.partition_problem(ps):
+        raise _bad(op, "partition_size", ps, LIMITS.partition_problem(ps))
     s = a.get("sm_scale")
     if s is not None and not (math.isfinite(s) and s > 0):
         raise _bad(op, "sm_scale", s, "must be a finite positive number")
@@ -499,19 +601,24 @@ def _check_values(op: OpSpec, a: Attrs) -> None:
 
 
 def attrs_for(op: OpSpec | str, fmt, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-              block_size: int = 16, sm_scale: float | None = None, partition_size: int = 512,
-              precision: str = "tf32x3", which: str = "k") -> Attrs:
-    """Attributes of ``op`` for a KVFormat (or spec string) and model geometry: the builder's shortcut."""
+              block_size: int | None = None, sm_scale: float | None = None,
+              partition_size: int = LIMITS.default_partition, precision: str = "tf32x3", which: str = "k") -> Attrs:
+    """Attributes of ``op`` for a KVFormat (or spec string) and model geometry: the builder's shortcut.
+
+    ``block_size`` defaults to the format's own (``block=N``); a format without one takes the cache's."""
     from trtkv.formats import get_format
 
     op = get_op(op) if isinstance(op, str) else op
     f = get_format(fmt)
-    if f.recent_tokens:
-        raise TrtkvError(f"format {f.name!r} keeps recent tokens unquantized, which the plugins do not support",
-                         "use a format with recent_tokens=0")
+    bs = block_size if block_size is not None else f.block_size
+    if bs is None:
+        raise TrtkvError(f"format {f.name!r} has no block size of its own", "pass block_size (the cache's block size)")
+    if f.block_size is not None and f.block_size != bs:
+        raise TrtkvError(f"format {f.name!r} seals blocks of {f.block_size} tokens, not {bs}",
+                         f"use block_size={f.block_size}")
     every = dict(
         tensor_format=(f.k if which == "k" else f.v).short(), k_format=f.k.short(), v_format=f.v.short(),
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs,
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         partition_size=partition_size, precision=precision,
     )
@@ -524,13 +631,8 @@ def attrs_for(op: OpSpec | str, fmt, *, num_q_heads: int, num_kv_heads: int, hea
 
 
 def codes_dtype(fmt) -> str:
-    """Storage dtype name of a tensor format's codes (the pool layout's own rule)."""
-    from trtkv.cache_layout import PagedKVLayout
-    from trtkv.formats import KVFormat
-
-    layout = PagedKVLayout(fmt=KVFormat(name="x", k=fmt, v=fmt), num_kv_heads=1,
-                           head_dim=max(2, fmt.group_size or 2), block_size=1, num_blocks=1)
-    return str(layout.data_dtype("k")).removeprefix("torch.")
+    """Storage dtype name of a tensor format's codes (``trtkv.formats.DTYPES``, by symmetry)."""
+    return fmt.storage.name
 
 
 def tensor_dtype(op: OpSpec, spec: TensorSpec, attrs: Attrs) -> str:
@@ -550,9 +652,9 @@ def output_dtypes(op: OpSpec | str, attrs: Attrs) -> list[str]:
     return [tensor_dtype(op, t, attrs) for t in op.outputs]
 
 
-def placeholder_shape(spec: TensorSpec) -> tuple[int, ...]:
+def placeholder_shape(spec: TensorSpec, attrs: Attrs | None = None) -> tuple[int, ...]:
     """Shape of the stand-in for a tensor the format does not use: all ones, the declared rank."""
-    return (1,) * spec.rank
+    return (1,) * spec.rank_of(attrs)
 
 
 def check_inputs(op: OpSpec | str, attrs: Attrs, ranks: Sequence[int], dtypes: Sequence[str]) -> None:
@@ -563,8 +665,8 @@ def check_inputs(op: OpSpec | str, attrs: Attrs, ranks: Sequence[int], dtypes: S
                          f"got {len(ranks)}", "pass placeholders ([1]*rank tensors) for unused ones")
     want = input_dtypes(op, attrs)
     for t, r, dt, w in zip(op.inputs, ranks, dtypes, want):
-        if r != t.rank:
-            raise TrtkvError(f"{op.name}: input {t.name} has rank {r}, expected {t.rank} {t.shape}", FIX)
+        if r != t.rank_of(attrs):
+            raise TrtkvError(f"{op.name}: input {t.name} has rank {r}, expected {t.rank_of(attrs)} {t.shape}", FIX)
         if dt != w:
             raise TrtkvError(f"{op.name}: input {t.name} is {dt}, expected {w}", FIX)
 
@@ -575,8 +677,13 @@ def check_inputs(op: OpSpec | str, attrs: Attrs, ranks: Sequence[int], dtypes: S
 
 
 def num_partitions(max_blocks, attrs: Attrs, ops: SymOps = INT_OPS):
-    """Split-K partitions: the block table bounds the context (it covers the whole context)."""
-    return ops.cdiv(max_blocks * attrs["block_size"], attrs["partition_size"])
+    """Split-K partitions of a decode op instance (``decode_partitions``)."""
+    return decode_partitions(max_blocks, attrs["block_size"], attrs["partition_size"], ops)
+
+
+def _scale_dims(f, lead, H: int, bs: int, D: int):
+    """Shape of a scale / zero tensor with leading dims ``lead`` (placeholder when unused is the caller's)."""
+    return (*lead, H, D) if f.is_block_wise else (*lead, H, bs, f.groups(D))
 
 
 def output_shapes(op: OpSpec | str, attrs: Attrs, shapes: Sequence[Sequence[Any]], ops: SymOps = INT_OPS):
@@ -584,14 +691,14 @@ def output_shapes(op: OpSpec | str, attrs: Attrs, shapes: Sequence[Sequence[Any]
     op = get_op(op) if isinstance(op, str) else op
     s = {t.name: tuple(sh) for t, sh in zip(op.inputs, shapes)}
     name = op.name
-    if name == "PagedKVAppend":
+    if name == "PagedKVSeal":
         f = attrs.tensor_format("x")
-        T, H, D = s["rows"][0], attrs["num_kv_heads"], attrs["head_dim"]
+        n, H, bs, D = s["rows"][0], attrs["num_kv_heads"], attrs["block_size"], attrs["head_dim"]
         packed = D // f.traits.codes_per_byte
-        g = f.groups(D)
-        row = (T, H, g) if f.is_dynamic else (1, 1, 1)
-        zrow = (T, H, g) if f.is_dynamic and not f.symmetric else (1, 1, 1)
-        return [(T, H, packed), row, zrow]
+        out = [(n, H, bs, packed)]
+        for t in op.outputs[1:]:
+            out.append(_scale_dims(f, (n,), H, bs, D) if t.used(attrs) else placeholder_shape(t, attrs))
+        return out
     if name == "PagedDecodePartition":
         B, M = s["block_tables"]
         S = num_partitions(M, attrs, ops)
@@ -606,42 +713,42 @@ def output_shapes(op: OpSpec | str, attrs: Attrs, shapes: Sequence[Sequence[Any]
 
 
 def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tokens: int = 5,
-                          num_blocks: int = 7, max_blocks: int = 3, partitions: int | None = None):
-    """Concrete input shapes for an op instance (placeholders for unused tensors): docs and tests."""
+                          num_blocks: int = 7, max_blocks: int = 3, num_slots: int = 4, blocks: int = 3,
+                          partitions: int | None = None):
+    """Concrete input shapes for an op instance (placeholders for unused tensors): docs and tests.
+
+    ``blocks``: blocks sealed by PagedKVSeal; ``tokens``: packed prefill tokens."""
     op = get_op(op) if isinstance(op, str) else op
     D = attrs["head_dim"]
     H = attrs["num_kv_heads"]
     Hq = attrs.get("num_q_heads", H)
-    bs = attrs.get("block_size", 16)
+    bs = attrs.get("block_size", 16)  # every op with pool / tail inputs has it
     rows = batch if op.name == "PagedDecodePartition" else tokens
     S = partitions if partitions is not None else (
         num_partitions(max_blocks, attrs) if "partition_size" in attrs and "block_size" in attrs else 2)
 
-    def fmt_of(t: TensorSpec):
-        w = "x" if op.name == "PagedKVAppend" else (t.name[0] if t.name[0] in "kv" else "k")
-        return attrs.tensor_format(w)
-
     out = []
     for t in op.inputs:
         if not t.used(attrs):
-            out.append(placeholder_shape(t))
+            out.append(placeholder_shape(t, attrs))
             continue
-        f = fmt_of(t) if t.role in ("pool", "new-rows") else None
-        last = None
-        if f is not None:
-            last = D // f.traits.codes_per_byte if t.name.endswith("data") else f.groups(D)
         shape = {
-            "rows": (tokens, H, D), "dest": (tokens,), "clip": (H,), "hadamard": (D, D),
-            "q": (batch, Hq, D) if op.name == "PagedDecodePartition" else (tokens, Hq, D),
+            "rows": (blocks, H, bs, D), "clip": (H,), "hadamard": (D, D),
+            "q": (rows, Hq, D), "k_new": (rows, H, D), "v_new": (rows, H, D),
+            "k_tail": (num_slots, H, bs, D), "v_tail": (num_slots, H, bs, D),
             "cu_seqlens": (batch + 1,), "block_tables": (batch, max_blocks), "context_lens": (batch,),
+            "slot_ids": (batch,),
             "part_m": (batch, Hq, S), "part_l": (batch, Hq, S), "part_acc": (batch, Hq, S, D),
         }.get(t.name)
         if shape is None and t.role == "constant":
             shape = (H, D)
         if shape is None and t.role == "pool":
-            shape = (num_blocks, H, bs, last)
-        if shape is None and t.role == "new-rows":
-            shape = (rows, H, last)
+            f = attrs.tensor_format(t.name[0])
+            if t.name.endswith("data"):
+                shape = (num_blocks, H, bs, D // f.traits.codes_per_byte)
+            else:
+                shape = _scale_dims(f, (num_blocks,), H, bs, D)
+        assert shape is not None, t.name
         out.append(shape)
     return out
 
@@ -650,7 +757,7 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
 # ONNX nodes
 # ------------------------------------------------------------------------------------------------
 
-ONNX_ELEM = {"float16": 10, "float32": 1, "int8": 3, "uint8": 2, "int32": 6}  # onnx.TensorProto enums
+ONNX_ELEM = {name: e.onnx for name, e in ELEM_TYPES.items()}  # onnx.TensorProto enums (trtkv.formats.ELEM_TYPES)
 
 
 def onnx_attributes(op: OpSpec | str, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -682,19 +789,20 @@ def make_node(op: OpSpec | str, inputs: Sequence[str], outputs: Sequence[str], a
                                  **onnx_attributes(op, attrs))
 
 
-def make_decode_nodes(inputs: Sequence[str], out: str, attrs: dict[str, Any], *, prefix: str,
-                      v_static: str, v_smooth: str, hadamard: str):
+def make_decode_nodes(inputs: Sequence[str], out: str, attrs: dict[str, Any], *, prefix: str):
     """The two nodes of one decode attention: PagedDecodePartition -> PagedDecodeReduce.
 
     ``inputs`` are the PagedDecodePartition inputs; ``attrs`` the PagedDecodePartition attributes
-    (the reduce node takes its subset). Returns (nodes, names of the three partial tensors).
+    (the reduce node takes its subset and V's constants from ``inputs``). Returns (nodes, names of the
+    three partial tensors).
     """
     parts = [f"{prefix}/part_m", f"{prefix}/part_l", f"{prefix}/part_acc"]
     a = validate_attrs(DECODE_PARTITION, attrs)
     n1 = make_node(DECODE_PARTITION, inputs, parts, a, name=f"{prefix}/partition")
-    ctx = inputs[DECODE_PARTITION.input_index("context_lens")]
+    pick = {n: inputs[DECODE_PARTITION.input_index(n)] for n in ("context_lens", "v_static", "v_smooth", "hadamard")}
     red = {k: a[k] for k in (x.name for x in DECODE_REDUCE.attrs)}
-    n2 = make_node(DECODE_REDUCE, [*parts, ctx, v_static, v_smooth, hadamard], [out], red, name=f"{prefix}/reduce")
+    n2 = make_node(DECODE_REDUCE, [*parts, pick["context_lens"], pick["v_static"], pick["v_smooth"], pick["hadamard"]],
+                   [out], red, name=f"{prefix}/reduce")
     return [n1, n2], parts
 
 
@@ -749,7 +857,6 @@ class Binding:
     consts: Callable[[Attrs], dict[str, Any]]  # kernel parameters compiled in as constexprs
     grid: Callable[[Attrs, dict, dict, SymOps], tuple]  # (attrs, input shapes by name, constexprs, ops)
     scalar_values: Callable[[Attrs, dict, dict, SymOps], tuple]  # values of ``scalars``, same signature
-    new_rows: bool = False  # an attention kernel compiled with NEW_ROWS=True (the pure-engine contract)
 
 
 LOG2E = 1.4426950408889634
@@ -759,35 +866,33 @@ def _qk_scale(a: Attrs) -> float:
     return float(a["sm_scale"]) * LOG2E
 
 
+_POOL_PARAMS = {f"{w}_{p}_ptr": f"{w}_{p}" for w in "kv" for p in ("data", "scale", "zero", "tail", "new")}
+_CONST_PARAMS = dict(k_static_ptr="k_static", k_smooth_ptr="k_smooth", v_static_ptr="v_static",
+                     v_smooth_ptr="v_smooth", had_ptr="hadamard")
+_SEQ_PARAMS = dict(block_table_ptr="block_tables", context_lens_ptr="context_lens", slot_ids_ptr="slot_ids")
+
 BINDINGS: dict[str, Binding] = {
-    "PagedKVAppend": Binding(
-        kernel="quantize_append_kernel",
-        config="append",
-        params=dict(x_ptr="rows", slot_ptr="dest", data_ptr="codes", scale_ptr="scale", zero_ptr="zero",
+    "PagedKVSeal": Binding(
+        kernel="seal_kernel",
+        config="seal",
+        params=dict(x_ptr="rows", data_ptr="codes", scale_ptr="scale", zero_ptr="zero",
                     static_scale_ptr="static_scale", smooth_ptr="smooth", clip_ptr="clip", had_ptr="hadamard"),
-        scalars=("num_tokens",),
-        # the outputs are a pool of one-token blocks: slot t -> row t
-        consts=lambda a: dict(num_kv_heads=a["num_kv_heads"], block_size=1),
-        grid=lambda a, s, c, ops: (ops.cdiv(s["rows"][0], c["BLOCK_T"]), a["num_kv_heads"], 1),
-        scalar_values=lambda a, s, c, ops: (s["rows"][0],),
+        scalars=(),
+        consts=lambda a: dict(num_kv_heads=a["num_kv_heads"]),
+        grid=lambda a, s, c, ops: seal_grid(s["rows"][0], a["num_kv_heads"], ops),
+        scalar_values=lambda a, s, c, ops: (),
     ),
     "PagedDecodePartition": Binding(
         kernel="paged_decode_partition_kernel",
         config="decode.partition",
-        params=dict(q_ptr="q", k_data_ptr="k_data", k_scale_ptr="k_scale", k_zero_ptr="k_zero",
-                    v_data_ptr="v_data", v_scale_ptr="v_scale", v_zero_ptr="v_zero",
-                    k_new_data_ptr="k_new_data", k_new_scale_ptr="k_new_scale", k_new_zero_ptr="k_new_zero",
-                    v_new_data_ptr="v_new_data", v_new_scale_ptr="v_new_scale", v_new_zero_ptr="v_new_zero",
-                    k_static_ptr="k_static", k_smooth_ptr="k_smooth", had_ptr="hadamard",
-                    block_table_ptr="block_tables", context_lens_ptr="context_lens",
+        params=dict(q_ptr="q", **_POOL_PARAMS, **_CONST_PARAMS, **_SEQ_PARAMS,
                     part_m_ptr="part_m", part_l_ptr="part_l", part_acc_ptr="part_acc"),
         scalars=("max_blocks", "num_partitions"),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
                               block_size=a["block_size"]),
-        grid=lambda a, s, c, ops: (s["block_tables"][0], a["num_kv_heads"],
-                                   num_partitions(s["block_tables"][1], a, ops)),
+        grid=lambda a, s, c, ops: decode_grids(s["block_tables"][0], a["num_kv_heads"], s["block_tables"][1],
+                                               a["block_size"], a["partition_size"], ops)[0],
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1], num_partitions(s["block_tables"][1], a, ops)),
-        new_rows=True,
     ),
     "PagedDecodeReduce": Binding(
         kernel="paged_decode_reduce_kernel",
@@ -797,26 +902,20 @@ BINDINGS: dict[str, Binding] = {
                     had_ptr="hadamard", out_ptr="out"),
         scalars=("num_partitions",),
         consts=lambda a: dict(num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"]),
-        grid=lambda a, s, c, ops: (s["part_m"][0], a["num_kv_heads"], 1),
+        grid=lambda a, s, c, ops: decode_reduce_grid(s["part_m"][0], a["num_kv_heads"], ops),
         scalar_values=lambda a, s, c, ops: (s["part_m"][2],),
     ),
     "PagedPrefillAttention": Binding(
         kernel="paged_prefill_kernel",
         config="prefill",
-        params=dict(q_ptr="q", cu_seqlens_q_ptr="cu_seqlens", k_data_ptr="k_data", k_scale_ptr="k_scale",
-                    k_zero_ptr="k_zero", v_data_ptr="v_data", v_scale_ptr="v_scale", v_zero_ptr="v_zero",
-                    k_new_data_ptr="k_new_data", k_new_scale_ptr="k_new_scale", k_new_zero_ptr="k_new_zero",
-                    v_new_data_ptr="v_new_data", v_new_scale_ptr="v_new_scale", v_new_zero_ptr="v_new_zero",
-                    k_static_ptr="k_static", k_smooth_ptr="k_smooth", v_static_ptr="v_static",
-                    v_smooth_ptr="v_smooth", had_ptr="hadamard", block_table_ptr="block_tables",
-                    context_lens_ptr="context_lens", out_ptr="out"),
+        params=dict(q_ptr="q", cu_seqlens_q_ptr="cu_seqlens", **_POOL_PARAMS, **_CONST_PARAMS, **_SEQ_PARAMS,
+                    out_ptr="out"),
         scalars=("max_blocks",),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
                               block_size=a["block_size"]),
         # any query count bounds one sequence's: programs past a sequence's queries exit at once
-        grid=lambda a, s, c, ops: (ops.cdiv(s["q"][0], c["BLOCK_M"]), a["num_kv_heads"], s["context_lens"][0]),
+        grid=lambda a, s, c, ops: prefill_grid(s["q"][0], a["num_kv_heads"], s["context_lens"][0], c["BLOCK_M"], ops),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1],),
-        new_rows=True,
     ),
 }
 
@@ -859,7 +958,7 @@ class KernelSignature:
     pointer_params: tuple[str, ...]
 
 
-TRITON_PTR = {"float16": "*fp16", "float32": "*fp32", "int8": "*i8", "uint8": "*u8", "int32": "*i32"}
+TRITON_PTR = {name: e.triton for name, e in ELEM_TYPES.items()}  # trtkv.formats.ELEM_TYPES
 
 
 def kernel_signature(op: OpSpec | str, attrs: Attrs, arg_names: Sequence[str], kernel_constexprs: dict[str, Any],
@@ -880,10 +979,6 @@ def kernel_signature(op: OpSpec | str, attrs: Attrs, arg_names: Sequence[str], k
     if missing:
         raise TrtkvError(f"{op.name}: kernel {b.kernel} has no parameter(s) {', '.join(missing)}",
                          "update contract.BINDINGS to the kernel's signature (docs/plugins.md, 'Argument order')")
-    if b.new_rows and consts.get("NEW_ROWS") is not True:
-        raise TrtkvError(f"{op.name}: kernel {b.kernel} is not configured with NEW_ROWS=True",
-                         "the attention plugins read this step's new rows beside the read-only pool: compile "
-                         "with kernels.decode_config / prefill_config(new_rows=True)")
     unbound = [p for p in names if p not in b.params and p not in b.scalars and p not in consts]
     if unbound:
         raise TrtkvError(f"{op.name}: kernel {b.kernel} parameter(s) {', '.join(unbound)} are not bound", FIX)
@@ -969,7 +1064,8 @@ def ptx_to_trt_abi(ptx: str, kernel_name: str, ptx_order: Sequence[str], trt_ord
 
 
 __all__ = [
-    "DOMAIN", "PLUGIN_VERSION", "OPS", "APPEND", "DECODE_PARTITION", "DECODE_REDUCE", "PREFILL", "BINDINGS",
+    "DOMAIN", "PLUGIN_VERSION", "OPS", "SEAL", "LIMITS", "KernelLimits", "seal_grid", "decode_grids",
+    "decode_reduce_grid", "decode_partitions", "prefill_grid", "DECODE_PARTITION", "DECODE_REDUCE", "PREFILL", "BINDINGS",
     "Sym", "SymOps", "INT_OPS", "SYM_OPS", "sym_shape", "value", "TensorSpec", "AttrSpec", "OpSpec", "Attrs",
     "Launch", "KernelSignature", "SHARED_MEM_DEFAULT_LIMIT",
     "get_op", "validate_attrs", "attrs_for", "codes_dtype", "input_dtypes",

@@ -1,17 +1,30 @@
-"""Fused quantized-KV kernels in OpenAI Triton: quantize-and-append, paged decode (split-K) and prefill attention.
+"""Fused quantized-KV kernels in OpenAI Triton: block seal, paged decode (split-K) and prefill attention.
 
-Everything here reads the pool layout of ``trtkv.cache_layout`` and reproduces the math of
-``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch definitions the tests hold these to):
+Everything here reads the cache layout of ``trtkv.cache_layout`` (docs/kv-cache-format.md) and reproduces
+the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch definitions the tests hold these to):
 
-    data  [num_blocks, kv_heads, block_size, packed_dim]   int8 | uint8 | fp16
-    scale [num_blocks, kv_heads, block_size, groups]       fp16 (dynamic formats)
-    zero  [num_blocks, kv_heads, block_size, groups]       fp16 (asymmetric dynamic formats)
+    data  [num_blocks, kv_heads, block_size, packed_dim]   codes (the DTYPES storage dtype of the format)
+    scale [num_blocks, kv_heads, block_size, groups]       fp16, per-token dynamic formats
+          [num_blocks, kv_heads, head_dim]                 fp16, per_block_channel (BCH) formats
+    zero  same as scale                                    fp16, asymmetric dynamic formats
+    tail  [num_slots, kv_heads, block_size, head_dim]      fp16, the open blocks (model channel space)
     row of (block, head, offset) = (block * kv_heads + head) * block_size + offset
 
-A stored tensor format enters a kernel as five constexprs (``DTYPE`` one of "fp16", "int8", "int4",
-"fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size, head_dim for per-token) plus the
-transform flags. Static scales (per tensor, per head or per channel) always arrive expanded to a
-``[kv_heads, head_dim]`` float32 tensor, so one code path serves the three granularities.
+* ``seal_kernel`` quantizes whole blocks (``trtkv.quant.quantize_block``): the only way the pool is written.
+* The attention kernels read, for a new token at position ``context_len + t``: the sealed blocks
+  (``context_len // block_size`` of them, through the block table), the open block's
+  ``context_len % block_size`` rows from ``tail[slot]`` and this step's rows ``0 .. t`` (fp16, model space).
+  Sealed K / V are in the stored channel space (smoothed, rotated, static-scaled); the query is moved into
+  it (``_load_query``) and the output out of it (``_store_output``). Open-block and new rows are moved into
+  it on load (``_load_open``), so one query and one accumulator serve every key.
+
+A stored tensor format enters a kernel as constexprs (``format_constexprs``): ``DTYPE`` one of "fp16",
+"int8", "int4", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
+``BCH`` per-block-channel scales; the transform flags; and the code range read from
+``trtkv.formats.DTYPES`` (``QMIN`` / ``QMAX`` / ``QMAX_ASYM``, ``CODE_OFFSET``). Codes are stored in the
+element type of the data pointer, so the storage dtype is never restated here. Static scales (per tensor,
+per head or per channel) always arrive expanded to a ``[kv_heads, head_dim]`` float32 tensor. Launch
+grids are ``trtkv.plugins.contract``'s (``seal_grid``, ``decode_grids``, ``prefill_grid``).
 
 Channel halves. Every attention kernel works on the even and odd channels of head_dim separately
 (``lo`` = channels 0, 2, 4, ..., ``hi`` = 1, 3, 5, ...): packed int4 bytes hold exactly that pair, so
@@ -38,13 +51,10 @@ from types import ModuleType
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-FP16_MAX = 65504.0
+from trtkv.plugins import contract as _C
 
-# code ranges per storage dtype (mirrors trtkv.formats.DTYPES; checked in tests)
-SYM_MAX = {"int8": 127.0, "int4": 7.0, "fp8_e4m3": 448.0}
-SYM_MIN = {"int8": -128.0, "int4": -8.0, "fp8_e4m3": -448.0}
-ASYM_MAX = {"int8": 255.0, "int4": 15.0}
+LOG2E = 1.4426950408889634
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,9 +96,10 @@ def _rint(x):
 
 
 @triton.jit
-def _fp16_round(x):
-    """The fp32 value an fp16 scale slot stores (clamp to the finite range, round to nearest even)."""
-    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+def _fp16_round(x, FMAX: tl.constexpr):
+    """The fp32 value an fp16 scale slot stores: clamp to the finite range ``FMAX`` (DTYPES["fp16"]), round to
+    nearest even. Without the clamp a range above 65504 would store an infinite scale."""
+    return tl.minimum(tl.maximum(x, -FMAX), FMAX).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -123,153 +134,164 @@ def _codes_to_float(c, DTYPE: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------
-# 1. quantize and append
+# 1. seal: quantize whole blocks
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def quantize_append_kernel(
-    x_ptr,  # [tokens, kv_heads, head_dim] fp16 / bf16 / fp32, contiguous
-    slot_ptr,  # [tokens] int32 / int64 flat slots, < 0 = padding
-    data_ptr,  # [num_blocks, kv_heads, block_size, packed_dim]
-    scale_ptr,  # [num_blocks, kv_heads, block_size, groups] fp16 (dynamic; else dummy)
+def seal_kernel(
+    x_ptr,  # [n, kv_heads, BLOCK_SIZE, head_dim] fp16 / bf16 / fp32, contiguous: the open blocks to seal
+    data_ptr,  # [n, kv_heads, BLOCK_SIZE, packed_dim] codes (the pool's storage dtype: stores convert to it)
+    scale_ptr,  # per-token [n, kv_heads, BLOCK_SIZE, groups] / BCH [n, kv_heads, head_dim] fp16 (dynamic; else dummy)
     zero_ptr,  # same, asymmetric dynamic only (else dummy)
-    static_scale_ptr,  # [kv_heads, head_dim] fp32 (static; else dummy)
+    static_scale_ptr,  # [kv_heads, head_dim] fp32 (STATIC; else dummy)
     smooth_ptr,  # [kv_heads, head_dim] fp32 (SMOOTH; else dummy)
     clip_ptr,  # [kv_heads] fp32 range multiplier (dynamic; else dummy)
     had_ptr,  # [head_dim, head_dim] fp32 Hadamard (HAD; else dummy)
-    num_tokens,
     num_kv_heads,
-    block_size,
     HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     DTYPE: tl.constexpr,
     STATIC: tl.constexpr,
     SYM: tl.constexpr,
     GS: tl.constexpr,
+    BCH: tl.constexpr,
     SMOOTH: tl.constexpr,
     HAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    QMIN: tl.constexpr,  # symmetric code range (trtkv.formats.DTYPES sym_min / sym_max)
+    QMAX: tl.constexpr,
+    QMAX_ASYM: tl.constexpr,  # asymmetric codes 0 .. QMAX_ASYM (DTYPES asym_max)
+    CODE_OFFSET: tl.constexpr,  # added to symmetric codes stored unsigned (packed int4: 8)
+    SCALE_MAX: tl.constexpr,  # largest finite scale / zero-point (fp16: DTYPES["fp16"].sym_max)
     HAD_CHUNK: tl.constexpr = 32,
 ):
-    """grid = (cdiv(tokens, BLOCK_T), kv_heads). Quantizes BLOCK_T rows of one KV head and scatters them."""
-    pid_t = tl.program_id(0)
+    """grid = contract.seal_grid(n, kv_heads): one program quantizes one block of one KV head as
+    ``trtkv.quant.quantize_block`` does -- per token (GS channels per scale) or, BCH, one scale and
+    zero-point per channel over the block's tokens -- and writes it in pool-block form."""
+    blk = tl.program_id(0)
     h = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < num_tokens
-    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
-    valid = tmask & (slot >= 0)
-    slot = tl.where(valid, slot, 0)
-    dst = (slot // block_size * num_kv_heads + h) * block_size + slot % block_size  # [BLOCK_T] pool rows
+    t = tl.arange(0, BLOCK_SIZE)
     cols = tl.arange(0, HEAD_DIM)
-    src = (t.to(tl.int64) * num_kv_heads + h) * HEAD_DIM
+    bh = blk.to(tl.int64) * num_kv_heads + h
+    rows = bh * BLOCK_SIZE + t  # input rows and output rows alike
+    src = rows * HEAD_DIM
     if DTYPE == "fp16":
-        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-        tl.store(data_ptr + dst[:, None] * HEAD_DIM + cols[None, :], x.to(tl.float16), mask=valid[:, None])
+        x = tl.load(x_ptr + src[:, None] + cols[None, :])
+        tl.store(data_ptr + src[:, None] + cols[None, :], x.to(tl.float16))
     else:
         if HAD:
             # x @ H accumulated over HAD_CHUNK input channels: registers hold a [HAD_CHUNK, HEAD_DIM] slice of H
-            x = tl.full([BLOCK_T, HEAD_DIM], 0.0, tl.float32)
-            for c0 in range(0, HEAD_DIM, HAD_CHUNK):
+            x = tl.full([BLOCK_SIZE, HEAD_DIM], 0.0, tl.float32)
+            for c0 in tl.range(0, HEAD_DIM, HAD_CHUNK, num_stages=1):  # no multi-buffered slices
                 kk = c0 + tl.arange(0, HAD_CHUNK)
-                xc = tl.load(x_ptr + src[:, None] + kk[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                xc = tl.load(x_ptr + src[:, None] + kk[None, :]).to(tl.float32)
                 if SMOOTH:
                     xc = tl.div_rn(xc, tl.load(smooth_ptr + h * HEAD_DIM + kk)[None, :])
                 hm = tl.load(had_ptr + kk[:, None] * HEAD_DIM + cols[None, :])
                 x = tl.dot(xc, hm, x, input_precision="ieee")
         else:
-            x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + src[:, None] + cols[None, :]).to(tl.float32)
             if SMOOTH:
                 x = tl.div_rn(x, tl.load(smooth_ptr + h * HEAD_DIM + cols)[None, :])
-
-        if DTYPE == "int8":
-            lo_c: tl.constexpr = -128.0
-            hi_c: tl.constexpr = 127.0
-            amax_c: tl.constexpr = 255.0
-        elif DTYPE == "int4":
-            lo_c: tl.constexpr = -8.0
-            hi_c: tl.constexpr = 7.0
-            amax_c: tl.constexpr = 15.0
-        else:
-            lo_c: tl.constexpr = -448.0
-            hi_c: tl.constexpr = 448.0
-            amax_c: tl.constexpr = 0.0
 
         if STATIC:
             sc = tl.load(static_scale_ptr + h * HEAD_DIM + cols)
             inv = tl.where(sc > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(sc > 0, sc, 1.0)), 0.0)
-            y = tl.minimum(tl.maximum(x * inv[None, :], lo_c), hi_c)
+            y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
+        elif BCH:
+            # one scale (and zero-point) per channel over the block's tokens (axis 0)
+            clip = tl.load(clip_ptr + h)
+            sptr = bh * HEAD_DIM + cols
+            if SYM:
+                amax = _rmax(tl.abs(x), 0)
+                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)), SCALE_MAX)
+                inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
+            else:
+                mn = _rmin(x, 0)
+                mx = _rmax(x, 0)
+                rng = mx - mn
+                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)), SCALE_MAX)
+                inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                y = tl.minimum(tl.maximum((x - zero[None, :]) * inv[None, :], 0.0), QMAX_ASYM)
+                tl.store(zero_ptr + sptr, zero.to(tl.float16))
+            tl.store(scale_ptr + sptr, scale.to(tl.float16))
         else:
             G: tl.constexpr = HEAD_DIM // GS
-            xg = tl.reshape(x, [BLOCK_T, G, GS])
+            xg = tl.reshape(x, [BLOCK_SIZE, G, GS])
             clip = tl.load(clip_ptr + h)
+            g_off = tl.arange(0, G)
+            sptr = rows[:, None] * G + g_off[None, :]
             if SYM:
                 amax = _rmax(tl.abs(xg), 2)
-                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_T, G], hi_c, tl.float32)))
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_T, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                yg = tl.minimum(tl.maximum(xg * inv[:, :, None], lo_c), hi_c)
+                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)), SCALE_MAX)
+                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                yg = tl.minimum(tl.maximum(xg * inv[:, :, None], QMIN), QMAX)
             else:
                 mn = _rmin(xg, 2)
                 mx = _rmax(xg, 2)
                 rng = mx - mn
                 # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
-                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5)
-                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_T, G], amax_c, tl.float32)))
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_T, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                yg = tl.minimum(tl.maximum((xg - zero[:, :, None]) * inv[:, :, None], 0.0), amax_c)
-                g_off = tl.arange(0, G)
-                tl.store(zero_ptr + dst[:, None] * G + g_off[None, :], zero.to(tl.float16), mask=valid[:, None])
-            g_off = tl.arange(0, G)
-            tl.store(scale_ptr + dst[:, None] * G + g_off[None, :], scale.to(tl.float16), mask=valid[:, None])
-            y = tl.reshape(yg, [BLOCK_T, HEAD_DIM])
+                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)), SCALE_MAX)
+                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                yg = tl.minimum(tl.maximum((xg - zero[:, :, None]) * inv[:, :, None], 0.0), QMAX_ASYM)
+                tl.store(zero_ptr + sptr, zero.to(tl.float16))
+            tl.store(scale_ptr + sptr, scale.to(tl.float16))
+            y = tl.reshape(yg, [BLOCK_SIZE, HEAD_DIM])
 
         if DTYPE == "fp8_e4m3":
-            code = _fp8e4m3_encode(y)
-            tl.store(data_ptr + dst[:, None] * HEAD_DIM + cols[None, :], code, mask=valid[:, None])
+            tl.store(data_ptr + src[:, None] + cols[None, :], _fp8e4m3_encode(y))
         elif DTYPE == "int8":
             q = _rint(y).to(tl.int32)
-            if SYM or STATIC:
-                tl.store(data_ptr + dst[:, None] * HEAD_DIM + cols[None, :], q.to(tl.int8), mask=valid[:, None])
-            else:
-                tl.store(data_ptr + dst[:, None] * HEAD_DIM + cols[None, :], q.to(tl.uint8), mask=valid[:, None])
+            tl.store(data_ptr + src[:, None] + cols[None, :], q.to(data_ptr.dtype.element_ty))
         else:
             q = _rint(y).to(tl.int32)
             if SYM or STATIC:
-                q = q + 8
-            lo, hi = tl.split(tl.reshape(q, [BLOCK_T, HEAD_DIM // 2, 2]))
+                q = q + CODE_OFFSET
+            lo, hi = tl.split(tl.reshape(q, [BLOCK_SIZE, HEAD_DIM // 2, 2]))
             packed = (lo | (hi << 4)).to(tl.uint8)
             pcols = tl.arange(0, HEAD_DIM // 2)
-            tl.store(data_ptr + dst[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed, mask=valid[:, None])
+            tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed)
 
 
 # --------------------------------------------------------------------------------------------
-# 2./3. attention over the paged pool (shared pieces)
+# 2./3. attention over sealed blocks, the open block and this step's rows (shared pieces)
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_halves(data_ptr, scale_ptr, zero_ptr, row, mask,
+def _load_halves(data_ptr, scale_ptr, zero_ptr, row, bh, mask,
                  HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, STATIC: tl.constexpr, SYM: tl.constexpr,
-                 GS: tl.constexpr):
-    """Even / odd channels of pool rows ``row`` [N] as fp32 [N, HEAD_DIM//2], dynamic scales applied
-    (static scales are folded into the query / output by the callers). Rows are read contiguously
-    (vectorized) and split in registers."""
+                 GS: tl.constexpr, BCH: tl.constexpr, CODE_OFFSET: tl.constexpr):
+    """Even / odd channels of sealed pool rows ``row`` [N] (block-head index ``bh`` [N]) as fp32
+    [N, HEAD_DIM//2], dynamic scales applied (static scales are folded into the query / output by the
+    callers). Rows are read contiguously (vectorized) and split in registers."""
     HALF: tl.constexpr = HEAD_DIM // 2
     m2 = mask[:, None]
     N: tl.constexpr = row.shape[0]
+    j = tl.arange(0, HALF)
     if DTYPE == "int4":
-        j = tl.arange(0, HALF)
         b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
         lo = (b & 15).to(tl.float32)
         hi = (b >> 4).to(tl.float32)
         if SYM or STATIC:
-            lo = lo - 8.0
-            hi = hi - 8.0
+            lo = lo - CODE_OFFSET
+            hi = hi - CODE_OFFSET
     else:
         cols = tl.arange(0, HEAD_DIM)
         c = _codes_to_float(tl.load(data_ptr + row[:, None] * HEAD_DIM + cols[None, :], mask=m2, other=0), DTYPE)
         lo, hi = tl.split(tl.reshape(c, [N, HALF, 2]))
     if DTYPE != "fp16":
-        if not STATIC:
+        if BCH:
+            sp = bh[:, None] * HEAD_DIM + 2 * j[None, :]
+            lo = lo * tl.load(scale_ptr + sp, mask=m2, other=0.0).to(tl.float32)
+            hi = hi * tl.load(scale_ptr + sp + 1, mask=m2, other=0.0).to(tl.float32)
+            if not SYM:
+                lo = lo + tl.load(zero_ptr + sp, mask=m2, other=0.0).to(tl.float32)
+                hi = hi + tl.load(zero_ptr + sp + 1, mask=m2, other=0.0).to(tl.float32)
+        elif not STATIC:
             G: tl.constexpr = HEAD_DIM // GS
             if G == 1:
                 s = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
@@ -291,6 +313,47 @@ def _load_halves(data_ptr, scale_ptr, zero_ptr, row, mask,
                     hi = hi + z
                 lo = tl.reshape(lo, [N, HALF])
                 hi = tl.reshape(hi, [N, HALF])
+    return lo, hi
+
+
+@triton.jit
+def _load_open(tail_ptr, new_ptr, trow, nrow, tmask, nmask, kvh, smooth_ptr, static_ptr, had_ptr,
+               N: tl.constexpr, HEAD_DIM: tl.constexpr, STATIC: tl.constexpr, SMOOTH: tl.constexpr,
+               HAD: tl.constexpr, HAD_CHUNK: tl.constexpr):
+    """fp16 rows in model space -- open-block rows ``trow`` of the tail where ``tmask``, this step's rows
+    ``nrow`` where ``nmask`` -- moved to the stored channel space of the sealed blocks,
+    ``((x / smooth) @ H) / static``, as even / odd halves [N, HEAD_DIM//2] fp32 (zeros where masked), so the
+    folded query and the stored-space accumulator serve sealed and open rows alike."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if HAD:
+        j = tl.arange(0, HALF)
+        lo = tl.full([N, HALF], 0.0, tl.float32)
+        hi = tl.full([N, HALF], 0.0, tl.float32)
+        for c0 in tl.range(0, HEAD_DIM, HAD_CHUNK, num_stages=1):  # no multi-buffered H slices
+            kk = c0 + tl.arange(0, HAD_CHUNK)
+            x = (tl.load(tail_ptr + trow[:, None] * HEAD_DIM + kk[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                 + tl.load(new_ptr + nrow[:, None] * HEAD_DIM + kk[None, :], mask=nmask[:, None], other=0.0).to(tl.float32))
+            if SMOOTH:
+                x = x / tl.load(smooth_ptr + kvh * HEAD_DIM + kk)[None, :]
+            hp = had_ptr + kk[:, None] * HEAD_DIM + 2 * j[None, :]
+            lo = tl.dot(x, tl.load(hp), lo, input_precision="ieee")
+            hi = tl.dot(x, tl.load(hp + 1), hi, input_precision="ieee")
+        if STATIC:
+            s_lo = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j)
+            s_hi = tl.load(static_ptr + kvh * HEAD_DIM + 2 * j + 1)
+            lo = lo * tl.where(s_lo > 0, 1.0 / tl.where(s_lo > 0, s_lo, 1.0), 0.0)[None, :]
+            hi = hi * tl.where(s_hi > 0, 1.0 / tl.where(s_hi > 0, s_hi, 1.0), 0.0)[None, :]
+    else:
+        # whole rows, read contiguously (vectorized) and split in registers, as _load_halves does
+        cols = tl.arange(0, HEAD_DIM)
+        x = (tl.load(tail_ptr + trow[:, None] * HEAD_DIM + cols[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+             + tl.load(new_ptr + nrow[:, None] * HEAD_DIM + cols[None, :], mask=nmask[:, None], other=0.0).to(tl.float32))
+        if SMOOTH:
+            x = x / tl.load(smooth_ptr + kvh * HEAD_DIM + cols)[None, :]
+        if STATIC:
+            sc = tl.load(static_ptr + kvh * HEAD_DIM + cols)
+            x = x * tl.where(sc > 0, 1.0 / tl.where(sc > 0, sc, 1.0), 0.0)[None, :]
+        lo, hi = tl.split(tl.reshape(x, [N, HALF, 2]))
     return lo, hi
 
 
@@ -331,41 +394,77 @@ def _load_query(q_ptr, qrow, qmask, kvh, smooth_ptr, static_ptr, had_ptr, qk_sca
 
 
 @triton.jit
-def _attend(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
-            bt_row_ptr, kvh, num_kv_heads, block_size, new_row0, past,
-            k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-            HEAD_DIM: tl.constexpr,
-            K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
-            V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
-            BLOCK_N: tl.constexpr, PREC: tl.constexpr, FROM_NEW: tl.constexpr):
-    """Online softmax (base 2) of the query rows over keys [kv_start, kv_end), causal on ``qpos`` [M].
+def _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC: tl.constexpr):
+    """Scores (base 2) of one key tile, causal on ``qpos``; returns p, the rescale factor and the new state."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC)
+    s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=PREC)
+    ok = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, _rmax(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + _rsum(p, 1)
+    return p, alpha, m_new, l_i
 
-    Keys come from the paged pool through the block table, or (FROM_NEW) from this step's new rows
-    ``[tokens, kv_heads, ...]``: position ``pos`` is new row ``new_row0 + pos - past``."""
+
+@triton.jit
+def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
+                   bt_row_ptr, kvh, num_kv_heads, block_size,
+                   k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                   HEAD_DIM: tl.constexpr,
+                   K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
+                   K_BCH: tl.constexpr, K_OFF: tl.constexpr,
+                   V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
+                   V_BCH: tl.constexpr, V_OFF: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of the query rows over sealed positions [kv_start, kv_end) (all below
+    ``(context_len // block_size) * block_size``), read from the pool through the block table."""
     for start in range(kv_start, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
-        if FROM_NEW:
-            row = (new_row0 + (kpos - past)).to(tl.int64) * num_kv_heads + kvh
-        else:
-            blk = tl.load(bt_row_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
-            row = (blk * num_kv_heads + kvh) * block_size + kpos % block_size
-        k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, kmask,
-                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS)
-        s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC)
-        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=PREC)
-        ok = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, _rmax(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + _rsum(p, 1)
-        v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, kmask,
-                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS)
+        blk = tl.load(bt_row_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
+        bh = blk * num_kv_heads + kvh
+        row = bh * block_size + kpos % block_size
+        k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, bh, kmask,
+                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF)
+        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC)
+        v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, bh, kmask,
+                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
         acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PREC)
-        m_i = m_new
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
+                 open_start, open_len, tail_row0, new_row0, kvh, num_kv_heads,
+                 k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr,
+                 k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr, had_ptr,
+                 HEAD_DIM: tl.constexpr,
+                 K_STATIC: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
+                 V_STATIC: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, HAD_CHUNK: tl.constexpr):
+    """Online softmax over positions [kv_start, kv_end) of the open block (which starts at position
+    ``open_start``): offsets < ``open_len`` are tail rows ``tail_row0 + offset``, later ones this step's
+    rows ``new_row0 + offset - open_len`` (fp16, model space, moved to the stored space on load)."""
+    # not software-pipelined (num_stages=1): at most a block of rows, and multi-buffering its fp16 loads
+    # would cost ~14 KiB of shared memory (decode at head_dim 128 over the 48 KiB launch limit)
+    for start in tl.range(kv_start, kv_end, BLOCK_N, num_stages=1):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end
+        off = kpos - open_start
+        tmask = kmask & (off < open_len)
+        nmask = kmask & (off >= open_len)
+        trow = tail_row0 + off
+        nrow = (new_row0 + (off - open_len)).to(tl.int64) * num_kv_heads + kvh
+        k_lo, k_hi = _load_open(k_tail_ptr, k_new_ptr, trow, nrow, tmask, nmask, kvh, k_smooth_ptr, k_static_ptr,
+                                had_ptr, BLOCK_N, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
+        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC)
+        v_lo, v_hi = _load_open(v_tail_ptr, v_new_ptr, trow, nrow, tmask, nmask, kvh, v_smooth_ptr, v_static_ptr,
+                                had_ptr, BLOCK_N, HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD, HAD_CHUNK)
+        acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
+        acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc_lo, acc_hi
 
 
@@ -403,22 +502,21 @@ def _store_output(out_ptr, orow, omask, out, kvh, v_static_ptr, v_smooth_ptr, ha
 # 2. decode: split-K partitions + reduction
 # --------------------------------------------------------------------------------------------
 
-
 @triton.jit
 def paged_decode_partition_kernel(
     q_ptr,  # [batch, heads, head_dim] fp16 / bf16 / fp32, contiguous
-    k_data_ptr, k_scale_ptr, k_zero_ptr,  # the paged pool (read only)
+    k_data_ptr, k_scale_ptr, k_zero_ptr,  # sealed pool blocks (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
-    k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr,  # NEW_ROWS: this step's rows [batch, kv_heads, ...]
-    v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,  # (else dummies)
-    k_static_ptr,  # [kv_heads, head_dim] fp32 (K_STATIC; else dummy)
-    k_smooth_ptr,  # [kv_heads, head_dim] fp32 (K_SMOOTH; else dummy)
-    had_ptr,  # [head_dim, head_dim] fp32 (K_HAD; else dummy)
+    k_tail_ptr, v_tail_ptr,  # open blocks [num_slots, kv_heads, block_size, head_dim] fp16
+    k_new_ptr, v_new_ptr,  # this step's rows [batch, kv_heads, head_dim] fp16 (model space)
+    k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,  # [kv_heads, head_dim] fp32 or dummies
+    had_ptr,  # [head_dim, head_dim] fp32 (K_HAD or V_HAD; else dummy)
     block_table_ptr,  # [batch, max_blocks] int32
-    context_lens_ptr,  # [batch] int32
+    context_lens_ptr,  # [batch] int32: tokens cached before this step
+    slot_ids_ptr,  # [batch] int32: open-block slot of each sequence
     part_m_ptr,  # [batch, heads, num_partitions] fp32 running max (log2 domain)
     part_l_ptr,  # [batch, heads, num_partitions] fp32 softmax denominators
-    part_acc_ptr,  # [batch, heads, num_partitions, head_dim] fp32 unnormalized outputs (stored channel space)
+    part_acc_ptr,  # [batch, heads, num_partitions, head_dim] fp32 unnormalized outputs (V's stored channel space)
     qk_scale,  # fp32: sm_scale * log2(e)
     num_heads,
     num_kv_heads,
@@ -426,27 +524,29 @@ def paged_decode_partition_kernel(
     max_blocks,
     num_partitions,
     HEAD_DIM: tl.constexpr,
-    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
-    K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
-    V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
+    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr, K_BCH: tl.constexpr,
+    K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
+    V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr, V_BCH: tl.constexpr,
+    V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
     PREC: tl.constexpr,
+    OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
-    NEW_ROWS: tl.constexpr = False,
 ):
-    """grid = (batch, kv_heads, num_partitions). One program: all query heads of one KV head over
-    PARTITION context tokens; partitions past the context write nothing (the reduction skips them).
-    NEW_ROWS (pure-engine contract): the last position, context_len - 1, is read from new row ``b``
-    instead of the pool (the pool is not written before the step)."""
+    """grid = contract.decode_grids(...)[0] = (batch, kv_heads, num_partitions). One program: all query
+    heads of one KV head over PARTITION of the context_len + 1 keys (sealed blocks, open block, the new row
+    at position context_len); partitions past them write nothing (the reduction skips them)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
+    total = ctx + 1
     kv_start = part * PARTITION
-    if kv_start < ctx:
-        kv_end = tl.minimum(kv_start + PARTITION, ctx)
+    if kv_start < total:
+        kv_end = tl.minimum(kv_start + PARTITION, total)
+        sealed_end = (ctx // block_size) * block_size
         ratio = num_heads // num_kv_heads
         hh = tl.arange(0, BLOCK_H)
         hmask = hh < ratio
@@ -454,30 +554,24 @@ def paged_decode_partition_kernel(
         cols = tl.arange(0, HEAD_DIM)
         q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
                                  had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
-        qpos = tl.full([BLOCK_H], 0, tl.int32) + (ctx - 1)
+        qpos = tl.full([BLOCK_H], 0, tl.int32) + ctx
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_H], 0.0, tl.float32)
         acc_lo = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
-        if NEW_ROWS:
-            past = ctx - 1
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, past),
-                bt_row, kvh, num_kv_heads, block_size, b, past,
-                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, past), kv_end,
-                bt_row, kvh, num_kv_heads, block_size, b, past,
-                k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr, v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, True)
-        else:
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
-                bt_row, kvh, num_kv_heads, block_size, 0, 0,
-                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
+        m_i, l_i, acc_lo, acc_hi = _attend_sealed(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sealed_end),
+            bt_row, kvh, num_kv_heads, block_size,
+            k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
+            BLOCK_N, PREC)
+        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        m_i, l_i, acc_lo, acc_hi = _attend_open(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
+            sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, b, kvh, num_kv_heads,
+            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
@@ -488,7 +582,7 @@ def paged_decode_partition_kernel(
 @triton.jit
 def paged_decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr,  # from paged_decode_partition_kernel
-    context_lens_ptr,  # [batch] int32
+    context_lens_ptr,  # [batch] int32 (tokens cached before the step)
     v_static_ptr,  # [kv_heads, head_dim] fp32 (V_STATIC; else dummy)
     v_smooth_ptr,  # [kv_heads, head_dim] fp32 (V_SMOOTH; else dummy)
     had_ptr,  # [head_dim, head_dim] fp32 (V_HAD; else dummy)
@@ -502,12 +596,13 @@ def paged_decode_reduce_kernel(
     PARTITION: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
 ):
-    """grid = (batch, kv_heads). Merges the partitions of each query head (log-sum-exp), normalizes,
-    undoes V's static scale / Hadamard / smoothing. A context of length 0 gives zeros."""
+    """grid = contract.decode_grids(...)[1] = (batch, kv_heads, 1). Merges the partitions holding the
+    context_len + 1 keys of each query head (log-sum-exp), normalizes, undoes V's static scale /
+    Hadamard / smoothing."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b)
-    used = (ctx + PARTITION - 1) // PARTITION
+    used = (ctx + PARTITION) // PARTITION  # cdiv(ctx + 1, PARTITION)
     ratio = num_heads // num_kv_heads
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < ratio
@@ -541,15 +636,16 @@ def paged_decode_reduce_kernel(
 @triton.jit
 def paged_prefill_kernel(
     q_ptr,  # [total_q, heads, head_dim], contiguous
-    cu_seqlens_q_ptr,  # [batch + 1] int32: sequence b's queries are rows cu[b] .. cu[b+1]-1
-    k_data_ptr, k_scale_ptr, k_zero_ptr,  # the paged pool (read only)
+    cu_seqlens_q_ptr,  # [batch + 1] int32: sequence b's queries / new rows are rows cu[b] .. cu[b+1]-1
+    k_data_ptr, k_scale_ptr, k_zero_ptr,  # sealed pool blocks (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
-    k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr,  # NEW_ROWS: this step's rows [total_q, kv_heads, ...]
-    v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,  # (else dummies)
+    k_tail_ptr, v_tail_ptr,  # open blocks [num_slots, kv_heads, block_size, head_dim] fp16
+    k_new_ptr, v_new_ptr,  # this step's rows [total_q, kv_heads, head_dim] fp16 (model space)
     k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,  # [kv_heads, head_dim] fp32 or dummies
     had_ptr,  # [head_dim, head_dim] fp32 or dummy
     block_table_ptr,  # [batch, max_blocks] int32
-    context_lens_ptr,  # [batch] int32, the new tokens included (they are the last num_new of the context)
+    context_lens_ptr,  # [batch] int32: tokens cached before this step
+    slot_ids_ptr,  # [batch] int32
     out_ptr,  # [total_q, heads, head_dim]
     qk_scale,
     num_heads,
@@ -557,21 +653,21 @@ def paged_prefill_kernel(
     block_size,
     max_blocks,
     HEAD_DIM: tl.constexpr,
-    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
-    K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
-    V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
-    V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr, K_BCH: tl.constexpr,
+    K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
+    V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr, V_BCH: tl.constexpr,
+    V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_H: tl.constexpr,  # query heads per KV head, padded to a power of two
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
-    NEW_ROWS: tl.constexpr = False,
 ):
-    """grid = (cdiv(max_seqlen_q, BLOCK_M), kv_heads, batch). Rows of a program are (token, head)
-    pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once).
-    NEW_ROWS (pure-engine contract): positions context_len - num_new .. context_len - 1 are read from
-    new rows cu[b] .. cu[b+1]-1 instead of the pool."""
+    """grid = contract.prefill_grid(max_seqlen_q, kv_heads, batch, BLOCK_M). Rows of a program are (token,
+    head) pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once). New
+    token t of sequence b sits at position context_len + t and sees the sealed blocks, the open block and
+    new rows 0 .. t."""
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -580,6 +676,7 @@ def paged_prefill_kernel(
     m0 = pid_m * BLOCK_M
     if m0 < num_new:
         ctx = tl.load(context_lens_ptr + b)
+        sealed_end = (ctx // block_size) * block_size
         ratio = num_heads // num_kv_heads
         M: tl.constexpr = BLOCK_M * BLOCK_H
         r = tl.arange(0, M)
@@ -589,31 +686,25 @@ def paged_prefill_kernel(
         qrow = ((q_begin + tok) * num_heads + kvh * ratio + hh).to(tl.int64)
         q_lo, q_hi = _load_query(q_ptr, qrow, rmask, kvh, k_smooth_ptr, k_static_ptr, had_ptr, qk_scale,
                                  M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
-        qpos = ctx - num_new + tok
-        kv_end = tl.minimum(ctx, ctx - num_new + m0 + BLOCK_M)
+        qpos = ctx + tok
+        kv_end = ctx + tl.minimum(num_new, m0 + BLOCK_M)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.full([M], 0.0, tl.float32)
         acc_lo = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
-        past = ctx - num_new
-        if NEW_ROWS:
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, tl.minimum(kv_end, past),
-                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
-                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(past, 0), kv_end,
-                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
-                k_new_data_ptr, k_new_scale_ptr, k_new_zero_ptr, v_new_data_ptr, v_new_scale_ptr, v_new_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, True)
-        else:
-            m_i, l_i, acc_lo, acc_hi = _attend(
-                q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, kv_end,
-                bt_row, kvh, num_kv_heads, block_size, q_begin, past,
-                k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-                HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, V_DTYPE, V_STATIC, V_SYM, V_GS, BLOCK_N, PREC, False)
+        m_i, l_i, acc_lo, acc_hi = _attend_sealed(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, sealed_end,
+            bt_row, kvh, num_kv_heads, block_size,
+            k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
+            BLOCK_N, PREC)
+        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        m_i, l_i, acc_lo, acc_hi = _attend_open(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sealed_end, kv_end,
+            sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, q_begin, kvh, num_kv_heads,
+            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
         _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -621,7 +712,7 @@ def paged_prefill_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# launch configuration (shared by ops.py and aot.py)
+# launch configuration (read by ops.py, aot.py and the TensorRT glue; grids are contract's)
 # --------------------------------------------------------------------------------------------
 
 
@@ -630,17 +721,26 @@ def next_pow2(n: int) -> int:
 
 
 def format_constexprs(spec) -> dict:
-    """A TensorFormat (or its short spec string) -> the DTYPE/STATIC/SYM/GS/SMOOTH/HAD constexprs."""
+    """A TensorFormat (or its short spec string) -> the constexprs of its storage: DTYPE / STATIC / SYM / GS /
+    BCH / SMOOTH / HAD and the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
+    CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4)."""
     from trtkv.formats import TensorFormat, parse_tensor_spec
 
     fmt = spec if isinstance(spec, TensorFormat) else parse_tensor_spec(spec)
+    tr = fmt.traits
+    sym = bool(fmt.symmetric or fmt.is_static)
     return {
         "DTYPE": fmt.dtype,
         "STATIC": bool(fmt.is_static),
-        "SYM": bool(fmt.symmetric or fmt.is_static),
+        "SYM": sym,
         "GS": int(fmt.group_size) if fmt.granularity == "per_token_group" else 0,  # 0: per token (head_dim)
+        "BCH": bool(fmt.is_block_wise),
         "SMOOTH": bool(fmt.smooth),
         "HAD": bool(fmt.hadamard),
+        "QMIN": float(tr.sym_min),
+        "QMAX": float(tr.sym_max),
+        "QMAX_ASYM": float(tr.asym_max),
+        "CODE_OFFSET": int(-tr.sym_min) if (sym and tr.codes_per_byte > 1) else 0,
     }
 
 
@@ -648,62 +748,56 @@ def _gs(c: dict, head_dim: int) -> int:
     return c["GS"] or head_dim
 
 
-def append_config(spec, head_dim: int, interpret: bool = False) -> dict:
+def seal_config(spec, head_dim: int, block_size: int) -> dict:
+    from trtkv.formats import DTYPES
+
     c = format_constexprs(spec)
     return {
-        "constexprs": dict(HEAD_DIM=head_dim, DTYPE=c["DTYPE"], STATIC=c["STATIC"], SYM=c["SYM"], GS=_gs(c, head_dim),
-                           SMOOTH=c["SMOOTH"], HAD=c["HAD"], BLOCK_T=64 if interpret else 16, HAD_CHUNK=32),
+        "constexprs": dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DTYPE=c["DTYPE"], STATIC=c["STATIC"],
+                           SYM=c["SYM"], GS=_gs(c, head_dim), BCH=c["BCH"], SMOOTH=c["SMOOTH"], HAD=c["HAD"],
+                           QMIN=c["QMIN"], QMAX=c["QMAX"], QMAX_ASYM=c["QMAX_ASYM"], CODE_OFFSET=c["CODE_OFFSET"],
+                           SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=32),
         "num_warps": 4,
     }
 
 
-def append_grid(num_tokens: int, num_kv_heads: int, constexprs: dict) -> tuple[int, int, int]:
-    return (triton.cdiv(num_tokens, constexprs["BLOCK_T"]), num_kv_heads, 1)
-
-
 def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
-    k, v = format_constexprs(k_spec), format_constexprs(v_spec)
-    return dict(HEAD_DIM=head_dim,
-                K_DTYPE=k["DTYPE"], K_STATIC=k["STATIC"], K_SYM=k["SYM"], K_GS=_gs(k, head_dim),
-                K_SMOOTH=k["SMOOTH"], K_HAD=k["HAD"],
-                V_DTYPE=v["DTYPE"], V_STATIC=v["STATIC"], V_SYM=v["SYM"], V_GS=_gs(v, head_dim),
-                V_SMOOTH=v["SMOOTH"], V_HAD=v["HAD"])
+    out = dict(HEAD_DIM=head_dim)
+    for W, spec in (("K", k_spec), ("V", v_spec)):
+        c = format_constexprs(spec)
+        out.update({f"{W}_DTYPE": c["DTYPE"], f"{W}_STATIC": c["STATIC"], f"{W}_SYM": c["SYM"],
+                    f"{W}_GS": _gs(c, head_dim), f"{W}_BCH": c["BCH"], f"{W}_OFF": c["CODE_OFFSET"],
+                    f"{W}_SMOOTH": c["SMOOTH"], f"{W}_HAD": c["HAD"]})
+    return out
 
 
-DEFAULT_PARTITION = 512
+DEFAULT_PARTITION = _C.LIMITS.default_partition
 
 
 def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size: int = DEFAULT_PARTITION,
-                  precision: str = "ieee", interpret: bool = False, new_rows: bool = True) -> dict:
-    """Constexprs of the two decode kernels. ``partition_size`` is a power of two >= 16.
-
-    ``new_rows`` (default: the pure-engine contract of the TensorRT plugins) reads the newest token from
-    this step's new rows instead of the pool; the torch launchers pass False when the pool already holds it."""
+                  precision: str = "ieee", interpret: bool = False) -> dict:
+    """Constexprs of the two decode kernels (``partition_size``: contract.LIMITS)."""
     kv = _kv_constexprs(k_spec, v_spec, head_dim)
     block_h = max(16, next_pow2(gqa_ratio))
     block_n = 64 if (interpret or head_dim <= 64) else 32
     block_n = min(block_n, partition_size)
-    if partition_size % block_n or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
-    part = {k: v for k, v in kv.items() if k not in ("V_SMOOTH", "V_HAD")}
-    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=32,
-                NEW_ROWS=bool(new_rows))
+    problem = _C.LIMITS.partition_problem(partition_size)
+    if problem or partition_size % block_n:
+        raise ValueError(f"partition_size {partition_size} {problem or 'must be a multiple of the key tile'}")
+    part = dict(kv)
+    # OPEN_N: key tile of the open block (at most block_size rows): small, so that its fp16 loads and the
+    # transforms into the stored space add few registers to the sealed loop's (no spills, see aot.py)
+    # HAD_CHUNK 16: the query fold and the open rows' rotation hold [16, head_dim] slices of H (32 spills at
+    # head_dim 128 when K and V are both rotated, sm_90)
+    part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=16,
+                OPEN_N=16)
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
     return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
 
 
-def num_partitions(max_context_len: int, partition_size: int = DEFAULT_PARTITION) -> int:
-    return max(1, triton.cdiv(int(max_context_len), partition_size))
-
-
-def decode_grids(batch: int, num_kv_heads: int, max_context_len: int, partition_size: int = DEFAULT_PARTITION):
-    """(partition grid, reduce grid); max_context_len bounds the context (e.g. max_blocks * block_size)."""
-    return (batch, num_kv_heads, num_partitions(max_context_len, partition_size)), (batch, num_kv_heads, 1)
-
-
 def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str = "ieee",
-                   interpret: bool = False, new_rows: bool = True) -> dict:
+                   interpret: bool = False) -> dict:
     """Constexprs of the prefill kernel. Rows of a program = BLOCK_M tokens x BLOCK_H heads (>= 16).
 
     Tile sizes keep ptxas from spilling on sm_80 / sm_90 (see plugins/aot.py): "tf32" dots take 64 rows,
@@ -717,14 +811,8 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
     else:
         rows, block_n, warps = 16, 32, 4
     block_m = max(1, rows // block_h, 16 // block_h)
-    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32,
-              NEW_ROWS=bool(new_rows))
+    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32, OPEN_N=16)
     return {"constexprs": kv, "num_warps": warps}
-
-
-def prefill_grid(max_seqlen_q: int, num_kv_heads: int, batch: int, constexprs: dict) -> tuple[int, int, int]:
-    """max_seqlen_q may be any upper bound (e.g. total_q_tokens): extra programs exit at once."""
-    return (max(1, triton.cdiv(int(max_seqlen_q), constexprs["BLOCK_M"])), num_kv_heads, batch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -761,18 +849,14 @@ def load_kernels(interpret: bool) -> ModuleType:
 
 
 __all__ = [
-    "quantize_append_kernel",
+    "seal_kernel",
     "paged_decode_partition_kernel",
     "paged_decode_reduce_kernel",
     "paged_prefill_kernel",
     "format_constexprs",
-    "append_config",
-    "append_grid",
+    "seal_config",
     "decode_config",
-    "decode_grids",
-    "num_partitions",
     "prefill_config",
-    "prefill_grid",
     "load_kernels",
     "LOG2E",
 ]

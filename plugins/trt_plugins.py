@@ -13,7 +13,7 @@ Usage (NGC TensorRT container or a machine with ``pip install tensorrt``)::
 
     from trtkv.plugins.trt_plugins import register_plugins
     register_plugins()            # before parsing an ONNX model that holds trtkv nodes
-    parser.parse(onnx_bytes)      # nodes op_type=PagedKVAppend, plugin_namespace="trtkv", aot=1 -> plugins
+    parser.parse(onnx_bytes)      # nodes op_type=PagedKVSeal, plugin_namespace="trtkv", aot=1 -> plugins
 
 Each op is registered with ``@trtp.register`` (output shapes / dtypes from the contract) and
 ``@trtp.aot_impl`` (the Triton kernel compiled to PTX for the build GPU, its launch grid and integer
@@ -70,24 +70,21 @@ class AotKernel:
 
 
 def kernel_config(op: C.OpSpec, attrs: C.Attrs, interpret: bool = False) -> dict:
-    """``{"constexprs": ..., "num_warps": ...}`` of the op's kernel, from trtkv.plugins.kernels.
-
-    The attention kernels are configured with ``NEW_ROWS=True``: the plugins read the newest positions
-    from this step's new rows (the PagedKVAppend outputs) and never the pool slots they will occupy."""
+    """``{"constexprs": ..., "num_warps": ...}`` of the op's kernel, from trtkv.plugins.kernels."""
     from . import kernels as K
 
     b = C.BINDINGS[op.name]
-    if b.config == "append":
-        return K.append_config(attrs["tensor_format"], attrs["head_dim"], interpret=interpret)
+    if b.config == "seal":
+        return K.seal_config(attrs["tensor_format"], attrs["head_dim"], attrs["block_size"])
     ratio = attrs["num_q_heads"] // attrs["num_kv_heads"]
     if b.config.startswith("decode."):
         prec = attrs.get("precision", "ieee")
         cfg = K.decode_config(attrs.get("k_format", attrs["v_format"]), attrs["v_format"], attrs["head_dim"], ratio,
-                              attrs["partition_size"], prec, interpret=interpret, new_rows=True)
+                              attrs["partition_size"], prec, interpret=interpret)
         return cfg[b.config.split(".")[1]]
     if b.config == "prefill":
         return K.prefill_config(attrs["k_format"], attrs["v_format"], attrs["head_dim"], ratio, attrs["precision"],
-                                interpret=interpret, new_rows=True)
+                                interpret=interpret)
     raise AssertionError(b.config)
 
 
@@ -187,8 +184,10 @@ def trt_ops(trtp) -> C.SymOps:
 
 
 def trt_dtypes(trt) -> dict[str, Any]:
-    return {"float16": trt.float16, "float32": trt.float32, "int8": trt.int8, "uint8": trt.uint8,
-            "int32": trt.int32}
+    """Contract dtype name -> ``trt.DataType``, from ``trtkv.formats.ELEM_TYPES``."""
+    from trtkv.formats import ELEM_TYPES
+
+    return {name: getattr(trt, e.trt) for name, e in ELEM_TYPES.items() if hasattr(trt, e.trt)}
 
 
 def _signature(params: list[tuple[str, Any]], ret) -> inspect.Signature:

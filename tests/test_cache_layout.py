@@ -5,34 +5,43 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, write_paged
+from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, slot_mapping, write_paged, write_tail
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
-from trtkv.quant import TensorParams, fake_quantize, quantize
+from trtkv.quant import TensorParams, fake_quantize_block, quantize_block
 
-# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block_size 16
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block_size 16 (formats are stored with sealed blocks of BS)
 H, D, BS = 3, 64, 16
 
-# bytes of one block (K and V, one layer), counted by hand:
-# per token and head, K and V each: codes (D * bits / 8) + fp16 scale/zero per group
+# bytes of one pool block (K and V, one layer), counted by hand:
+# per token and head, K and V each: codes (D * bits / 8) + fp16 scale/zero per group; block-wise
+# (per channel per block) formats: one fp16 scale + zero per channel and head per block
 HAND_BYTES_PER_BLOCK = {
     "fp16": 2 * H * BS * (D * 2),  # 12288
     "int8": 2 * H * BS * (D + 2),  # 64 codes + 1 fp16 scale = 6336
+    "int8-token": 2 * H * BS * (D + 2),
     "int8-static": 2 * H * BS * D,  # static scale is a layer constant: 6144
     "fp8": 2 * H * BS * D,  # 6144
-    "int4": 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
+    "int4": H * BS * D // 2 + H * D * 2 * 2 + H * BS * (D // 2 + 2 + 2),  # K per channel per block; V per token
+    "int4-token": 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
     "int4-g32": 2 * H * BS * (D // 2 + 2 * 2),  # 32 code bytes + 2 groups x scale = 3456
 }
 
 EXPECTED = {
-    # name: (K data dtype, K packed dim, K groups or None, K has zero)
+    # name: (K data dtype, K packed dim, K scale shape per block or None, K has zero)
     "fp16": (torch.float16, 64, None, False),
-    "int8": (torch.int8, 64, 1, False),
+    "int8": (torch.int8, 64, (H, BS, 1), False),
+    "int8-token": (torch.int8, 64, (H, BS, 1), False),
     "int8-static": (torch.int8, 64, None, False),
     "fp8": (torch.uint8, 64, None, False),
-    "int4": (torch.uint8, 32, 1, True),
-    "int4-g32": (torch.uint8, 32, 2, False),
+    "int4": (torch.uint8, 32, (H, D), True),
+    "int4-token": (torch.uint8, 32, (H, BS, 1), True),
+    "int4-g32": (torch.uint8, 32, (H, BS, 2), False),
 }
+
+
+def _fmt(name):
+    return PRESETS[name].with_block_size(BS)
 
 
 def _pool_bytes(pool: KVPool) -> int:
@@ -41,17 +50,19 @@ def _pool_bytes(pool: KVPool) -> int:
 
 @pytest.mark.parametrize("name", list(HAND_BYTES_PER_BLOCK))
 def test_preset_layouts(name):
-    fmt = PRESETS[name]
-    lay = PagedKVLayout(fmt, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=10)
-    dtype, packed, groups, has_zero = EXPECTED[name]
+    fmt = _fmt(name)
+    lay = PagedKVLayout(fmt, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=10, num_slots=5)
+    dtype, packed, scale, has_zero = EXPECTED[name]
     assert lay.data_dtype("k") == dtype and lay.packed_dim("k") == packed
     assert lay.data_shape("k") == (10, H, BS, packed)
-    assert lay.scale_shape("k") == (None if groups is None else (10, H, BS, groups))
-    assert lay.zero_shape("k") == ((10, H, BS, groups) if has_zero else None)
+    assert lay.scale_shape("k") == (None if scale is None else (10, *scale))
+    assert lay.zero_shape("k") == ((10, *scale) if has_zero else None)
     assert lay.bytes_per_block() == HAND_BYTES_PER_BLOCK[name]
-    # the pool's byte count agrees with the per-token accounting of the format
+    # the pool's byte count agrees with the format's pool accounting; the open blocks are per slot
     assert lay.bytes_per_block() == fmt.kv_bytes_per_token(1, H, D) * BS
+    assert lay.tail_bytes_per_slot() == fmt.tail_bytes_per_slot(1, H, D) == 2 * H * BS * D * 2
     pools = [lay.allocate(w) for w in ("k", "v")]
+    assert all(p.tail.shape == (5, H, BS, D) and p.tail.dtype == torch.float16 for p in pools)
     assert sum(_pool_bytes(p) for p in pools) == lay.bytes_per_block() * 10
     for w, p in zip(("k", "v"), pools):
         assert p.data.dtype == lay.data_dtype(w) and tuple(p.data.shape) == lay.data_shape(w) and not p.data.any()
@@ -63,8 +74,11 @@ def test_preset_layouts(name):
 
 def test_smollm2_whole_model_bytes_per_block():
     # the worked example of docs/kv-cache-format.md: 30 layers at block_size 16
-    per_layer = {n: PagedKVLayout(PRESETS[n], H, D, BS, 1).bytes_per_block() for n in ("fp16", "int8", "int4")}
-    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, "int8": 190080, "int4": 103680}
+    per_layer = {n: PagedKVLayout(_fmt(n), H, D, BS, 1).bytes_per_block() for n in ("fp16", "int8", "int4-token")}
+    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, "int8": 190080, "int4-token": 103680}
+    # the int4 preset at its own block size, 64: 4.5 bits per element in the pool, 64 tokens per block
+    int4 = PagedKVLayout(PRESETS["int4"], H, D, 64, 1)
+    assert 30 * int4.bytes_per_block() == 30 * 2 * 3 * 64 * 64 * 4.5 / 8 == 414720
 
 
 @pytest.mark.parametrize(
@@ -88,8 +102,9 @@ def test_inline_layouts(spec, dtype, groups, zero):
 
 
 def test_layout_rejections():
-    with pytest.raises(TrtkvError, match="recent tokens"):
-        PagedKVLayout(get_format("k=int8:token,v=int8:token,recent=32"), H, D, BS, 4)
+    with pytest.raises(TrtkvError, match="seals blocks of 32") as ei:
+        PagedKVLayout(get_format("k=int8:token,v=int8:token,block=32"), H, D, BS, 4)
+    assert "block=16" in ei.value.fix
     with pytest.raises(TrtkvError, match="even head_dim"):
         PagedKVLayout(get_format("k=int4:token,v=int8:token"), H, 25, BS, 4)
     with pytest.raises(TrtkvError, match="does not divide"):
@@ -97,13 +112,14 @@ def test_layout_rejections():
     PagedKVLayout(get_format("k=int8:token,v=int8:token"), H, 25, BS, 4)  # odd head_dim is fine for int8
 
 
-# ----------------------------------------------------------------------------- write -> gather
+# ----------------------------------------------------------------------------- seal / open block -> gather
 
 FORMATS = list(HAND_BYTES_PER_BLOCK) + [
     "k=int8:token:asym,v=int8:g16:asym",
     "k=fp8:token,v=fp8:head",
     "k=int8:channel:smooth:hadamard,v=int4:head",
     "k=int4:g32:asym:hadamard,v=fp16",
+    "k=int4:bchannel:sym:hadamard,v=int8:bchannel:asym,block=16",
 ]
 
 
@@ -123,89 +139,102 @@ def _params(fmt, which, g) -> TensorParams | None:
 
 
 def _fill_garbage(pool: KVPool, g) -> None:
-    """Make every slot hostile: random bytes in data, NaN in scales/zeros (and fp16 data)."""
+    """Make every slot hostile: random bytes in data, NaN in scales/zeros, fp16 data and the open blocks."""
     if pool.data.dtype == torch.float16:
         pool.data.fill_(float("nan"))
     else:
         pool.data.view(torch.uint8).copy_(torch.randint(0, 256, pool.data.shape, generator=g, dtype=torch.uint8))
-    for t in (pool.scale, pool.zero):
+    for t in (pool.scale, pool.zero, pool.tail):
         if t is not None:
             t.fill_(float("nan"))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
 @pytest.mark.parametrize("spec", FORMATS)
-def test_write_then_gather_reproduces_fake_quantize(spec):
-    fmt = get_format(spec)
+def test_sealed_blocks_and_open_block_read_back_as_the_quantizer_defines(spec):
+    fmt = (PRESETS[spec] if spec in PRESETS else get_format(spec)).with_block_size(BS)
     g = torch.Generator().manual_seed(len(spec))
     num_blocks = 12
-    lay = PagedKVLayout(fmt, H, D, BS, num_blocks)
-    contexts = [37, 16, 5]  # 3 blocks (last partly used), exactly one block, part of a block
-    # non-contiguous, permuted blocks from the pool; -1 fills unused block-table entries
-    perm = torch.randperm(num_blocks, generator=g).tolist()
+    lay = PagedKVLayout(fmt, H, D, BS, num_blocks, num_slots=4)
+    contexts = [37, 16, 5]  # 2 sealed blocks + 5 open; exactly one sealed block, open block empty; only open rows
+    slots = [3, 0, 2]  # open-block slots, not in sequence order
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, permuted pool blocks
     tables, taken = [], 0
     for n in contexts:
-        nb = -(-(n + 1) // BS)  # room for one decode token
+        nb = n // BS
         tables.append(perm[taken : taken + nb] + [-1] * (4 - nb))
         taken += nb
     block_tables = torch.tensor(tables, dtype=torch.int32)
     untouched = perm[taken:]
 
     for which in ("k", "v"):
+        tf = getattr(fmt, which)
         params = _params(fmt, which, g)
         pool = lay.allocate(which)
         _fill_garbage(pool, g)
         before = [t.clone() for t in (pool.data, pool.scale, pool.zero) if t is not None]
-        rows = [torch.randn(n + 1, H, D, generator=g) * 3 for n in contexts]
+        rows = [(torch.randn(n, H, D, generator=g) * 3).half().float() for n in contexts]  # fp16, as the open block held them
         for r in rows:
-            r[0, 0, :5] = 1e4  # an outlier token
+            r[0, 0, :5] = 1e3  # an outlier token
             r[-1, 1] = 0.0  # a zero row
-
-        # prefill: every sequence's first n tokens in one flat batch, with padding rows (slot -1)
-        # whose contents are NaN and must be skipped
-        flat, slots = [], []
         for s, n in enumerate(contexts):
-            for i in range(n):
-                flat.append(rows[s][i])
-                slots.append(tables[s][i // BS] * BS + i % BS)
-                if i % 7 == 3:
-                    flat.append(torch.full((H, D), float("nan")))
-                    slots.append(-1)
-        write_paged(lay, which, pool, torch.stack(flat), torch.tensor(slots), params)
-        # decode: one new token per sequence, plus a padding entry
-        step = [rows[s][n] for s, n in enumerate(contexts)] + [torch.full((H, D), float("inf"))]
-        step_slots = [tables[s][n // BS] * BS + n % BS for s, n in enumerate(contexts)] + [-1]
-        write_paged(lay, which, pool, torch.stack(step), torch.tensor(step_slots), params)
+            sealed = n // BS
+            if sealed:
+                blocks = rows[s][: sealed * BS].reshape(sealed, BS, H, D).transpose(1, 2)  # [n, H, BS, D]
+                seal_blocks(lay, which, pool, blocks, block_tables[s, :sealed], params)
+            if n % BS:
+                write_tail(pool, slots[s], rows[s][sealed * BS :].half(), 0)
 
-        tf = getattr(fmt, which)
         for s, n in enumerate(contexts):
-            want = fake_quantize(rows[s], tf, params)  # per-token quantization does not depend on the batch
-            got = gather_paged(lay, which, pool, block_tables[s], n + 1, params)
-            assert got.shape == (n + 1, H, D) and got.dtype == torch.float32
-            assert torch.equal(got, want), f"{which}: sequence {s} differs from fake_quantize"
-            raw = gather_paged(lay, which, pool, block_tables[s], n + 1, params, dequant=False)
-            qt = quantize(rows[s], tf, params)
-            assert torch.equal(raw.codes, qt.codes.to(raw.codes.dtype))
-            for a, b in ((raw.scale, qt.scale), (raw.zero, qt.zero)):
-                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-            # slot arithmetic by hand: token i of sequence s lives at block tables[s][i // BS], offset i % BS
-            i = n // 2
-            assert torch.equal(pool.data[tables[s][i // BS], :, i % BS], qt.codes[i].to(pool.data.dtype))
+            sealed = n // BS
+            got = gather_paged(lay, which, pool, block_tables[s], n, params, slot=slots[s])
+            assert got.shape == (n, H, D) and got.dtype == torch.float32
+            want = rows[s].clone()
+            if sealed:  # independent of the pool: the quantizer applied to the same blocks
+                blocks = rows[s][: sealed * BS].reshape(sealed, BS, H, D).transpose(1, 2)
+                want[: sealed * BS] = fake_quantize_block(blocks, tf, params).transpose(1, 2).reshape(-1, H, D)
+                if tf.is_quantized:
+                    assert not torch.equal(want[: sealed * BS], rows[s][: sealed * BS])
+            assert torch.equal(got, want), f"{which}: sequence {s} differs"
+            # the block that sealed tokens 0..BS-1 holds their codes, byte for byte, at table entry 0
+            if sealed:
+                qt = quantize_block(rows[s][:BS].transpose(0, 1), tf, params)
+                assert torch.equal(pool.data[tables[s][0]], qt.codes.to(pool.data.dtype))
+                if not tf.is_block_wise and tf.is_quantized:  # per-token formats: write_paged writes the same bytes
+                    other = lay.allocate(which)
+                    write_paged(lay, which, other, rows[s][:BS], torch.arange(BS) + tables[s][0] * BS, params)
+                    assert torch.equal(other.data[tables[s][0]], pool.data[tables[s][0]])
 
         # blocks no sequence owns keep their garbage bit for bit
         after = [t for t in (pool.data, pool.scale, pool.zero) if t is not None]
         for b0, a0 in zip(before, after):
-            assert torch.equal(b0[untouched].view(torch.uint8) if b0.dtype != torch.float16 else b0[untouched].view(torch.int16),
-                               a0[untouched].view(torch.uint8) if a0.dtype != torch.float16 else a0[untouched].view(torch.int16))
+            assert torch.equal(_bits(b0[untouched]), _bits(a0[untouched]))
 
 
 def test_gather_reads_only_the_context():
-    fmt = PRESETS["int8"]
-    lay = PagedKVLayout(fmt, H, D, BS, 4)
+    fmt = PRESETS["int8"].with_block_size(BS)
+    lay = PagedKVLayout(fmt, H, D, BS, 4, num_slots=2)
     pool = lay.allocate("k")
-    rows = torch.randn(20, H, D)
-    table = torch.tensor([2, 0, -1, -1])
-    write_paged(lay, "k", pool, rows, torch.tensor([2 * BS + i if i < BS else (i - BS) for i in range(20)]))
-    pool.data[0, :, 4:] = 127  # garbage after the context inside the last used block
-    pool.scale[0, :, 4:] = float("nan")
-    assert torch.equal(gather_paged(lay, "k", pool, table, 20), fake_quantize(rows, fmt.k))
-    assert torch.equal(gather_paged(lay, "k", pool, table, 7), fake_quantize(rows[:7], fmt.k))
+    rows = torch.randn(20, H, D).half().float()
+    table = torch.tensor([2, -1, -1, -1])
+    seal_blocks(lay, "k", pool, rows[:BS].transpose(0, 1)[None], table[:1])
+    write_tail(pool, 1, rows[BS:].half(), 0)
+    pool.tail[1, :, 4:] = float("nan")  # garbage after the open rows
+    pool.data[0], pool.scale[0] = 127, float("nan")  # an unlisted block
+    want = torch.cat([fake_quantize_block(rows[:BS].transpose(0, 1), fmt.k).transpose(0, 1), rows[BS:]])
+    assert torch.equal(gather_paged(lay, "k", pool, table, 20, slot=1), want)
+    assert torch.equal(gather_paged(lay, "k", pool, table, 17, slot=1), want[:17])
+    assert torch.equal(gather_paged(lay, "k", pool, table, 16), want[:16])  # no open rows: no slot needed
+    with pytest.raises(ValueError, match="open block"):
+        gather_paged(lay, "k", pool, table, 18)
+
+
+def test_slot_mapping_is_block_table_arithmetic():
+    table = torch.tensor([[7, 2, 5], [1, 0, 3]])
+    pos = torch.tensor([[0, 15, 16, 40], [3, 17, 33, 47]])
+    want = [[7 * 16 + 0, 7 * 16 + 15, 2 * 16 + 0, 5 * 16 + 8], [1 * 16 + 3, 0 * 16 + 1, 3 * 16 + 1, 3 * 16 + 15]]
+    assert slot_mapping(table, pos, 16).tolist() == want
+    assert slot_mapping(table[0], pos[0], 16).tolist() == want[0]

@@ -509,3 +509,38 @@ def test_run_calibration_on_builtin_model(builtin_model, tmp_path):
     assert "K / V ranges" in (out / "report.md").read_text()
     assert (out / "plots/absmax.png").read_bytes()[:4] == b"\x89PNG"
 
+
+
+# ----------------------------------------------------------------------------- knobs that must reach the result
+
+
+@pytest.mark.parametrize("alpha", [0.25, 0.75])
+def test_smooth_alpha_reaches_the_smoothing_factors(alpha):
+    """A smoothing exponent other than the default is used, through choose_params and calibrate_formats alike."""
+    from trtkv.calibration.run import calibrate_formats
+
+    stats, k, _ = _stats(3)
+    fmt = get_format("k=int4:g8:asym:smooth,v=int4:g8:asym")
+    absmax = torch.stack([x.abs().amax(0) for x in k]).double()  # [L, H, D] from the raw rows, not from the stats
+    floor = absmax.amax(-1, keepdim=True) * scales_mod.SMOOTH_FLOOR
+    want = torch.maximum(absmax, floor) ** alpha
+    want = want / want.log().mean(-1, keepdim=True).exp()
+    params, *_ = calibrate_formats(stats, [fmt], "max", smooth_alpha=alpha)
+    got = torch.stack([lp.k.smooth for lp in params[fmt.name]]).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    default = torch.stack([lp.k.smooth for lp in choose_params(stats, fmt, "max")]).double()
+    assert (got - default).abs().max() > 1e-3  # and it differs from the default exponent
+
+
+@pytest.mark.parametrize("spec", ["int8-static", "k=int8:head,v=int8:channel", "k=fp8:tensor,v=fp8:head"])
+def test_clip_ratio_of_max_calibration_is_one(spec):
+    """With max calibration the chosen range *is* the absmax: scale * qmax / absmax == 1 (a lost qmax gives 1/qmax)."""
+    from trtkv.calibration.run import calibrate_formats
+
+    stats, *_ = _stats(4)
+    fmt = get_format(spec)
+    _, _, ratios, _ = calibrate_formats(stats, [fmt], "max")
+    for kv in ("k", "v"):
+        assert ratios[fmt.name][kv] == pytest.approx([1.0] * stats.num_layers, rel=1e-5)
+    _, _, mse, _ = calibrate_formats(stats, [fmt], "mse")
+    assert all(0.3 <= r <= 1.0 + 1e-6 for kv in ("k", "v") for r in mse[fmt.name][kv])

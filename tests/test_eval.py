@@ -62,9 +62,9 @@ def test_evaluate_formats_tiny(tiny_model):
     _, model = tiny_model("mistral")
     windows = torch.randint(0, 320, (3, 24), generator=torch.Generator().manual_seed(0))
     res = evaluate_formats(
-        model, windows, ["int8", "k=int4:g12:asym,v=int4:g12:asym"], batch_size=2, generate_prompts=2, generate_tokens=6
+        model, windows, ["int8-token", "k=int4:g12:asym,v=int4:g12:asym"], batch_size=2, generate_prompts=2, generate_tokens=6
     )
-    assert [r.format for r in res] == ["fp16", "int8", "k=int4:g12:asym,v=int4:g12:asym"]
+    assert [r.format for r in res] == ["fp16", "int8-token", "k=int4:g12:asym,v=int4:g12:asym"]
     base, i8, i4 = res
     assert base.ppl_delta_pct == 0.0 and base.kld_mean == 0.0 and base.top1_agreement == 1.0
     assert base.generation_match == 1.0
@@ -72,24 +72,28 @@ def test_evaluate_formats_tiny(tiny_model):
     assert 0 < i8.kld_mean < i4.kld_mean
     assert abs(i8.ppl_delta_pct) < abs(i4.ppl_delta_pct)
     assert i4.bits_per_element == pytest.approx(4 + 32 / 12)
-    assert i8.kv_bytes_per_token == pytest.approx(get_format("int8").kv_bytes_per_token(2, 2, 24))
+    assert i8.kv_bytes_per_token == pytest.approx(get_format("int8-token").kv_bytes_per_token(2, 2, 24))
+    assert i8.tail_bytes_per_slot == 0 and i8.pool_bits_per_element == i8.bits_per_element
     for r in res:
         assert 0.0 <= r.generation_match <= r.generation_match_all <= 1.0  # a matching prefix is a subset of matches
     table = render_table(res)
     assert table.row_count == 3
 
 
-def test_recent_window_format_runs_chunked(tiny_model):
+def test_sealed_blocks_beat_quantize_on_write_and_count_the_open_block(tiny_model):
     _, model = tiny_model("qwen2")
     windows = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(1))
     res = evaluate_formats(
-        model, windows, ["k=int4:token:asym,v=int4:token:asym", "k=int4:token:asym,v=int4:token:asym,recent=8"],
+        model, windows, ["k=int4:token:asym,v=int4:token:asym", "k=int4:token:asym,v=int4:token:asym,block=8"],
         generate_prompts=0,
     )
-    _, plain, recent = res
-    assert recent.kld_mean < plain.kld_mean  # keeping newest tokens unquantized helps
-    assert recent.bits_per_element > recent.bits_per_element_long_context == plain.bits_per_element
-    assert recent.generation_match is None
+    _, plain, sealed = res
+    assert sealed.kld_mean < plain.kld_mean  # each query's own block unquantized helps
+    assert sealed.pool_bits_per_element == plain.pool_bits_per_element == plain.bits_per_element
+    # 20 tokens: 2 sealed blocks of 8 in the pool plus one reserved fp16 block of 8 tokens
+    assert sealed.bits_per_element == pytest.approx((16 * sealed.pool_bits_per_element + 8 * 16) / 20)
+    assert sealed.tail_bytes_per_slot == 2 * 2 * 2 * 8 * 24 * 2  # K+V, 2 layers, 2 KV heads, 8 tokens, head_dim 24, fp16
+    assert sealed.generation_match is None
 
 
 def test_run_eval_needs_calibration_before_loading(monkeypatch):
@@ -107,7 +111,7 @@ def test_run_eval_needs_calibration_before_loading(monkeypatch):
 
 def test_write_json(tmp_path):
     r = EvalResult(
-        format="int8", spec="k=int8:token:sym,v=int8:token:sym", bits_per_element=8.25, bits_per_element_long_context=8.25,
+        format="int8", spec="k=int8:token:sym,v=int8:token:sym", bits_per_element=8.25, pool_bits_per_element=8.25,
         kv_bytes_per_token=100.0, ppl=10.0, ppl_delta_pct=0.1, kld_mean=1e-4, top1_agreement=0.99,
     )
     path = write_json([r], tmp_path / "out" / "r.json", meta={"command": "x"})
@@ -122,7 +126,7 @@ def test_run_eval_real_model_small(builtin_model, monkeypatch):
 
     monkeypatch.setattr(trtkv.models, "load_model", lambda *a, **k: builtin_model)  # reuse the session's model
     res = run_eval(
-        "smollm2-135m", "builtin:pydoc", ["int8", "int4-g32"], windows=2, seq_len=128, device="cpu", dtype="float32",
+        "smollm2-135m", "builtin:pydoc", ["int8-token", "int4-g32"], windows=2, seq_len=128, device="cpu", dtype="float32",
         generate_prompts=1, generate_tokens=8, progress=False,
     )
     base, i8, i4 = res
@@ -139,9 +143,9 @@ def test_run_eval_with_calibration_artifact(tiny_model, tmp_path):
     """End to end on a tiny saved model: calibrate a smoothed int4 format, then eval it from the artifact."""
     from trtkv.calibration.run import run_calibration
 
-    model_dir, _ = tiny_model("mistral", with_tokenizer=True, head_dim=64)  # calibrate always adds int4 (g64)
+    model_dir, _ = tiny_model("mistral", with_tokenizer=True, head_dim=64)
     spec = "k=int4:g32:sym:smooth:hadamard,v=int4:g32:asym:hadamard"
-    art = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "calib", formats=[spec], samples=2, seq_len=32,
+    art = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "calib", formats=[spec, "fp8"], samples=2, seq_len=32,
                           device="cpu", dtype="float32", progress=False)
     with pytest.raises(TrtkvError, match="calibrat"):
         run_eval(str(model_dir), "builtin:pydoc", [spec], windows=2, seq_len=32, device="cpu", progress=False)

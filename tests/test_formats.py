@@ -54,12 +54,15 @@ def test_presets_exist_and_are_consistent():
     for name, fmt in PRESETS.items():
         assert fmt.name == name and fmt.description
     assert not PRESETS["fp16"].is_quantized
-    assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_token")
+    assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_token") and PRESETS["int8"].block_size == 64
     assert PRESETS["fp8"].k.dtype == PRESETS["fp8"].v.dtype == "fp8_e4m3" and PRESETS["fp8"].k.is_static
-    assert PRESETS["int4"].k.smooth and PRESETS["int4"].k.hadamard and not PRESETS["int4"].v.smooth
+    assert PRESETS["int4"].k == TensorFormat(dtype="int4", granularity="per_block_channel", symmetric=False)
+    assert PRESETS["int4"].v.hadamard and PRESETS["int4"].block_size == 64 and PRESETS["int4"].sealed
+    assert PRESETS["int4-token"].k.smooth and PRESETS["int4-token"].k.hadamard and not PRESETS["int4-token"].sealed
     assert PRESETS["int8-static"].shared_kv_scale and PRESETS["int8-static"].needs_calibration
-    assert PRESETS["int4"].needs_calibration  # K smoothing factors come from calibration
-    assert not PRESETS["int8"].needs_calibration and not PRESETS["int4-g32"].needs_calibration
+    assert PRESETS["int4-token"].needs_calibration  # K smoothing factors come from calibration
+    for name in ("int8", "int4", "int4-g32"):  # dynamic scales and rotations only: usable without calibration
+        assert not PRESETS[name].needs_calibration
 
 
 def _same_format(a: KVFormat, b: KVFormat) -> bool:
@@ -88,29 +91,36 @@ INLINE = [
         "k=int4:g64:asym:smooth:hadamard,v=int4:token:asym",
         dict(dtype="int4", granularity="per_token_group", group_size=64, symmetric=False, smooth=True, hadamard=True),
         dict(dtype="int4", granularity="per_token", symmetric=False),
-        0,
+        None,
         False,
     ),
-    ("k=int8:token,v=fp16", dict(dtype="int8", granularity="per_token"), dict(dtype="fp16"), 0, False),
+    ("k=int8:token,v=fp16", dict(dtype="int8", granularity="per_token"), dict(dtype="fp16"), None, False),
     (
-        "k=fp8:tensor,v=fp8_e4m3:head,recent=64",
+        "k=fp8:tensor,v=fp8_e4m3:head,block=64",
         dict(dtype="fp8_e4m3", granularity="per_tensor"),
         dict(dtype="fp8_e4m3", granularity="per_head"),
         64,
         False,
     ),
-    ("k=int8:tensor,v=int8:tensor,shared", dict(dtype="int8", granularity="per_tensor"), dict(dtype="int8", granularity="per_tensor"), 0, True),
-    ("k=int8 : channel : smooth, v=int8:head ", dict(dtype="int8", granularity="per_channel", smooth=True), dict(dtype="int8", granularity="per_head"), 0, False),
-    ("k=int4:g32:sym,v=int4:g32", dict(dtype="int4", granularity="per_token_group", group_size=32), dict(dtype="int4", granularity="per_token_group", group_size=32), 0, False),
-    ("k=int8:g16:asym:hadamard,v=fp8:token", dict(dtype="int8", granularity="per_token_group", group_size=16, symmetric=False, hadamard=True), dict(dtype="fp8_e4m3", granularity="per_token"), 0, False),
+    (
+        "k=int4:bchannel:asym,v=int8:bchannel,block=32",
+        dict(dtype="int4", granularity="per_block_channel", symmetric=False),
+        dict(dtype="int8", granularity="per_block_channel"),
+        32,
+        False,
+    ),
+    ("k=int8:tensor,v=int8:tensor,shared", dict(dtype="int8", granularity="per_tensor"), dict(dtype="int8", granularity="per_tensor"), None, True),
+    ("k=int8 : channel : smooth, v=int8:head ", dict(dtype="int8", granularity="per_channel", smooth=True), dict(dtype="int8", granularity="per_head"), None, False),
+    ("k=int4:g32:sym,v=int4:g32", dict(dtype="int4", granularity="per_token_group", group_size=32), dict(dtype="int4", granularity="per_token_group", group_size=32), None, False),
+    ("k=int8:g16:asym:hadamard,v=fp8:token", dict(dtype="int8", granularity="per_token_group", group_size=16, symmetric=False, hadamard=True), dict(dtype="fp8_e4m3", granularity="per_token"), None, False),
 ]
 
 
-@pytest.mark.parametrize("spec,k,v,recent,shared", INLINE, ids=[i[0].strip() for i in INLINE])
-def test_inline_specs(spec, k, v, recent, shared):
+@pytest.mark.parametrize("spec,k,v,block,shared", INLINE, ids=[i[0].strip() for i in INLINE])
+def test_inline_specs(spec, k, v, block, shared):
     fmt = get_format(spec)
     assert fmt.k == TensorFormat(**k) and fmt.v == TensorFormat(**v)
-    assert fmt.recent_tokens == recent and fmt.shared_kv_scale == shared
+    assert fmt.block_size == block and fmt.shared_kv_scale == shared
     again = get_format(fmt.spec())
     assert _same_format(again, fmt) and again.spec() == fmt.spec()
 
@@ -143,10 +153,12 @@ def test_every_valid_tensor_format_round_trips_through_its_short_spec(tf):
 
 
 @settings(max_examples=150, deadline=None)
-@given(tensor_formats(), tensor_formats(), st.integers(0, 4096), st.booleans())
-def test_every_valid_kv_format_round_trips(k, v, recent, shared):
+@given(tensor_formats(), tensor_formats(), st.one_of(st.none(), st.integers(1, 4096)), st.booleans())
+def test_every_valid_kv_format_round_trips(k, v, block, shared):
     shared = shared and k.granularity == v.granularity == "per_tensor"
-    fmt = KVFormat(name="x", k=k, v=v, recent_tokens=recent, shared_kv_scale=shared)
+    if block is None and (k.is_block_wise or v.is_block_wise):
+        block = 64  # block-wise scales exist only in sealed blocks (test_validation_rules)
+    fmt = KVFormat(name="x", k=k, v=v, block_size=block, shared_kv_scale=shared)
     again = get_format(fmt.spec())
     assert _same_format(again, fmt) and again.spec() == fmt.spec()
     assert KVFormat.model_validate_json(fmt.model_dump_json()) == fmt
@@ -194,11 +206,17 @@ INVALID = [
     ("k=int8,v=int8:token", ["needs a scale granularity"]),
     ("k=fp16:token,v=fp16", ["fp16", "no scales"]),
     ("k=int4:g1,v=int4:token", ["group_size", "(got 1)"]),
-    ("k=int8:token,v=int8:token,recent=-1", ["recent_tokens", "(got -1)"]),
-    ("k=int8:token,v=int8:token,recent=many", ["'many'"]),
+    ("k=int8:token,v=int8:token,block=0", ["block_size", "(got 0)"]),
+    ("k=int8:token,v=int8:token,block=many", ["'many'"]),
+    ("k=int4:bchannel:asym,v=int8:token", ["bchannel", "sealed blocks", "block="]),
     ("k=int8:token,v=int8:token,shared", ["shared_kv_scale", "per_tensor"]),
     ("k=,v=int8:token", ["empty tensor spec"]),
-    ("k=int8:token", ["unknown KV format"]),
+    ("k=int8:token:tensor,v=int8:token", ["conflicting granularity words", "'token'", "'tensor'"]),
+    ("k=int8:g32:token,v=int8:token", ["conflicting granularity words", "'g32'", "'token'"]),
+    ("k=int8:token:sym:asym,v=int8:token", ["conflicting symmetry words", "'sym'", "'asym'"]),
+    ("k=int4:g64:smooth:smooth,v=int4:token", ["repeated word 'smooth'"]),
+    ("k=int8:token,v=int8:token,k=int4:token", ["repeated field", "'k=int8:token'", "'k=int4:token'"]),
+    ("k=int8:token,v=int8:token,block=4,block=8", ["repeated field", "'block=4'", "'block=8'"]),
     ("does/not/exist.json", ["does not exist", "does/not/exist.json"]),
 ]
 
@@ -234,6 +252,14 @@ def test_invalid_json_files(tmp_path, content, words):
     assert str(path) in ei.value.problem
 
 
+@pytest.mark.parametrize("spec,missing", [("k=int8:token", "v="), ("v=int8:token,block=4", "k=")])
+def test_missing_k_or_v_is_named(spec, missing):
+    with pytest.raises(TrtkvError) as ei:
+        get_format(spec)
+    assert f"missing {missing}" in ei.value.problem and "unknown KV format" not in ei.value.problem
+    assert missing in ei.value.fix
+
+
 def test_group_size_must_divide_head_dim():
     tf = TensorFormat(dtype="int4", granularity="per_token_group", group_size=64)
     assert tf.groups(128) == 2 and tf.groups(64) == 1
@@ -262,10 +288,16 @@ def test_int8_per_token_bits_and_bytes():
 
 def test_int4_asym_g64_is_4_5_bits():
     # head_dim 128: two groups, each with an fp16 scale and an fp16 zero: 4 + 2*2*16/128 = 4.5
-    assert PRESETS["int4"].k.bits_per_element(128) == 4.5
-    assert PRESETS["int4"].bits_per_element(128) == 4.5
+    fmt = get_format("k=int4:g64:asym:smooth:hadamard,v=int4:g64:asym:hadamard")
+    assert fmt.k.bits_per_element(128) == 4.5
+    assert fmt.bits_per_element(128) == 4.5
     # per token, layer, head: K 64 code bytes + 2 groups x 4 bytes; V the same
-    assert PRESETS["int4"].kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (64 + 8)
+    assert fmt.kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (64 + 8)
+    # the int4 preset: keys per channel per block of 64 (fp16 scale + zero per channel per 64 tokens,
+    # 4 + 32/64 = 4.5 at any head_dim), values one scale + zero per token (4 + 32/128 at head_dim 128)
+    assert PRESETS["int4"].k.bits_per_element(128, 64) == PRESETS["int4"].k.bits_per_element(64, 64) == 4.5
+    assert PRESETS["int4"].pool_bits_per_element(128) == (4.5 + 4.25) / 2
+    assert PRESETS["int4"].pool_bits_per_element(64) == 4.5
     # symmetric g32: 4 + 16/32 = 4.5 as well (one fp16 scale per 32 codes)
     assert PRESETS["int4-g32"].bits_per_element(128) == 4.5
     assert get_format("k=int4:g32:asym,v=int4:g32:asym").bits_per_element(128) == 5.0
@@ -285,17 +317,27 @@ def test_mixed_k_and_v():
     assert fmt.bits_per_element(64) == (16 + 4 + 32 / 64) / 2
 
 
-def test_recent_tokens_counted_at_the_context_length():
-    fmt = get_format("k=int4:g64:asym,v=int4:g64:asym,recent=128")
-    # L = 512: 128 tokens in fp16 (16 bits), 384 quantized at 4.5 bits
-    assert fmt.bits_per_element(128, 512) == (128 * 16 + 384 * 4.5) / 512 == 7.375
-    # a context shorter than the window is all fp16
-    assert fmt.bits_per_element(128, 100) == 16
-    assert fmt.bits_per_element(128, 128) == 16
-    # the long-context limit: the fp16 window vanishes
-    assert fmt.bits_per_element(128) == 4.5
-    assert fmt.bits_per_element(128, 10**9) == pytest.approx(4.5, abs=1e-5)
-    # bytes at L = 512 for SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): g64 = one group
-    smol = (128 * (2 * 30 * 3 * 64 * 2) + 384 * (2 * 30 * 3 * (32 + 4))) / 512
-    assert fmt.kv_bytes_per_token(30, 3, 64, 512) == smol
-    assert PRESETS["int4"].bits_per_element(128, 512) == 4.5  # recent=0: context length irrelevant
+def test_sealed_block_formats_count_the_open_block_per_sequence():
+    fmt = PRESETS["int4"]  # sealed blocks of 64, 4.5 pool bits at head_dim 64
+    assert fmt.pool_bits_per_element(64) == 4.5 and fmt.bits_per_element(64) == 4.5  # long-context limit
+    # one sequence of 512 tokens: 8 sealed blocks at 4.5 bits plus one reserved fp16 block of 64 tokens
+    assert fmt.bits_per_element(64, 512) == (512 * 4.5 + 64 * 16) / 512 == 6.5
+    # 500 tokens: 7 sealed blocks (448 tokens), 52 in the open block, which reserves 64
+    assert fmt.bits_per_element(64, 500) == (448 * 4.5 + 64 * 16) / 500
+    # a context shorter than a block costs the whole open block
+    assert fmt.bits_per_element(64, 10) == 64 * 16 / 10
+    # SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): the open blocks of one slot, K and V, fp16
+    assert fmt.tail_bytes_per_slot(30, 3, 64) == 2 * 30 * 3 * 64 * 64 * 2
+    assert fmt.kv_bytes_per_token(30, 3, 64, 512) == (512 * 2 * 30 * 3 * 36 + 2 * 30 * 3 * 64 * 64 * 2) / 512
+    # block-wise scales are amortised over the block: bchannel at block 16 costs 4 + 32/16 bits
+    assert get_format("k=int4:bchannel:asym,v=int4:bchannel:asym,block=16").pool_bits_per_element(64) == 6.0
+    # quantize-on-write formats reserve nothing
+    assert PRESETS["int8-token"].tail_bytes_per_slot(30, 3, 64) == 0
+    assert PRESETS["int8-token"].bits_per_element(64, 512) == PRESETS["int8-token"].bits_per_element(64)
+
+
+def test_with_block_size_names_the_variant():
+    f = PRESETS["int8-static"].with_block_size(32)
+    assert f.block_size == 32 and f.name == "int8-static@block32" and f.k == PRESETS["int8-static"].k
+    assert f.with_block_size(16).name == "int8-static@block16"
+    assert PRESETS["int4"].with_block_size(64) is PRESETS["int4"]

@@ -31,7 +31,7 @@ def test_every_lean_config_compiles_for_both_archs_without_spills(compiled):
     configs = aot.lean_configs()
     assert len(compiled) == 2 * len(configs)
     kernels = {c.kernel for c in configs}
-    assert kernels == {"quantize_append_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel",
+    assert kernels == {"seal_kernel", "paged_decode_partition_kernel", "paged_decode_reduce_kernel",
                        "paged_prefill_kernel"}
     bad = [f"sm_{r.arch} {r.config}: {r.spill_stores} B spilled" for r in compiled
            if r.spill_stores > aot.SPILL_LIMIT_BYTES]
@@ -53,25 +53,37 @@ def test_ptx_entry_points_and_parameter_lists(compiled):
 
 
 def test_configs_cover_every_preset_and_grid_formulas():
+    from trtkv.plugins import contract as C
+
     configs = aot.kernel_configs()
     names = {c.name for c in configs}
     for fmt in PRESETS.values():
         for d in aot.HEAD_DIMS:
             assert any(n.startswith("paged_decode_partition.") and f"k-{aot._tag(fmt.k)}.v-{aot._tag(fmt.v)}.d{d}."
                        in n for n in names), (fmt.name, d)
-    dec = next(c for c in configs if c.kernel == "paged_decode_partition_kernel")
-    assert dec.grid == ["batch", "kv_heads", f"cdiv(max_context_len, {K.DEFAULT_PARTITION})"]
-    # a batch of 1 at 128k with 8 KV heads fills the GPU: 2048 programs
-    grid_p, grid_r = K.decode_grids(1, 8, 128 * 1024)
-    assert grid_p[0] * grid_p[1] * grid_p[2] == 2048 and grid_r == (1, 8, 1)
-    assert aot.eval_grid(dec.grid, batch=1, kv_heads=8, max_context_len=128 * 1024) == grid_p
-    pre = next(c for c in configs if c.kernel == "paged_prefill_kernel")
-    assert aot.eval_grid(pre.grid, max_seqlen_q=100, kv_heads=2, batch=3) == K.prefill_grid(100, 2, 3, pre.constexprs)
+            for tf in (fmt.k, fmt.v):
+                assert f"seal.{aot._tag(tf)}.d{d}.b{aot.block_size_of(fmt)}.fp16" in names, (fmt.name, d)
+    # the AOT formulas are the contract's grid functions: same numbers for concrete dims
+    for c in configs:
+        if c.kernel == "paged_decode_partition_kernel":
+            p = c.constexprs["PARTITION"]
+            bs = int(c.name.split(".b")[-1].split(".")[0])
+            for mb in (1, 7, 2048):
+                want, _ = C.decode_grids(3, 8, mb, bs, p)
+                assert aot.eval_grid(c.grid, batch=3, kv_heads=8, max_blocks=mb) == want
+        if c.kernel == "paged_prefill_kernel":
+            assert aot.eval_grid(c.grid, max_seqlen_q=100, kv_heads=2, batch=3) == C.prefill_grid(
+                100, 2, 3, c.constexprs["BLOCK_M"])
+        if c.kernel == "seal_kernel":
+            assert aot.eval_grid(c.grid, blocks=5, kv_heads=3) == C.seal_grid(5, 3)
+    # a batch of 1 at 128k with 8 KV heads fills the GPU: 2049 programs (the + 1 block: open block + new row)
+    grid_p, grid_r = C.decode_grids(1, 8, 128 * 1024 // 64, 64, C.LIMITS.default_partition)
+    assert grid_p == (1, 8, 257) and grid_r == (1, 8, 1)
 
 
 def test_compile_for_one_layer_bf16():
     got = aot.compile_for("int4", 64, 3, 90, q_dtype="bf16")
-    assert set(got) == {"append_k", "append_v", "decode_partition", "decode_reduce", "prefill"}
+    assert set(got) == {"seal_k", "seal_v", "decode_partition", "decode_reduce", "prefill"}
     assert all(r.spill_stores <= aot.SPILL_LIMIT_BYTES for r in got.values())
 
 
@@ -81,7 +93,7 @@ def test_cli_writes_ptx_cubin_and_metadata(tmp_path):
     assert rc == 0
     table = json.loads((out / "kernels.json").read_text())
     rows = table["kernels"]
-    assert {r["kernel"] for r in rows} == {"quantize_append_kernel", "paged_decode_partition_kernel",
+    assert {r["kernel"] for r in rows} == {"seal_kernel", "paged_decode_partition_kernel",
                                            "paged_decode_reduce_kernel", "paged_prefill_kernel"}
     for r in rows:
         assert (out / "sm_80" / f"{r['config']}.ptx").is_file() and (out / "sm_80" / f"{r['config']}.cubin").is_file()

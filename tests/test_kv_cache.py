@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from trtkv.artifacts import LayerParams
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, greedy_generate, model_logits
 from trtkv.formats import get_format
-from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer
-from trtkv.quant import TensorParams, fake_quantize
+from trtkv.cache_layout import PagedKVLayout, gather_paged, seal_blocks, write_tail
+from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer, block_chunks
+from trtkv.quant import TensorParams, fake_quantize, fake_quantize_block
 
 H, D = 2, 24  # the tiny models' KV heads and head_dim
 
@@ -28,7 +29,7 @@ def _static_params(num_layers: int, heads: int = H, dim: int = D, seed: int = 0)
 
 FORMATS = {
     # spec: expected code dtype of K
-    "int8": torch.int8,
+    "int8-token": torch.int8,
     "k=int8:token:asym,v=int8:g8:sym": torch.uint8,
     "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym": torch.uint8,
     "k=int4:g8:sym,v=int4:g8:sym": torch.uint8,
@@ -53,7 +54,7 @@ def test_layer_stores_codes_and_reads_fake_quant(spec):
     assert stored.codes.dtype in (torch.int8, torch.uint8)
     assert stored.codes.shape[:3] == (3, H, 6)
     assert stored.codes.shape[-1] == (D // 2 if fmt.k.dtype == "int4" else D)
-    assert layer.k_store.recent is None
+    assert layer.k_store.open is None
     assert not hasattr(layer, "_full") and layer.keys.numel() == 0  # no full-precision shadow copy
     if fmt.k.is_dynamic:
         assert stored.scale is not None and stored.scale.dtype == torch.float16
@@ -68,7 +69,7 @@ def test_layer_stores_codes_and_reads_fake_quant(spec):
 
 def test_cache_bytes_match_format_accounting():
     """What the cache holds is what the format's bit accounting promises (dynamic scales included)."""
-    for spec in ("int8", "k=int4:g12:asym,v=int4:token:sym", "k=int4:g8:sym,v=int8:token:asym"):
+    for spec in ("int8-token", "k=int4:g12:asym,v=int4:token:sym", "k=int4:g8:sym,v=int8:token:asym"):
         fmt = get_format(spec)
         cache = QuantizedKVCache(fmt, num_layers=2)
         for layer_idx in range(2):
@@ -77,18 +78,103 @@ def test_cache_bytes_match_format_accounting():
         assert cache.nbytes() == pytest.approx(expected)
 
 
-def test_recent_tokens_window_then_quantized():
-    fmt = get_format("k=int4:token:asym,v=int4:token:asym,recent=4")
+SEALED = "k=int4:bchannel:asym,v=int4:token:asym:hadamard,block=4"
+
+
+def test_sealed_blocks_keep_the_open_block_in_fp16_and_quantize_full_blocks_whole():
+    fmt = get_format(SEALED)
     layer = QuantizedKVLayer(fmt)
     torch.manual_seed(0)
-    ks = [torch.randn(1, H, n, D) for n in (3, 1, 2, 1)]
-    for k in ks:
+    chunks = [torch.randn(1, H, n, D) for n in (3, 1, 2, 2, 1)]  # block-aligned: 3+1 | 2+2 | 1
+    seen = []
+    for k in chunks:
         k_read, _ = layer.update(k, k.clone())
-    k_all = torch.cat(ks, 2)  # 7 tokens: the oldest 3 quantized, the newest 4 kept as written
-    assert layer.k_store.quantized.codes.shape[2] == 3
-    assert layer.k_store.recent.shape[2] == 4
-    torch.testing.assert_close(k_read[:, :, :3], fake_quantize(k_all[:, :, :3], fmt.k, head_axis=-3), rtol=0, atol=0)
-    torch.testing.assert_close(k_read[:, :, 3:], k_all[:, :, 3:], rtol=0, atol=0)
+        seen.append(torch.cat(chunks[: len(seen) + 1], 2))
+    k_all = seen[-1].half().float()  # what the engine's fp16 open block holds
+    # 9 tokens: blocks [0, 4) and [4, 8) sealed (per channel over each block's 4 tokens), token 8 open
+    assert layer.k_store.quantized.codes.shape[2] == 8 and layer.k_store.open.shape[2] == 1
+    assert layer.k_store.quantized.scale.shape == (1, H, 2, D)  # one scale row per sealed block
+    blocks = k_all[:, :, :8].reshape(1, H, 2, 4, D)
+    want = fake_quantize_block(blocks, fmt.k, head_axis=-4).reshape(1, H, 8, D)
+    torch.testing.assert_close(k_read[:, :, :8], want, rtol=0, atol=0)
+    torch.testing.assert_close(k_read[:, :, 8:], k_all[:, :, 8:], rtol=0, atol=0)
+    assert not torch.equal(k_read[:, :, :8], k_all[:, :, :8])
+    # the open block's reservation is counted in full: one block of fp16 K (and V) per sequence
+    assert layer.k_store.nbytes() == 8 * H * D // 2 + 2 * (2 * H * D * 2) + 4 * H * D * 2
+
+
+def test_a_chunk_crossing_a_block_boundary_is_refused():
+    layer = QuantizedKVLayer(get_format(SEALED))
+    layer.update(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D))
+    with pytest.raises(TrtkvError, match="crosses a sealed-block boundary") as ei:
+        layer.update(torch.randn(1, H, 2, D), torch.randn(1, H, 2, D))
+    assert "block_chunks" in ei.value.fix
+
+
+def test_block_chunks():
+    assert block_chunks(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert block_chunks(6, 7, 4) == [(6, 8), (8, 12), (12, 13)]
+    assert block_chunks(5, 3, None) == [(5, 8)]
+
+
+class PagedReferenceCache(Cache):
+    """A second, independent path through the paged contract: pools, block tables and open blocks of
+    ``trtkv.cache_layout`` (write_tail / seal_blocks / gather_paged), one sequence per batch row."""
+
+    def __init__(self, fmt, num_layers: int, heads: int, dim: int, batch: int, params=None):
+        self.layout = PagedKVLayout(fmt, heads, dim, fmt.block_size, num_blocks=64, num_slots=batch)
+        self.pools = [{w: self.layout.allocate(w) for w in "kv"} for _ in range(num_layers)]
+        self.params = params
+        self.lens = [0] * num_layers
+        free = torch.randperm(64, generator=torch.Generator().manual_seed(7)).tolist()  # scattered blocks
+        self.tables = torch.tensor([[free.pop() for _ in range(16)] for _ in range(batch)])
+        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        bs, n0 = self.layout.block_size, self.lens[layer_idx]
+        n = key_states.shape[2]
+        assert n0 % bs + n <= bs, "one step stays inside the open block"
+        out = []
+        for w, x in (("k", key_states), ("v", value_states)):
+            pool = self.pools[layer_idx][w]
+            p = None if self.params is None else getattr(self.params[layer_idx], w)
+            rows = []
+            for b in range(x.shape[0]):
+                new = x[b].transpose(0, 1).half()  # the step's rows as the open block will hold them
+                # the step contract: cached tokens (sealed blocks + open block, read-only) plus the step's new rows
+                cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b)
+                rows.append(torch.cat([cached, new.float()]).transpose(0, 1))
+                write_tail(pool, b, new, n0 % bs)  # after the step: the runtime writes the rows ...
+                if (n0 + n) % bs == 0:  # ... and seals a full open block into the sequence's next pool block
+                    seal_blocks(self.layout, w, pool, pool.tail[b : b + 1].float(), self.tables[b, n0 // bs : n0 // bs + 1], p)
+            out.append(torch.stack(rows).to(x.dtype))
+        self.lens[layer_idx] += n
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lens[layer_idx]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.lens[layer_idx] + query_length, 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", [SEALED, "k=int8:token,v=int8:bchannel:asym,block=4", "int8-static"])
+def test_eval_forward_equals_paged_step_by_step_decode(tiny_model, arch, spec):
+    """Teacher-forced eval (one forward, chunked at block boundaries) computes exactly what a paged engine
+    computes decoding token by token: same sealed bytes, same open block, same logits."""
+    _, model = tiny_model(arch)
+    n_layers = model.config.num_hidden_layers
+    fmt = get_format(spec).with_block_size(4)
+    params = _static_params(n_layers)
+    ids = torch.randint(0, 320, (2, 14), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        teacher = model_logits(model, ids, fmt, params)
+        paged = PagedReferenceCache(fmt, n_layers, H, D, batch=2, params=params)
+        steps = torch.cat([_forward(model, ids[:, i : i + 1], paged) for i in range(14)], 1)
+        plain = _forward(model, ids, DynamicCache(config=model.config))
+    torch.testing.assert_close(steps, teacher, rtol=0, atol=1e-4)
+    assert (teacher - plain).abs().max() > 5e-4  # sealed blocks really are quantized (5x the tolerance above)
 
 
 def test_needs_calibration_and_layer_count_errors():
@@ -115,7 +201,7 @@ def test_fp16_equals_dynamic_cache(tiny_model, arch):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-@pytest.mark.parametrize("spec", ["int8", "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym", "k=fp8_e4m3:head:sym,v=int4:g8:sym"])
+@pytest.mark.parametrize("spec", ["int8-token", "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym", "k=fp8_e4m3:head:sym,v=int4:g8:sym", SEALED])
 def test_prefill_equals_token_by_token_decode(tiny_model, arch, spec):
     """Every token's stored form depends only on that token (per-token scales or static scales), and a step
     reads its own K/V back from the cache; so one prefill and N single-token steps compute the same
@@ -128,7 +214,8 @@ def test_prefill_equals_token_by_token_decode(tiny_model, arch, spec):
         prefill = model_logits(model, ids, spec, params)
         cache = QuantizedKVCache(spec, n_layers, params)
         steps = torch.cat([_forward(model, ids[:, i : i + 1], cache) for i in range(12)], 1)
-        chunked = model_logits(model, ids, spec, params, chunk=5)
+        chunk_cache = QuantizedKVCache(spec, n_layers, params)
+        chunked = torch.cat([_forward(model, ids[:, a:b], chunk_cache) for a, b in block_chunks(0, 12, get_format(spec).block_size or 5)], 1)
         plain = _forward(model, ids, DynamicCache(config=model.config))
     torch.testing.assert_close(steps, prefill, rtol=0, atol=2e-4)
     torch.testing.assert_close(chunked, prefill, rtol=0, atol=2e-4)
@@ -136,7 +223,8 @@ def test_prefill_equals_token_by_token_decode(tiny_model, arch, spec):
     # the stored codes agree (a last-ulp difference in K can flip a rounding: allow a handful)
     pre = QuantizedKVCache(spec, n_layers, params)
     with torch.inference_mode():
-        _forward(model, ids, pre)
+        for a, b in block_chunks(0, 12, get_format(spec).block_size):
+            _forward(model, ids[:, a:b], pre)
     a, b = pre.layers[1].k_store.quantized.codes, cache.layers[1].k_store.quantized.codes
     assert a.shape == b.shape and (a != b).float().mean() < 0.01
 
@@ -170,9 +258,9 @@ def test_real_model_fp16_equals_plain_and_int8_stores_codes(builtin_model):
     with torch.inference_mode():
         ref = _forward(model, ids, DynamicCache(config=model.config))
         out = model_logits(model, ids, "fp16")
-        cache = QuantizedKVCache("int8", builtin_model.info.num_layers)
+        cache = QuantizedKVCache("int8-token", builtin_model.info.num_layers)
         q = _forward(model, ids, cache)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert (q - ref).abs().max() > 1e-4
     assert cache.layers[0].k_store.quantized.codes.dtype == torch.int8
-    assert cache.nbytes() == pytest.approx(get_format("int8").kv_bytes_per_token(30, 3, 64) * 48)
+    assert cache.nbytes() == pytest.approx(get_format("int8-token").kv_bytes_per_token(30, 3, 64) * 48)

@@ -29,21 +29,17 @@ def test_capacity_matches_hand_count(name):
     gpu = 24 * GIB
     budget, [row] = plan(shape, [fmt], context_len=ctx, gpu_bytes=gpu, reserve_fraction=0.25)
     assert budget == gpu - 3 * GIB - int(0.25 * gpu)
-    # hand count: codes bits + fp16 scale (and zero) per dynamic group, for K and V
-    bits = {"int8": 8 + 16 / hd, "int4": 4 + 32 / 64, "fp8": 8, "int8-static": 8}[name]
-    per_token = 2 * layers * heads * hd * bits / 8
+    # hand count: codes bits + fp16 scale (and zero) per dynamic group (int4 keys: per channel per block of 64),
+    # for K and V; sealed-block presets (int8, int4: blocks of 64) add one fp16 open block per sequence
+    bits = {"int8": 8 + 16 / hd, "int4": (4 + 32 / 64 + 4 + 32 / 64) / 2, "fp8": 8, "int8-static": 8}[name]
+    sealed = ctx - ctx % 64 if fmt.sealed else ctx
+    open_bytes = 2 * layers * heads * 64 * hd * 2 if fmt.sealed else 0
+    per_token = (sealed * 2 * layers * heads * hd * bits / 8 + open_bytes) / ctx
+    assert row.pool_bits_per_element == pytest.approx(bits) and row.tail_bytes_per_slot == open_bytes
     assert row.kv_bytes_per_token == pytest.approx(per_token)
     assert row.max_tokens == int(budget // per_token)
     assert row.max_batch == row.max_tokens // ctx
-    assert row.capacity_vs_fp16 == pytest.approx(16 / bits)
-
-
-def test_recent_tokens_are_counted_at_the_context_length():
-    fmt = get_format("k=int4:g64:asym,v=int4:g64:asym,recent=128")
-    shape = ModelShape("m", 2, 2, 64)
-    _, [row] = plan(shape, [fmt], context_len=512, gpu_bytes=GIB, reserve_fraction=0)
-    expected_bits = (128 * 16 + (512 - 128) * 4.5) / 512
-    assert row.bits_per_element == pytest.approx(expected_bits)
+    assert row.capacity_vs_fp16 == pytest.approx(16 * ctx / (sealed * bits + open_bytes * 8 / (2 * layers * heads * hd)))
 
 
 def test_gpu_table_and_errors():

@@ -32,6 +32,7 @@ from trtkv.quant import (
     inverse_transform,
     pack_int4,
     quantize,
+    quantize_block,
     unpack_int4,
 )
 
@@ -390,9 +391,11 @@ def test_matches_reference(spec, d, head_axis):
     check_against_reference(x, fmt, make_params(fmt, 3, d, seed=d), head_axis)
 
 
-@pytest.mark.parametrize("which", ["k", "v"])
-@pytest.mark.parametrize("preset", [p for p in PRESETS if PRESETS[p].is_quantized])
-def test_presets_match_reference(preset, which):
+PER_TOKEN_PRESET_TENSORS = [(p, w) for p in PRESETS for w in "kv" if getattr(PRESETS[p], w).is_quantized and not getattr(PRESETS[p], w).is_block_wise]
+
+
+@pytest.mark.parametrize("preset,which", PER_TOKEN_PRESET_TENSORS)
+def test_presets_match_reference(preset, which):  # block-wise tensors: test_quantize_block_matches_naive_per_channel_reference
     fmt = getattr(PRESETS[preset], which)
     x = make_input((9, 3, 64), seed=len(preset))  # SmolLM2-135M: 3 KV heads, head_dim 64
     check_against_reference(x, fmt, make_params(fmt, 3, 64, seed=5), -2)
@@ -758,3 +761,105 @@ def test_hadamard_on_odd_head_dim_is_refused():
     fmt = get_format("k=int8:token:hadamard,v=int8:token").k
     with pytest.raises(TrtkvError, match="even head_dim"):
         quantize(torch.randn(3, 2, 15), fmt)
+
+
+# ----------------------------------------------------------------------------- sealed blocks: per channel over a block
+
+
+def ref_quantize_block(x: torch.Tensor, fmt: TensorFormat, clip: list[float] | None) -> dict:
+    """Naive float64 per_block_channel quantizer of blocks x [n, H, bs, D]: every block, head and channel in a loop."""
+    xs = x.double().numpy()
+    n, heads, bs, d = xs.shape
+    qmin, qmax = code_range(fmt)
+    had = ref_hadamard(d) if fmt.hadamard else None
+    out = {"code": np.zeros(xs.shape), "scale": np.zeros((n, heads, d)), "zero": np.zeros((n, heads, d)), "y": np.zeros(xs.shape)}
+    for b in range(n):
+        for h in range(heads):
+            rows = [[float(xs[b, h, t, c]) for c in range(d)] for t in range(bs)]
+            if had is not None:
+                rows = [[sum(r[j] * had[j][c] for j in range(d)) for c in range(d)] for r in rows]
+            cl = 1.0 if clip is None else clip[h]
+            for c in range(d):
+                col = [rows[t][c] for t in range(bs)]
+                if fmt.symmetric:
+                    s, z = f16(max(abs(v) for v in col) * cl / qmax), 0.0
+                else:
+                    mn, mx = min(col), max(col)
+                    s, z = f16((mx - mn) * cl / qmax), f16(mn + (mx - mn) * (1 - cl) / 2)
+                out["scale"][b, h, c], out["zero"][b, h, c] = s, z
+                for t in range(bs):
+                    u = (col[t] - z) / s if s > 0 else 0.0
+                    out["code"][b, h, t, c] = min(max(round(u), qmin), qmax)
+                    out["y"][b, h, t, c] = col[t]
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec,shape,clip",
+    [
+        ("int4:bchannel:asym", (3, 3, 16, 8), None),
+        ("int4:bchannel:sym", (2, 2, 7, 6), None),  # odd block, tiny head_dim
+        ("int8:bchannel:asym", (2, 3, 5, 10), [0.9, 1.0, 0.75]),
+        ("int8:bchannel:sym:hadamard", (1, 2, 9, 8), None),
+        ("int4:bchannel:asym:hadamard", (2, 1, 64, 16), [0.8]),
+    ],
+)
+def test_quantize_block_matches_naive_per_channel_reference(spec, shape, clip):
+    fmt = parse_tensor_spec(spec)
+    x = make_input(shape, seed=zlib.crc32(spec.encode()))
+    x[0, 0, :, 0] = 3.0  # a constant channel: zero range
+    x[-1, -1, 0, -1] = 1e3  # an outlier token in one channel only
+    params = TensorParams(clip=None if clip is None else torch.tensor(clip))
+    qt = quantize_block(x, fmt, params)
+    ref = ref_quantize_block(x, fmt, clip)
+    assert qt.scale.shape == shape[:2] + (shape[3],) and qt.scale.dtype == torch.float16
+    assert (qt.zero is None) == fmt.symmetric
+    np.testing.assert_allclose(qt.scale.double().numpy(), ref["scale"], rtol=2**-10, atol=0)  # at most one fp16 ulp
+    if qt.zero is not None:
+        np.testing.assert_allclose(qt.zero.double().numpy(), ref["zero"], rtol=2**-10, atol=1e-7)
+    codes = unpack_int4(qt.codes).double().numpy() if fmt.dtype == "int4" else qt.codes.double().numpy()
+    if fmt.dtype == "int4" and fmt.symmetric:
+        codes = codes - 8
+    mismatch = np.abs(codes - ref["code"])
+    assert mismatch.max() <= 1 and (mismatch > 0).mean() < 0.01  # off by one only on float32 rounding ties
+    # dequantized values sit within half a step of the (transformed) input, plus fp16 rounding of the zero
+    back = dequantize(qt, fmt, params, head_axis=-3).double()
+    if clip is None and not fmt.hadamard:  # (a rotation spreads the per-channel bound over channels)
+        step = qt.scale.double().unsqueeze(-2)
+        err = (back - x.double()).abs()
+        assert (err <= step * 0.5 + 1e-3 * x.double().abs().amax() * 2**-10 + 1e-6).all()
+
+
+def test_block_wise_formats_refuse_single_token_quantization():
+    fmt = parse_tensor_spec("int4:bchannel:asym")
+    with pytest.raises(TrtkvError, match="whole sealed blocks"):
+        quantize(torch.randn(4, 2, 8), fmt)
+
+
+def test_quantize_block_of_per_token_format_equals_quantize():
+    fmt = PRESETS["int4"].v  # per token, rotated
+    x = make_input((3, 3, 16, 64), seed=11)
+    a, b = quantize_block(x, fmt), quantize(x, fmt, head_axis=-3)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+
+
+# ----------------------------------------------------------------------------- mutations the suite must catch
+
+
+@pytest.mark.parametrize("spec", ["int4:token:sym", "int8:g8:asym", "int4:bchannel:sym", "int4:bchannel:asym"])
+def test_scale_beyond_fp16_range_saturates_instead_of_becoming_inf(spec):
+    fmt = parse_tensor_spec(spec)
+    x = torch.randn(2, 2, 8, 16)
+    x[0, 0] = torch.linspace(-2e8, 2e8, 8 * 16).reshape(8, 16)  # range / qmax far above 65504 in every slice of this head
+    qt = quantize_block(x, fmt) if fmt.is_block_wise else quantize(x, fmt, head_axis=-3)
+    assert torch.isfinite(qt.scale.float()).all() and qt.scale.float().max() == FP16_MAX
+    assert torch.isfinite(dequantize(qt, fmt, head_axis=-3)).all()
+
+
+def test_clip_ratio_scales_the_range_not_the_code_range():
+    # clip 0.5 on symmetric int8 per token: scale = 0.5 * absmax / 127, so the absmax saturates at 127
+    fmt = parse_tensor_spec("int8:token:sym")
+    x = torch.tensor([[[1.0, -2.0, 4.0, 0.5]]])
+    qt = quantize(x, fmt, TensorParams(clip=torch.tensor(0.5)), head_axis=-3)
+    assert qt.scale.float().item() == pytest.approx(f16(0.5 * 4.0 / 127), rel=0)
+    assert qt.codes.tolist() == [[[64, -127, 127, 32]]]

@@ -16,6 +16,7 @@ calibrate that format.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -160,10 +161,10 @@ def tensors_to_params(tensors: Mapping[str, torch.Tensor], num_layers: int) -> d
 # --------------------------------------------------------------------------- atomic save
 
 
-def _unwritable(path: Path, exc: BaseException, what: str = "calibration artifact") -> TrtkvError:
+def _unwritable(path: Path, exc: BaseException, what: str = "the calibration artifact") -> TrtkvError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return TrtkvError(
-        f"cannot write the {what} to {path}: {reason}",
+        f"cannot write {what} to {path}: {reason}",
         "choose an --out directory whose parent exists and is writable (or fix its permissions)",
     )
 
@@ -197,17 +198,18 @@ def _fix_modes(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(out_dir: str | Path, *, replace: bool = True, what: str = "artifact") -> Iterator[Path]:
-    """Yield a fresh sibling ``{DIR}.tmp-XXXX`` to fill; move it to ``out_dir`` only when the block succeeds.
+def atomic_directory(out_dir: str | Path, *, replace: bool = True, what: str = "the calibration artifact") -> Iterator[Path]:
+    """Build a directory atomically: yields a fresh sibling ``{DIR}.tmp-XXXX`` to fill.
 
-    On success the temp directory gets ordinary modes and is moved into place with ``os.replace``
-    (an existing ``DIR`` is moved aside first and deleted after the swap; with ``replace=False`` an
-    existing ``DIR`` is refused up front). On any failure nothing new is left behind and an existing
-    ``DIR`` is untouched. Used by every writer of a trtkv artifact directory.
+    When the ``with`` body completes, the temporary directory gets ordinary modes and is moved into
+    place with ``os.replace`` (an existing ``DIR`` is moved aside first and deleted after the swap;
+    with ``replace=False`` an existing ``DIR`` is refused up front). On any failure nothing new is
+    left behind and an existing ``DIR`` is untouched; an ``OSError`` becomes a ``TrtkvError`` naming
+    the path. ``what`` names the output in those messages.
     """
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
-        raise TrtkvError(f"--out {out} exists and is not a directory", f"pass a directory path for the {what}")
+        raise TrtkvError(f"--out {out} exists and is not a directory", f"pass a directory path for {what}")
     if out.exists() and not replace:
         raise TrtkvError(f"--out {out} already exists", "pass --force to replace it, or choose another --out")
     parent = out.parent
@@ -248,23 +250,26 @@ def save_calibration(
 ) -> Path:
     """Write an artifact directory atomically (``atomic_directory``) and return its path.
 
-    ``report_files`` maps relative paths (``report.md``, ``plots/x.png``, ``trtllm/...``) to their content.
+    Everything is written into a sibling ``{DIR}.tmp-XXXX`` first; only when every file is
+    complete is it moved into place with ``os.replace`` (an existing ``DIR`` is moved aside
+    first and deleted after the swap). On any failure nothing new is left behind and an existing
+    ``DIR`` is untouched. ``report_files`` maps relative paths (``report.md``, ``plots/x.png``,
+    ``trtllm/...``) to their content.
     """
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    out = Path(out_dir).expanduser().absolute()
-    with atomic_directory(out, what="calibration artifact") as tmp:
-        num_layers = recipe.model.num_layers
-        for name, layers in params.items():
-            if len(layers) != num_layers:
-                raise ValueError(f"format {name}: {len(layers)} layer params for a {num_layers}-layer model")
+    num_layers = recipe.model.num_layers
+    for name, layers in params.items():
+        if len(layers) != num_layers:
+            raise ValueError(f"format {name}: {len(layers)} layer params for a {num_layers}-layer model")
+    with atomic_directory(out_dir) as tmp:
         (tmp / RECIPE_FILE).write_text(recipe.model_dump_json(indent=2) + "\n")
         save_file(params_to_tensors(params), str(tmp / SCALES_FILE), metadata={"trtkv": __version__, "schema": str(SCHEMA_VERSION)})
         if stats_tensors:
             save_file({k: v.detach().cpu().contiguous() for k, v in stats_tensors.items()}, str(tmp / STATS_FILE))
         for rel, content in (report_files or {}).items():
             _write_file(tmp, rel, content)
-    return out
+    return Path(out_dir).expanduser().absolute()
 
 
 # --------------------------------------------------------------------------- load
@@ -299,7 +304,7 @@ class Calibration:
             raise TrtkvError(
                 f"calibration {self.path} was made for {want.name} (sha256 {want.sha256[:12]}) but the model "
                 f"{got.name} has sha256 {got.sha256[:12]} (same shape, different weights)",
-                f"calibrate this model (trtkv calibrate --model {got.name}), or pass allow_other_model to reuse the scales",
+                f"calibrate this model (trtkv calibrate --model {got.name}), or pass --allow-other-model to reuse the scales",
             )
 
     def _resolve(self, fmt: str | KVFormat) -> tuple[str, KVFormat]:
@@ -370,6 +375,15 @@ def load_calibration(path: str | Path) -> Calibration:
         raise TrtkvError(f"{scales_path} is unreadable: {exc}", _RERUN) from None
     params = tensors_to_params(tensors, recipe.model.num_layers)
     return Calibration(path=root, recipe=recipe, params=params)
+
+
+def calibration_sha256(path: str | Path) -> str:
+    """Identity of an artifact: sha256 over ``recipe.json`` and ``kv_scales.safetensors`` (name, NUL, bytes, in that order)."""
+    h = hashlib.sha256()
+    for name in (RECIPE_FILE, SCALES_FILE):
+        h.update(name.encode() + b"\0")
+        h.update((Path(path) / name).read_bytes())
+    return h.hexdigest()
 
 
 def load_stats_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import DTYPES, KVFormat, TensorFormat
+from trtkv.formats import KVFormat, TensorFormat
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize, quantize_block
 
 Which = Literal["k", "v"]
@@ -127,10 +127,8 @@ class PagedKVLayout:
 
 
 def storage_dtype(t: TensorFormat) -> torch.dtype:
-    """Torch dtype of a pool's ``data`` tensor: the dtype row's storage, unsigned for asymmetric int8."""
-    if t.dtype == "int8" and not (t.symmetric or t.is_static):
-        return torch.uint8
-    return DTYPES[t.dtype].storage
+    """Torch dtype of a pool's ``data`` tensor: the ``DTYPES`` row's storage for the format's symmetry."""
+    return t.storage.torch
 
 
 def _numel(shape) -> int:

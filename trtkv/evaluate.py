@@ -296,10 +296,31 @@ class _progress:
 # --------------------------------------------------------------------------- the command
 
 
+DEFAULT_FORMATS = ("fp16", "int8", "int4")  # evaluated when no --kv is given
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def model_from_calibration(artifact) -> str:
+    """The ``--model`` a calibration artifact was made with: its spec when that still resolves, else its source path."""
+    from trtkv.models import resolve_model  # noqa: PLC0415
+
+    m = artifact.recipe.model
+    try:
+        resolve_model(m.name)
+        return m.name
+    except TrtkvError:
+        if m.source and Path(m.source).exists():
+            return m.source
+        raise TrtkvError(
+            f"calibration {artifact.path} was made for the model {m.name} ({m.source}), which is not found here",
+            "pass --model PATH to the same model",
+        ) from None
+
+
 def run_eval(
-    model: str,
+    model: str | None,
     dataset: str,
-    formats: list[str],
+    formats: list[str] | None,
     *,
     calibration: Path | None = None,
     windows: int = 64,
@@ -312,13 +333,31 @@ def run_eval(
     generate_prompts: int = 4,
     generate_tokens: int = 32,
     progress: bool = True,
+    tokenizer: str | Path | None = None,
+    allow_other_model: bool = False,
+    meta: dict | None = None,
 ) -> list[EvalResult]:
-    """Load ``model``, take ``windows`` eval-split windows of ``dataset`` and evaluate ``formats`` (fp16 baseline first)."""
-    from trtkv.data import token_windows
-    from trtkv.models import load_model
+    """Load ``model``, take ``windows`` eval-split windows of ``dataset`` and evaluate ``formats`` (fp16 baseline first).
 
-    fmts = [get_format(f) for f in formats]  # validate before loading anything
-    needs = [f.name for f in fmts if f.needs_calibration]
+    ``model`` None: the calibration's model (else ``DEFAULT_MODEL``). ``formats`` None: ``DEFAULT_FORMATS``,
+    skipping those that cannot fit the model's head_dim. Presets are fitted to the head_dim
+    (``trtkv.formats.fit_formats``). Everything knowable without the weights (formats, calibration,
+    tokenizer, number of windows) is checked before the weights are loaded. ``meta``, when given, is
+    filled with what identifies the run (model and its sha256, dataset, calibration and its hash, ...).
+    """
+    from trtkv import __version__  # noqa: PLC0415
+    from trtkv.data import describe_dataset, token_windows  # noqa: PLC0415
+    from trtkv.formats import fit_formats  # noqa: PLC0415
+    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype  # noqa: PLC0415
+
+    specs = list(formats) if formats else list(DEFAULT_FORMATS)
+    parsed = [get_format(f) for f in specs]  # validate before loading anything
+    skipped = []
+    if not formats and calibration is None:  # defaults: leave out what needs a calibration, and say so
+        skipped = [f"skipped {f.name}: it needs --calibration DIR" for f in parsed if f.needs_calibration]
+        specs = [s for s, f in zip(specs, parsed) if not f.needs_calibration]
+        parsed = [f for f in parsed if not f.needs_calibration]
+    needs = [f.name for f in parsed if f.needs_calibration]
     if needs and calibration is None:
         raise TrtkvError(
             f"KV format(s) {', '.join(needs)} need calibrated scales or smoothing factors",
@@ -329,17 +368,47 @@ def run_eval(
         from trtkv.artifacts import load_calibration
 
         artifact = load_calibration(calibration)
-    loaded = load_model(model, device, dtype)
-    info = loaded.info
-    for f in fmts:
-        for t in (f.k, f.v):
-            t.groups(info.head_dim)  # group size must divide head_dim
-    params_for = (lambda f: artifact.params_for(f, info)) if artifact is not None else None
+    if model is None:
+        model = model_from_calibration(artifact) if artifact is not None else DEFAULT_MODEL
+    info0 = model_info(model)
+    fmts, notes = fit_formats(specs, info0.head_dim, optional=not formats)
+    notes = skipped + notes
     if artifact is not None:
         for f in fmts:  # fail before the long run, not in the middle of it
             if f.is_quantized:
-                params_for(f)
-    ids = token_windows(loaded.tokenizer, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field)
+                artifact.params_for(f, info0, allow_other_model=allow_other_model)
+    dev = resolve_device(device)
+    resolve_dtype(dtype, dev)
+    tok = load_tokenizer(model, tokenizer)
+    ids = token_windows(tok, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field,
+                        samples_flag="--windows")
+    if progress:
+        from rich.console import Console  # noqa: PLC0415
+
+        for note in notes:
+            Console(stderr=True, soft_wrap=True).print(f"note: {note}", highlight=False)
+
+    loaded = load_model(model, device, dtype, tokenizer=tok)
+    info = loaded.info
+    params_for = (lambda f: artifact.params_for(f, info, allow_other_model=allow_other_model)) if artifact is not None else None
+    if meta is not None:
+        import transformers  # noqa: PLC0415
+
+        from trtkv.artifacts import calibration_sha256  # noqa: PLC0415
+
+        ds = describe_dataset(dataset, text_field)
+        meta.update(
+            model=info.name, model_source=info.source, model_sha256=info.sha256, architecture=info.architecture,
+            model_shape={"num_layers": info.num_layers, "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim},
+            dataset=dataset, dataset_sha256=ds.get("sha256"), text_field=text_field, split="eval",
+            calibration=None if artifact is None else str(artifact.path),
+            calibration_sha256=None if artifact is None else calibration_sha256(artifact.path),
+            seq_len=seq_len, windows=int(ids.shape[0]), seed=seed, device=str(loaded.device),
+            dtype=str(loaded.dtype).replace("torch.", ""), batch_size=batch_size,
+            generate_prompts=generate_prompts, generate_tokens=generate_tokens,
+            formats={f.name: f.spec() for f in fmts}, notes=notes, allow_other_model=allow_other_model,
+            trtkv_version=__version__, torch_version=torch.__version__, transformers_version=transformers.__version__,
+        )
     return evaluate_formats(
         loaded.model,
         ids,
@@ -358,29 +427,45 @@ def run_eval(
 # --------------------------------------------------------------------------- output
 
 
-def render_table(results: Sequence[EvalResult], title: str | None = None):
-    """A rich Table of the results (one row per format)."""
-    from rich.table import Table
+def table_rows(results: Sequence[EvalResult], title: str | None = None):
+    """``(title, columns, rows)`` of the results table: short headers, numbers as full strings."""
+    from trtkv.tables import Column  # noqa: PLC0415
 
     if results:
         r0 = results[0]
         title = title or f"KV cache accuracy ({r0.windows} windows x {r0.seq_len} tokens, eval split)"
-    table = Table(title=title)
-    for col in ("format", "pool bits", "bits@ctx", "KV bytes/token", "ppl", "Δppl %", "KL mean", "top-1", "gen match"):
-        table.add_column(col, justify="left" if col == "format" else "right")
+    # KV bytes per token stay in the JSON; the two bits columns say the same per element and keep 80 columns
+    columns = [Column("format", numeric=False), Column("pool bits"), Column("bits@ctx"), Column("ppl"),
+               Column("Δppl %"), Column("KL"), Column("top-1 %"), Column("gen %")]
+    rows = []
     for r in results:
-        table.add_row(
+        rows.append([
             r.format,
             f"{r.pool_bits_per_element:.4g}",
             f"{r.bits_per_element:.4g}",
-            f"{r.kv_bytes_per_token:,.0f}",
             f"{r.ppl:.4f}",
             f"{r.ppl_delta_pct:+.3f}",
             f"{r.kld_mean:.5f}",
-            f"{100 * r.top1_agreement:.2f} %",
-            "-" if r.generation_match is None else f"{100 * r.generation_match:.1f} %",
-        )
-    return table
+            f"{100 * r.top1_agreement:.2f}",
+            "-" if r.generation_match is None else f"{100 * r.generation_match:.1f}",
+        ])
+    return title, columns, rows
+
+
+def render_table(results: Sequence[EvalResult], title: str | None = None):
+    """A rich Table of the results (one row per format); text cells fold, numbers keep their width (see trtkv.tables)."""
+    from trtkv.tables import rich_table  # noqa: PLC0415
+
+    title, columns, rows = table_rows(results, title)
+    return rich_table(columns, rows, title)
+
+
+def render_markdown(results: Sequence[EvalResult], title: str | None = None) -> str:
+    """The results table as Markdown."""
+    from trtkv.tables import markdown  # noqa: PLC0415
+
+    title, columns, rows = table_rows(results, title)
+    return markdown(columns, rows, title)
 
 
 def results_to_dict(results: Sequence[EvalResult], meta: dict | None = None) -> dict:

@@ -39,17 +39,50 @@ class DtypeTraits:
     sym_max: float
     asym_max: int  # asymmetric codes are unsigned 0..asym_max (ints only)
     codes_per_byte: int
-    storage: torch.dtype  # dtype of the packed storage tensor in a pool
+    storage: torch.dtype  # dtype of the packed storage tensor in a pool (symmetric / static codes)
+    storage_asym: torch.dtype | None = None  # asymmetric (unsigned) codes, when they differ from ``storage``
 
     @property
     def packed_bytes_per_code(self) -> float:
         return self.bits / 8
 
+    def storage_for(self, symmetric: bool) -> torch.dtype:
+        """Torch dtype of a pool's ``data`` tensor for symmetric (or static) / asymmetric codes."""
+        return self.storage if symmetric or self.storage_asym is None else self.storage_asym
+
+    def elem_type(self, symmetric: bool) -> "ElemType":
+        """The storage element type of these codes, with its name for every consumer."""
+        return ELEM_TYPES[str(self.storage_for(symmetric)).removeprefix("torch.")]
+
+
+@dataclass(frozen=True)
+class ElemType:
+    """One element type exchanged between torch, ONNX graphs, Triton kernels and TensorRT plugins."""
+
+    name: str  # torch / numpy name, the contract's dtype name ("float16", "uint8", ...)
+    torch: torch.dtype
+    onnx: int  # onnx.TensorProto element type
+    triton: str  # Triton pointer type of a kernel argument ("*fp16")
+    trt: str  # tensorrt.DataType attribute ("float16" -> trt.float16)
+
+
+ELEM_TYPES: dict[str, ElemType] = {
+    e.name: e
+    for e in [
+        ElemType("float16", torch.float16, 10, "*fp16", "float16"),
+        ElemType("bfloat16", torch.bfloat16, 16, "*bf16", "bfloat16"),
+        ElemType("float32", torch.float32, 1, "*fp32", "float32"),
+        ElemType("int8", torch.int8, 3, "*i8", "int8"),
+        ElemType("uint8", torch.uint8, 2, "*u8", "uint8"),
+        ElemType("int32", torch.int32, 6, "*i32", "int32"),
+        ElemType("int64", torch.int64, 7, "*i64", "int64"),
+    ]
+}
 
 DTYPES: dict[str, DtypeTraits] = {
     "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, 1, torch.float16),
     "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, 1, torch.uint8),
-    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8),
+    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8, torch.uint8),
     "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8),
 }
 
@@ -96,6 +129,11 @@ class TensorFormat(BaseModel):
     @property
     def is_quantized(self) -> bool:
         return self.dtype != "fp16"
+
+    @property
+    def storage(self) -> ElemType:
+        """Element type of this format's pool codes (``DTYPES`` row, by symmetry; static codes are symmetric)."""
+        return self.traits.elem_type(self.symmetric)
 
     @property
     def is_static(self) -> bool:
@@ -289,22 +327,36 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel)."""
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel).
+
+    Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
+    """
     parts = [p.strip() for p in text.split(":") if p.strip()]
     if not parts:
         raise ValueError("empty tensor spec")
     fields: dict = {"dtype": _DTYPE_ALIASES.get(parts[0], parts[0])}
+    seen: dict[str, str] = {}  # field -> the word that set it
     for word in parts[1:]:
-        if word in _GRAN_WORDS:
-            fields["granularity"] = _GRAN_WORDS[word]
-        elif re.fullmatch(r"g\d+", word):
-            fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
+        if word in _GRAN_WORDS or re.fullmatch(r"g\d+", word):
+            field = "granularity"
         elif word in ("sym", "asym"):
-            fields["symmetric"] = word == "sym"
+            field = "symmetry"
         elif word in ("smooth", "hadamard"):
-            fields[word] = True
+            field = word
         else:
             raise ValueError(f"unknown word {word!r}")
+        if field in seen:
+            what = f"repeated word {word!r}" if seen[field] == word else f"conflicting {field} words {seen[field]!r} and {word!r}"
+            raise ValueError(f"{what} in {text.strip()!r}: give one")
+        seen[field] = word
+        if word in _GRAN_WORDS:
+            fields["granularity"] = _GRAN_WORDS[word]
+        elif field == "granularity":
+            fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
+        elif field == "symmetry":
+            fields["symmetric"] = word == "sym"
+        else:
+            fields[word] = True
     return TensorFormat(**fields)
 
 
@@ -320,12 +372,20 @@ def get_format(spec: str | KVFormat) -> KVFormat:
             if not path.is_file():
                 raise TrtkvError(f"KV format file {spec} does not exist", SPEC_HELP)
             return KVFormat.model_validate(json.loads(path.read_text()))
-        if "k=" not in spec or "v=" not in spec:
+        keys = [item.partition("=")[0].strip() for item in spec.split(",")]
+        if "k" not in keys and "v" not in keys:
             raise TrtkvError(f"unknown KV format {spec!r}", SPEC_HELP)
+        for need in ("k", "v"):
+            if need not in keys:
+                raise TrtkvError(f"KV format {spec!r} is missing {need}=", f"add {need}=<dtype>:<granularity> (both k= and v= are required), e.g. '{spec},{need}=int8:token'")
         fields: dict = {"name": spec}
+        seen: dict[str, str] = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
             key = key.strip()
+            if key in seen:
+                raise ValueError(f"repeated field {seen[key]!r} and {item.strip()!r}: give {key} once")
+            seen[key] = item.strip()
             if key in ("k", "v"):
                 fields[key] = parse_tensor_spec(value)
             elif key == "block":
@@ -352,3 +412,70 @@ def _reason(exc: Exception) -> str:
         return msg
     got = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" (got {err['input']!r})"
     return f"{loc}: {msg}{got}"
+
+
+# --------------------------------------------------------------------------- fitting a format to a model
+
+
+def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | None]:
+    """Fit ``fmt`` to a model's ``head_dim``: ``(format, note)``, or ``(None, why)`` when it cannot fit.
+
+    A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
+    (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80). Hadamard rotations use blocks of the largest
+    power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
+    smaller than ``head_dim``. int4 packing and Hadamard rotations need an even ``head_dim``.
+    """
+    changes, parts = [], {}
+    for side in ("k", "v"):
+        tf: TensorFormat = getattr(fmt, side)
+        if head_dim % 2 and (tf.dtype == "int4" or tf.hadamard):
+            return None, f"{fmt.name}: {'int4 packing' if tf.dtype == 'int4' else 'a Hadamard rotation'} needs an even head_dim, the model has {head_dim}"
+        g = tf.group_size
+        if g is not None and head_dim % g:
+            fit = max((d for d in range(2, min(g, head_dim) + 1) if head_dim % d == 0), default=None)
+            if fit is None:
+                return None, f"{fmt.name}: no group size from 2 to {g} divides head_dim {head_dim}"
+            parts[side] = tf.model_copy(update={"group_size": fit})
+            changes.append(f"{side.upper()} g{g}->g{fit}")
+    block = head_dim & -head_dim
+    rotated = [s.upper() for s in ("k", "v") if getattr(fmt, s).hadamard]
+    if rotated and block < head_dim:
+        changes.append(f"Hadamard blocks of {block}")
+    if not changes:
+        return fmt, None
+    note = f"{fmt.name} at head_dim {head_dim}: " + ", ".join(changes)
+    if parts:
+        fmt = fmt.model_copy(update={**parts, "description": (fmt.description + f" [fitted to head_dim {head_dim}]").strip()})
+    return fmt, note
+
+
+def fit_formats(specs: list[str | KVFormat], head_dim: int, *, optional: bool = False) -> tuple[list[KVFormat], list[str]]:
+    """Resolve ``specs`` for a model of ``head_dim``: ``(formats, one-line notes)``.
+
+    Presets (and, with ``optional``, every format: the defaults) are fitted with ``fit_format``; a
+    format that cannot fit is skipped with a note when ``optional``, else it is an error. A spec the
+    user wrote out keeps its group size: one that does not divide ``head_dim`` is an error naming
+    the group sizes that do.
+    """
+    out, notes = [], []
+    for spec in specs:
+        fmt = get_format(spec)
+        preset = PRESETS.get(fmt.name) == fmt
+        if not (preset or optional):
+            bad = [t.group_size for t in (fmt.k, fmt.v) if t.group_size and head_dim % t.group_size]
+            if bad:
+                divisors = [str(d) for d in range(2, head_dim + 1) if head_dim % d == 0 and d <= max(bad)]
+                raise TrtkvError(
+                    f"KV format {fmt.name!r}: group size {bad[0]} does not divide the model's head_dim {head_dim}",
+                    f"use a group size that divides {head_dim} (g{', g'.join(divisors[-3:]) if divisors else head_dim}), or a preset",
+                )
+        fitted, note = fit_format(fmt, head_dim)
+        if fitted is None:
+            if optional:
+                notes.append(f"skipped {note}")
+                continue
+            raise TrtkvError(f"KV format {note}", "choose a format without int4 / hadamard for this model")
+        if note:
+            notes.append(note)
+        out.append(fitted)
+    return out, notes

@@ -453,13 +453,56 @@ def _info_from_model(base: ModelInfo, model: torch.nn.Module) -> ModelInfo:
     )
 
 
+_NO_TOKENIZER_FIX = "pass --tokenizer DIR: a directory with the model's tokenizer files (tokenizer.json / tokenizer_config.json)"
+
+
+def load_tokenizer(spec: str, tokenizer: str | Path | None = None, *, required: bool = True):
+    """The tokenizer of ``spec`` (or the one in the directory ``tokenizer``), without reading any weights.
+
+    A gguf's tokenizer comes from its conversion-cache entry when there is one, else from the file's
+    metadata. A model directory without tokenizer files is an error naming ``--tokenizer`` (``None``
+    when ``required`` is False).
+    """
+    if tokenizer is not None:
+        d = Path(tokenizer).expanduser()
+        if not d.is_dir() or not _has_tokenizer(d):
+            raise TrtkvError(f"--tokenizer '{tokenizer}' is not a directory with tokenizer files", _NO_TOKENIZER_FIX)
+        return _load_tokenizer(d.resolve())
+    path = resolve_model(spec)
+    if path.is_file():  # gguf
+        ckpt = _gguf_cache_dir(path, model_info(spec).sha256)
+        if (ckpt / _CACHE_MARKER).is_file() and _has_tokenizer(ckpt):
+            return _load_tokenizer(ckpt)
+        return _load_tokenizer(path.parent, gguf_file=path.name)
+    if _has_tokenizer(path):
+        return _load_tokenizer(path)
+    if required:
+        raise TrtkvError(f"model directory '{spec}' has no tokenizer files", _NO_TOKENIZER_FIX)
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No transformers progress bar ("Loading weights") inside trtkv's own progress display."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
-    spec: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+    spec: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa", tokenizer: Any = None
 ) -> LoadedModel:
     """Load a model and its tokenizer for inference (``model.eval()``, no grad needed by callers).
 
     ``attn_implementation`` is ``sdpa`` (default) or ``eager``; both work with a custom
     ``transformers.cache_utils.Cache`` passed as ``cache=`` (see docs/models-and-data.md).
+    ``tokenizer``: a loaded tokenizer or a directory holding one, used instead of the model's own.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -477,18 +520,21 @@ def load_model(
         if (ckpt / _CACHE_MARKER).is_file():
             from_cache = True
         else:
-            model, tok, ckpt = _convert_gguf(path, base.sha256, attn_implementation)
+            with _quiet_transformers():
+                model, tok, ckpt = _convert_gguf(path, base.sha256, attn_implementation)
     else:
         ckpt = path
 
     if path.is_dir() or from_cache:
-        with _from_pretrained_errors(f"the model in '{ckpt}'"):
+        with _from_pretrained_errors(f"the model in '{ckpt}'"), _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
                 str(ckpt), local_files_only=True, dtype=dt, attn_implementation=attn_implementation
             )
         tok = _load_tokenizer(ckpt) if _has_tokenizer(ckpt) else None
         if tok is None:
-            log.warning("no tokenizer files in %s; LoadedModel.tokenizer is None", ckpt)
+            log.debug("no tokenizer files in %s; LoadedModel.tokenizer is None", ckpt)
+    if tokenizer is not None:
+        tok = load_tokenizer(spec, tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
 
     model = model.to(device=dev, dtype=dt).eval()
     info = _info_from_model(base, model)

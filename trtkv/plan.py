@@ -1,5 +1,8 @@
 """Memory and capacity planning: how many tokens of KV cache fit on a GPU for each format.
 
+A sealed-block format costs its pool bits for every sealed token plus one fp16 open block per
+sequence; ``kv_bytes_per_token`` at a context length counts both, so batch sizes are never flattered.
+
 Bytes per token always come from the format definition (``KVFormat.kv_bytes_per_token``), never from a
 hard-coded compression factor, so a new format is planned correctly the moment it is defined.
 """
@@ -23,6 +26,7 @@ GPUS: dict[str, int] = {
     "L4-24GB": 23034,
     "RTX4090-24GB": 24564,
 }
+DEFAULT_GPU = "H100-80GB"  # assumed when neither --gpu nor --gpu-mem is given (said in the output)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,9 @@ class ModelShape:
 @dataclass(frozen=True)
 class PlanRow:
     format: str
-    bits_per_element: float
+    pool_bits_per_element: float  # sealed blocks in the pool, scales included
+    tail_bytes_per_slot: int  # the fp16 open blocks of one sequence (sealed-block formats)
+    bits_per_element: float  # mean for one sequence of context_len tokens, open block included
     kv_bytes_per_token: float
     max_tokens: int
     max_batch: int
@@ -51,7 +57,7 @@ def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
         if gpu_mem_gib <= 0:
             raise TrtkvError(f"--gpu-mem must be positive, got {gpu_mem_gib}", "give the GPU memory in GiB, e.g. --gpu-mem 80")
         return int(gpu_mem_gib * GIB)
-    name = gpu or "H100-80GB"
+    name = gpu or DEFAULT_GPU
     if name.lower() == "auto":  # this machine's GPU, as pynvml (or torch.cuda) reports it; trtkv serve reads the same
         from trtkv.runtime.gpu import device_memory
 
@@ -89,6 +95,8 @@ def plan(
         rows.append(
             PlanRow(
                 format=fmt.name,
+                pool_bits_per_element=fmt.pool_bits_per_element(shape.head_dim),
+                tail_bytes_per_slot=fmt.tail_bytes_per_slot(shape.num_layers, shape.num_kv_heads, shape.head_dim),
                 bits_per_element=fmt.bits_per_element(shape.head_dim, context_len),
                 kv_bytes_per_token=per_token,
                 max_tokens=tokens,

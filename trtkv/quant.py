@@ -138,7 +138,7 @@ def _encode(q: torch.Tensor, fmt: TensorFormat, symmetric: bool) -> torch.Tensor
     if fmt.dtype == "fp8_e4m3":
         return q.to(torch.float8_e4m3fn).view(torch.uint8)
     if fmt.dtype == "int8":
-        return q.to(torch.int8) if symmetric else q.to(torch.uint8)
+        return q.to(fmt.traits.storage_for(symmetric))
     return pack_int4((q + 8 if symmetric else q).to(torch.uint8))
 
 
