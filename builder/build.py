@@ -291,7 +291,6 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
 
 def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inputs, outputs, cal_ref, plans, stages, trt, caps):
     from trtkv.builder.graph import OPSET  # noqa: PLC0415
-    from trtkv.builder.weights import extract_weights  # noqa: F401, PLC0415
     from trtkv.manifest import CalibrationRef, EngineManifest, ModelSpec, pool_spec  # noqa: PLC0415
 
     info = loaded.info

@@ -54,7 +54,9 @@ class OnnxRuntimeEngine(Engine):
 
     name = "onnxruntime"
 
-    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, providers: list[str] | None = None):
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, providers: list[str] | None = None, spinning: bool = True):
+        """``spinning=False`` stops ONNX Runtime's idle threads from spin-waiting after a step, which otherwise
+        starves torch work (sealing, a torch engine) that runs right after it on the same cores."""
         import onnxruntime as ort  # noqa: PLC0415
 
         self.dir = Path(engine_dir)
@@ -62,6 +64,8 @@ class OnnxRuntimeEngine(Engine):
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
+        if not spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         onnx_file = ONNX_FILE
         if self.manifest.attention == "plugin":
             from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
