@@ -116,7 +116,10 @@ def write_amax_calibration(loaded, out, formats=("fp8", "int8-static"), seq_len:
     ids = torch.randint(0, loaded.info.vocab_size, (2, seq_len))
     cache = DynamicCache()
     with torch.inference_mode():
-        loaded.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        import inspect
+
+        key = "cache" if "cache" in inspect.signature(loaded.model.forward).parameters else "past_key_values"
+        loaded.model(input_ids=ids, use_cache=True, **{key: cache})
     amax = [(layer.keys.abs().max().item(), layer.values.abs().max().item()) for layer in cache.layers]
     params, fcs = {}, {}
     for name in formats:
