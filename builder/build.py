@@ -152,11 +152,10 @@ def build_engine(
     bs = block_size or base_fmt.block_size or 64
     fmt = base_fmt.with_block_size(bs)
     att = get_backend(attention)
-    if attention == "plugin" and (backend != "onnxruntime" or dtype != "fp32"):
+    if attention == "plugin" and backend == "tensorrt-rtx":
         raise TrtkvError(
-            f"plugin attention builds only for --backend onnxruntime --dtype fp32 (got {backend}, {dtype}): no TensorRT plugin implements "
-            "the sealed-block PagedSealedAttention op yet",
-            "use --attention native for TensorRT / TensorRT-RTX engines",
+            "plugin attention needs the trtkv TensorRT plugins, and TensorRT-RTX loads no plugins",
+            "use --attention native with --backend tensorrt-rtx (or --backend tensorrt / onnxruntime for plugin attention)",
         )
 
     # ------------------------------------------------------------ model and calibration
@@ -282,8 +281,9 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
     cache = PagedKVCache(PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 2, 1), info.num_layers, params)
     batch = StepBatch.make([[1, 2]], [bs], [[0, 1]], [0])
     feeds = {"input_ids": batch.input_ids, "context_lens": batch.context_lens, "new_lens": batch.new_lens, "block_tables": batch.block_tables, "slot_ids": batch.slot_ids}
-    feeds.update({k: (v.view(torch.int8) if v.dtype == torch.uint8 else v) for k, v in cache.tensors.items()})
-    names = [i.name for i in sess.get_inputs()]
+    declared = {i.name: i.type for i in sess.get_inputs()}
+    feeds.update({k: (v.view(torch.int8) if v.dtype == torch.uint8 and declared.get(k) == "tensor(int8)" else v) for k, v in cache.tensors.items()})
+    names = list(declared)
     logits = sess.run(["logits"], {k: feeds[k].numpy() for k in names})[0]
     if logits.shape != (1, info.vocab_size) or not torch.isfinite(torch.from_numpy(logits)).all():
         raise RuntimeError(f"the step network's smoke step gave logits of shape {logits.shape} with non-finite values")

@@ -19,6 +19,7 @@ ONNX_NAMES = {
     TensorProto.FLOAT: "float32",
     TensorProto.FLOAT16: "float16",
     TensorProto.INT8: "int8",
+    TensorProto.UINT8: "uint8",
     TensorProto.INT32: "int32",
     TensorProto.INT64: "int64",
     TensorProto.BOOL: "bool",
@@ -60,7 +61,7 @@ class Graph:
             if key in self._const_cache:
                 return self._const_cache[key]
         name = self.fresh(hint)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        self.initializers.append(numpy_helper.from_array(arr.copy(order="C"), name))  # ascontiguousarray would make a 0-d scalar [1]
         if key is not None:
             self._const_cache[key] = name
         return name

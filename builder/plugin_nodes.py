@@ -1,77 +1,93 @@
-"""``--attention plugin``: each layer's attention is ONE ``trtkv::PagedSealedAttention`` node.
+"""``--attention plugin``: each layer's attention is one ``trtkv::PagedPrefillAttention`` node of the sealed-block
+op contract (``trtkv.plugins.contract``), in its padded form (``cu_seqlens = arange(B + 1) * T``), which covers
+decode steps too.
 
-This is the only module that emits plugin nodes, so moving to the sealed-block ops of plugins/contract.py
-(being written in another branch) means changing ``emit`` here and ``builder/ort_ops.py``.
-
-Why a provisional op and not the current contract's ``PagedPrefillAttention`` / ``PagedDecode*``: those read
-new rows as quantized codes of the pool's format and per-token scales; the engine step contract attends
-over the fp16 open block and the step's own fp16 rows, and the ``int4`` preset's keys have per-block
-channel scales, neither of which the current ops can express. ``PagedSealedAttention`` takes exactly the
-step contract's tensors (fixed arity, TensorRT-plugin style: absent tensors are placeholders of shape [1]):
-
-    q [B, nh, T, D] (already times 1/sqrt(D)), k_new, v_new [B, H, T, D] (fp16 values), k_data, k_scale,
-    k_zero, v_data, v_scale, v_zero (stacked pools, as graph inputs), k_tail, v_tail, block_tables,
-    context_lens, slot_ids, k_static, k_smooth, v_static, v_smooth ([H, D] float32, ones when unused)
-    -> out [B, nh, T, D]
-    attributes: layer, k_format, v_format (TensorFormat.short()), block_size, num_q_heads, num_kv_heads, head_dim
-
-Under ONNX Runtime the node runs as an onnxruntime-extensions Python custom op backed by the torch
-reference (``builder/ort_ops.py``); there is no TensorRT plugin for it yet, so plugin mode builds only for
-the onnxruntime backend.
+This is the only module that emits plugin nodes (``contract.make_node``). Per layer: ``q`` ``[B*T, nh, D]``
+fp16 (already times 1/sqrt(D), so ``sm_scale = 1``), ``k_new`` / ``v_new`` ``[B*T, H, D]`` fp16 (the open block's
+values), that layer's pool and tail slices, int32 ``block_tables`` / ``context_lens`` / ``slot_ids``, the KV
+constants ``[H, D]`` float32 and the Hadamard matrix; tensors a format does not use are placeholders
+(``contract.placeholder_shape``). Pools keep their storage dtype (uint8 codes) at the boundary of a plugin graph,
+as the contract declares them. Under ONNX Runtime the node runs as an onnxruntime-extensions Python op backed
+by ``trtkv.plugins.reference.run_op`` (``builder/ort_ops.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from trtkv.builder.attention import BACKENDS, AttentionBackend, StepContext, _static
-from trtkv.formats import TensorFormat
+from trtkv.plugins import contract as C
+from trtkv.quant import hadamard_matrix
 
-OP_TYPE = "PagedSealedAttention"
-DOMAIN = "trtkv"
-INPUTS = (
-    "q", "k_new", "v_new", "k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero", "k_tail", "v_tail",
-    "block_tables", "context_lens", "slot_ids", "k_static", "k_smooth", "v_static", "v_smooth",
-)
+OP_TYPE = "PagedPrefillAttention"
 
 
-def _expand(x: np.ndarray | None, H: int, D: int) -> np.ndarray:
+def _expand(x: np.ndarray | None, H: int, D: int) -> np.ndarray | None:
     if x is None:
-        return np.ones((H, D), np.float32)
+        return None
     return np.broadcast_to(x.reshape(H, -1) if x.size > 1 else x.reshape(1, 1), (H, D)).astype(np.float32).copy()
 
 
 class PluginAttention(AttentionBackend):
     name = "plugin"
-    block_sizes = (4, 8, 16, 32, 64, 128, 256)
-
-    def format_reason(self, t: TensorFormat) -> str | None:
-        return None  # the torch reference behind the op reads every format
+    block_sizes = tuple(b for b in (16, 32, 64, 128) if C.LIMITS.block_size_problem(b) is None)
+    head_dims = tuple(d for d in (32, 64, 128, 256) if C.LIMITS.head_dim_problem(d) is None)
 
     def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
         g, lay = ctx.g, ctx.layout
-        H, D = lay.num_kv_heads, lay.head_dim
-        graph = ctx.extra["graph_inputs"]
-        ph = ctx.extra.setdefault("placeholder", g.const(np.zeros(1, np.float16), "placeholder"))
+        H, D, nh = lay.num_kv_heads, lay.head_dim, ctx.num_heads
+        gi = ctx.extra["graph_inputs"]
+        shared = self._shared(ctx)
+        spec = C.get_op(OP_TYPE)
+        attrs = C.attrs_for(spec, lay.fmt, num_q_heads=nh, num_kv_heads=H, head_dim=D, block_size=lay.block_size, sm_scale=1.0)
         kp, vp = ctx.params[layer].k, ctx.params[layer].v
-        shared = lay.fmt.shared_kv_scale
-        ks, vs = _static(kp, lay.fmt.k, H, D, vp if shared else None), _static(vp, lay.fmt.v, H, D, kp if shared else None)
+        sh = lay.fmt.shared_kv_scale
+        consts = {
+            "k_static": _expand(_static(kp, lay.fmt.k, H, D, vp if sh else None), H, D),
+            "k_smooth": None if kp.smooth is None else kp.smooth.float().numpy().reshape(H, D),
+            "v_static": _expand(_static(vp, lay.fmt.v, H, D, kp if sh else None), H, D),
+            "v_smooth": None if vp.smooth is None else vp.smooth.float().numpy().reshape(H, D),
+            "hadamard": hadamard_matrix(D).numpy().astype(np.float32),
+        }
+        layer_idx = g.scalar(layer, np.int64)
 
-        def const(x, name):
-            return g.const(_expand(x, H, D), name)
+        def packed(x, heads):  # [B, n, T, D] -> [B*T, n, D] fp16
+            return g.cast(g.reshape(g.transpose(x, (0, 2, 1, 3)), (-1, heads, D)), TensorProto.FLOAT16)
 
-        inputs = [q, k_new, v_new]
-        for which in ("k", "v"):
-            inputs += [graph[f"{which}_data"], graph.get(f"{which}_scale", ph), graph.get(f"{which}_zero", ph)]
-        inputs += [graph["k_tail"], graph["v_tail"], graph["block_tables"], graph["context_lens"], graph["slot_ids"]]
-        inputs += [
-            const(ks, "k_static"), const(None if kp.smooth is None else kp.smooth.float().numpy(), "k_smooth"),
-            const(vs, "v_static"), const(None if vp.smooth is None else vp.smooth.float().numpy(), "v_smooth"),
-        ]
-        return g.op(
-            OP_TYPE, *inputs, domain=DOMAIN, layer=layer, k_format=lay.fmt.k.short(), v_format=lay.fmt.v.short(),
-            block_size=lay.block_size, num_q_heads=ctx.num_heads, num_kv_heads=H, head_dim=D,
-        )
+        named = {"q": packed(q, nh), "k_new": packed(k_new, H), "v_new": packed(v_new, H), "cu_seqlens": shared["cu_seqlens"],
+                 "block_tables": shared["block_tables"], "context_lens": shared["context_lens"], "slot_ids": shared["slot_ids"]}
+        inputs = []
+        for t in spec.inputs:
+            if t.name in named:
+                inputs.append(named[t.name])
+            elif not t.used(attrs):
+                dt = C.tensor_dtype(spec, t, attrs)
+                inputs.append(g.const(np.zeros(C.placeholder_shape(t, attrs), {"float16": np.float16, "float32": np.float32, "int8": np.int8, "uint8": np.uint8}[dt]), f"ph_{t.name}"))
+            elif t.name in consts:
+                inputs.append(g.const(consts[t.name], t.name))
+            else:  # pool / tail tensors: this layer's slice of the stacked graph input
+                inputs.append(g.gather(gi[t.name], layer_idx))
+        out = g.fresh("plugin_out")
+        g.nodes.append(C.make_node(spec, inputs, [out], attrs, name=g.fresh(f"{OP_TYPE}_{layer}")))
+        o = g.transpose(g.op("Reshape", out, ctx.extra["bt_nh_d"]), (0, 2, 1, 3))  # [B, T, nh, D] -> [B, nh, T, D]
+        return o if ctx.compute == TensorProto.FLOAT16 else g.cast(o, ctx.compute)
+
+    @staticmethod
+    def _shared(ctx: StepContext) -> dict:
+        if "plugin_shared" not in ctx.extra:
+            g, gi = ctx.g, ctx.extra["graph_inputs"]
+            B, T = ctx.extra["B"], ctx.extra["T"]
+            i32 = TensorProto.INT32
+            rng = g.op("Range", g.scalar(0, np.int64), g.op("Squeeze", g.add(B, g.i64(1)), g.i64(0)), g.scalar(1, np.int64))
+            ctx.extra["bt_nh_d"] = g.concat(B, T, g.i64(ctx.num_heads), g.i64(ctx.layout.head_dim), axis=0)
+            ctx.extra["plugin_shared"] = {
+                "cu_seqlens": g.cast(g.mul(rng, g.op("Squeeze", T, g.i64(0))), i32),
+                "block_tables": g.cast(gi["block_tables"], i32),
+                "context_lens": g.cast(gi["context_lens"], i32),
+                "slot_ids": g.cast(gi["slot_ids"], i32),
+            }
+        return ctx.extra["plugin_shared"]
 
 
 BACKENDS["plugin"] = PluginAttention

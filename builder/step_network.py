@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto
 
 from trtkv.builder.attention import AttentionBackend, StepContext
@@ -24,16 +25,21 @@ from trtkv.manifest import TensorSpec
 BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
 
 
-def graph_dtype(layout: PagedKVLayout, which: str) -> int:
-    """Element type of a pool's data input at the graph boundary: fp16 stays fp16, every 8-bit pattern is int8."""
-    return TensorProto.FLOAT16 if layout.tensor_format(which).dtype == "fp16" else TensorProto.INT8
+def graph_dtype(layout: PagedKVLayout, which: str, plugin: bool = False) -> int:
+    """Element type of a pool's data input at the graph boundary: fp16 stays fp16, every 8-bit pattern is int8
+    (native: TensorRT-RTX rejects UINT8 tensors); plugin graphs keep the storage dtype the op contract declares."""
+    if layout.tensor_format(which).dtype == "fp16":
+        return TensorProto.FLOAT16
+    if plugin and layout.data_dtype(which) == torch.uint8:
+        return TensorProto.UINT8
+    return TensorProto.INT8
 
 
-def cache_input_specs(layout: PagedKVLayout) -> list[tuple[str, int, list, str | None]]:
+def cache_input_specs(layout: PagedKVLayout, plugin: bool = False) -> list[tuple[str, int, list, str | None]]:
     """(name, elem type, symbolic shape, storage dtype) of the cache inputs of ``layout``'s format, in order."""
     out = []
     for which in ("k", "v"):
-        dt = graph_dtype(layout, which)
+        dt = graph_dtype(layout, which, plugin)
         storage = str(layout.data_dtype(which)).removeprefix("torch.")
         P = layout.packed_dim(which)
         out.append((f"{which}_data", dt, ["num_layers", "num_blocks", layout.num_kv_heads, layout.block_size, P], storage))
@@ -76,7 +82,7 @@ def build_step_network(
     btab = inp("block_tables", i64, ["batch", "max_blocks"])
     slots = inp("slot_ids", i64, ["batch"])
     cache = {}
-    for name, elem, shape, storage in cache_input_specs(layout):
+    for name, elem, shape, storage in cache_input_specs(layout, plugin=attention.name == "plugin"):
         cache[name] = inp(name, elem, _fix_layers(shape, L), storage if storage and storage != ONNX_NAMES[elem] else None)
 
     # ---------------------------------------------------------------- shared tensors
@@ -93,6 +99,7 @@ def build_step_network(
     ctx.sealed_len = g.mul(MB, g.i64(bs))
     ctx.extra["q_shape"] = g.concat(B, g.i64(nh), T, g.i64(D), axis=0)
     ctx.extra["graph_inputs"] = {**cache, "block_tables": btab, "context_lens": ctx_lens, "slot_ids": slots}
+    ctx.extra["B"], ctx.extra["T"] = B, T
 
     zero, one = g.scalar(0, np.int64), g.scalar(1, np.int64)
     bs_c = g.scalar(bs, np.int64)

@@ -36,7 +36,7 @@ class Engine(ABC):
         """Run one step (prefill chunk or decode) over ``cache``; the cache is read, never written."""
 
     def feeds(self, batch: StepBatch, cache: PagedKVCache) -> dict[str, torch.Tensor]:
-        """The step network's inputs by name (pools declared int8 at the graph boundary are viewed as int8)."""
+        """The step network's inputs by name (uint8 pools declared int8 at the graph boundary are viewed as int8)."""
         out = {
             "input_ids": batch.input_ids,
             "context_lens": batch.context_lens,
@@ -44,8 +44,9 @@ class Engine(ABC):
             "block_tables": batch.block_tables,
             "slot_ids": batch.slot_ids,
         }
-        for name, t in cache.tensors.items():
-            out[name] = t.view(torch.int8) if t.dtype == torch.uint8 else t
+        declared = {t.name: t.dtype for t in self.manifest.inputs} if self.manifest is not None else {}
+        for name, t in cache.tensors.items():  # native graphs declare uint8 pools int8: a zero-copy view
+            out[name] = t.view(torch.int8) if t.dtype == torch.uint8 and declared.get(name, "int8") == "int8" else t
         return out
 
 
