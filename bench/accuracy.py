@@ -65,7 +65,6 @@ ROWS: list[Row] = [
     Row("int4-kch-b64-vplain", f"k={K_CHANNEL},v=int4:token:asym,block=64", note="values not rotated"),
     Row("int4-kch-b64-vg32", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64", note="values symmetric groups of 32, rotated"),
     Row("int4-kch-b64-vch", f"k={K_CHANNEL},v=int4:bchannel:asym,block=64", note="values per channel per block too"),
-    Row("int4-kch-b64-max", f"k={K_CHANNEL},v={V_BEST},block=64", method="max", note="no MSE clip search on values"),
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
