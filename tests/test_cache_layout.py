@@ -18,7 +18,7 @@ H, D, BS = 3, 64, 16
 # (per channel per block) formats: one fp16 scale + zero per channel and head per block
 HAND_BYTES_PER_BLOCK = {
     "fp16": 2 * H * BS * (D * 2),  # 12288
-    "int8": 2 * H * BS * (D + 2),  # 64 codes + 1 fp16 scale = 6336
+    "int8": H * BS * D + H * D * 2 + H * BS * (D + 2),  # K codes + one fp16 scale per channel per block; V per token
     "int8-token": 2 * H * BS * (D + 2),
     "int8-static": 2 * H * BS * D,  # static scale is a layer constant: 6144
     "fp8": 2 * H * BS * D,  # 6144
@@ -30,7 +30,7 @@ HAND_BYTES_PER_BLOCK = {
 EXPECTED = {
     # name: (K data dtype, K packed dim, K scale shape per block or None, K has zero)
     "fp16": (torch.float16, 64, None, False),
-    "int8": (torch.int8, 64, (H, BS, 1), False),
+    "int8": (torch.int8, 64, (H, D), False),
     "int8-token": (torch.int8, 64, (H, BS, 1), False),
     "int8-static": (torch.int8, 64, None, False),
     "fp8": (torch.uint8, 64, None, False),
@@ -74,8 +74,8 @@ def test_preset_layouts(name):
 
 def test_smollm2_whole_model_bytes_per_block():
     # the worked example of docs/kv-cache-format.md: 30 layers at block_size 16
-    per_layer = {n: PagedKVLayout(_fmt(n), H, D, BS, 1).bytes_per_block() for n in ("fp16", "int8", "int4-token")}
-    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, "int8": 190080, "int4-token": 103680}
+    per_layer = {n: PagedKVLayout(_fmt(n), H, D, BS, 1).bytes_per_block() for n in ("fp16", "int8-token", "int4-token")}
+    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, "int8-token": 190080, "int4-token": 103680}
     # the int4 preset at its own block size, 64: 4.5 bits per element in the pool, 64 tokens per block
     int4 = PagedKVLayout(PRESETS["int4"], H, D, 64, 1)
     assert 30 * int4.bytes_per_block() == 30 * 2 * 3 * 64 * 64 * 4.5 / 8 == 414720

@@ -54,7 +54,8 @@ def test_presets_exist_and_are_consistent():
     for name, fmt in PRESETS.items():
         assert fmt.name == name and fmt.description
     assert not PRESETS["fp16"].is_quantized
-    assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_token") and PRESETS["int8"].block_size == 64
+    assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_block_channel") and PRESETS["int8"].block_size == 64
+    assert PRESETS["int8-token"].k == TensorFormat(dtype="int8", granularity="per_token") and not PRESETS["int8-token"].sealed
     assert PRESETS["fp8"].k.dtype == PRESETS["fp8"].v.dtype == "fp8_e4m3" and PRESETS["fp8"].k.is_static
     assert PRESETS["int4"].k == TensorFormat(dtype="int4", granularity="per_block_channel", symmetric=False)
     assert PRESETS["int4"].v.hadamard and PRESETS["int4"].block_size == 64 and PRESETS["int4"].sealed
@@ -279,11 +280,13 @@ def test_llama7b_fp16_is_512_kib_per_token():
 
 def test_int8_per_token_bits_and_bytes():
     # 128 int8 codes + one fp16 scale per token and head: 8 + 16/128 bits per element
-    assert PRESETS["int8"].k.bits_per_element(128) == 8 + 16 / 128
-    assert PRESETS["int8"].bits_per_element(128) == 8.125
+    assert PRESETS["int8-token"].k.bits_per_element(128) == 8 + 16 / 128
+    assert PRESETS["int8-token"].bits_per_element(128) == 8.125
     # LLaMA-7B: per token, layer and KV head: K 128 + 2 bytes, V 128 + 2 bytes
-    assert PRESETS["int8"].kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (128 + 2)
-    assert PRESETS["int8"].bits_per_element(64) == 8 + 16 / 64
+    assert PRESETS["int8-token"].kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (128 + 2)
+    assert PRESETS["int8-token"].bits_per_element(64) == 8 + 16 / 64
+    # the int8 preset: keys one fp16 scale per channel per block of 64 (8 + 16/64 at any head_dim)
+    assert PRESETS["int8"].pool_bits_per_element(128) == (8 + 16 / 64 + 8 + 16 / 128) / 2
 
 
 def test_int4_asym_g64_is_4_5_bits():

@@ -29,9 +29,9 @@ def test_capacity_matches_hand_count(name):
     gpu = 24 * GIB
     budget, [row] = plan(shape, [fmt], context_len=ctx, gpu_bytes=gpu, reserve_fraction=0.25)
     assert budget == gpu - 3 * GIB - int(0.25 * gpu)
-    # hand count: codes bits + fp16 scale (and zero) per dynamic group (int4 keys: per channel per block of 64),
+    # hand count: codes bits + fp16 scale (and zero) per dynamic group (int8/int4 keys: per channel per block of 64),
     # for K and V; sealed-block presets (int8, int4: blocks of 64) add one fp16 open block per sequence
-    bits = {"int8": 8 + 16 / hd, "int4": (4 + 32 / 64 + 4 + 32 / 64) / 2, "fp8": 8, "int8-static": 8}[name]
+    bits = {"int8": (8 + 16 / 64 + 8 + 16 / hd) / 2, "int4": (4 + 32 / 64 + 4 + 32 / 64) / 2, "fp8": 8, "int8-static": 8}[name]
     sealed = ctx - ctx % 64 if fmt.sealed else ctx
     open_bytes = 2 * layers * heads * 64 * hd * 2 if fmt.sealed else 0
     per_token = (sealed * 2 * layers * heads * hd * bits / 8 + open_bytes) / ctx

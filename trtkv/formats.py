@@ -271,10 +271,11 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(name="fp16", k=_t("fp16"), v=_t("fp16"), description="unquantized baseline"),
         KVFormat(
             name="int8",
-            k=_t("int8", "per_token"),
+            k=_t("int8", "per_block_channel"),
             v=_t("int8", "per_token"),
             block_size=64,
-            description="int8, one dynamic fp16 scale per token and head; the open block of 64 tokens stays fp16",
+            description="int8 in sealed blocks of 64 (8.25 bits): keys one fp16 scale per channel per block, values one "
+            "per token; the open block stays fp16",
         ),
         KVFormat(
             name="int8-token",
