@@ -229,7 +229,7 @@ def test_existing_out_needs_force_and_failed_build_leaves_nothing(tmp_path, tiny
     from trtkv.cli import app
 
     shown = CliRunner().invoke(app, ["inspect", str(out)])
-    assert shown.exit_code == 0 and "valid" in shown.output and "k=int8:token:sym" in shown.output
+    assert shown.exit_code == 0 and "valid" in shown.output and "k=int8:bchannel:sym" in shown.output
     bad = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert bad.exit_code == 2 and "not an engine directory" in bad.output
 
