@@ -22,7 +22,7 @@ HAND_BYTES_PER_BLOCK = {
     "int8-token": 2 * H * BS * (D + 2),
     "int8-static": 2 * H * BS * D,  # static scale is a layer constant: 6144
     "fp8": 2 * H * BS * D,  # 6144
-    "int4": H * BS * D // 2 + H * D * 2 * 2 + H * BS * (D // 2 + 2 + 2),  # K per channel per block; V per token
+    "int4": H * BS * D // 2 + H * D * 2 * 2 + H * BS * (D // 2 + 2 * 2),  # K per channel per block; V 2 groups x scale
     "int4-token": 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
     "int4-g32": 2 * H * BS * (D // 2 + 2 * 2),  # 32 code bytes + 2 groups x scale = 3456
 }

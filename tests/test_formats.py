@@ -297,9 +297,9 @@ def test_int4_asym_g64_is_4_5_bits():
     # per token, layer, head: K 64 code bytes + 2 groups x 4 bytes; V the same
     assert fmt.kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (64 + 8)
     # the int4 preset: keys per channel per block of 64 (fp16 scale + zero per channel per 64 tokens,
-    # 4 + 32/64 = 4.5 at any head_dim), values one scale + zero per token (4 + 32/128 at head_dim 128)
+    # 4 + 32/64 = 4.5 at any head_dim), values symmetric groups of 32 (4 + 16/32 = 4.5)
     assert PRESETS["int4"].k.bits_per_element(128, 64) == PRESETS["int4"].k.bits_per_element(64, 64) == 4.5
-    assert PRESETS["int4"].pool_bits_per_element(128) == (4.5 + 4.25) / 2
+    assert PRESETS["int4"].pool_bits_per_element(128) == 4.5
     assert PRESETS["int4"].pool_bits_per_element(64) == 4.5
     # symmetric g32: 4 + 16/32 = 4.5 as well (one fp16 scale per 32 codes)
     assert PRESETS["int4-g32"].bits_per_element(128) == 4.5

@@ -592,7 +592,7 @@ def test_fake_impls_and_opcheck(monkeypatch):
                           test_utils=("test_schema", "test_faketensor"))
     k = case.k_pool
     torch.library.opcheck(torch.ops.trtkv.seal_blocks.default,
-                          (torch.randn(1, 2, 64, 64), torch.tensor([3]), k.data, k.scale, k.zero, "int8:token:sym"),
+                          (torch.randn(1, 2, 64, 64), torch.tensor([3]), k.data, k.scale, k.zero, case.fmt.k.short()),
                           test_utils=("test_schema", "test_faketensor"))
 
 

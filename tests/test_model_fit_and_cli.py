@@ -51,10 +51,11 @@ def no_weights(monkeypatch):
 
 @pytest.mark.parametrize("head_dim,group,blocks", [(32, 32, None), (48, 48, 16), (80, 40, 16), (96, 48, 32), (128, 64, None), (256, 64, None)])
 def test_int4_preset_fits_every_real_head_dim(head_dim, group, blocks):
-    # the sealed int4 preset has no group size (keys per channel per block, values per token): it fits as is
+    # the sealed int4 preset: keys per channel per block fit any head_dim; values' groups of 32 are fitted
     fitted, note = fit_format(PRESETS["int4"], head_dim)
-    assert fitted.k == PRESETS["int4"].k and fitted.v == PRESETS["int4"].v
-    assert (note is None) == (blocks is None) and (blocks is None or f"Hadamard blocks of {blocks}" in note)
+    assert fitted.k == PRESETS["int4"].k and head_dim % fitted.v.group_size == 0 and fitted.v.group_size <= 32
+    assert (note is None) == (head_dim % 32 == 0 and blocks is None)
+    assert blocks is None or f"Hadamard blocks of {blocks}" in note
     # a grouped format (the former int4 recipe) gets a group size that divides head_dim
     fmt, note = fit_format(get_format("k=int4:g64:asym:smooth:hadamard,v=int4:g64:asym:hadamard"), head_dim)
     assert fmt.k.group_size == fmt.v.group_size == group and head_dim % group == 0

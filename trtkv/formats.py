@@ -299,10 +299,10 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(
             name="int4",
             k=_t("int4", "per_block_channel", symmetric=False),
-            v=_t("int4", "per_token", symmetric=False, hadamard=True),
+            v=_t("int4", "per_token_group", group_size=32, hadamard=True),
             block_size=64,
-            description="int4 in sealed blocks of 64 (4.5 bits): keys per channel over each block, values per token "
-            "Hadamard-rotated; the open block stays fp16",
+            description="int4 in sealed blocks of 64 (4.5 bits): keys asymmetric per channel over each block, values "
+            "Hadamard-rotated, symmetric groups of 32; the open block stays fp16",
         ),
         KVFormat(
             name="int4-token",
