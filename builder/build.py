@@ -129,7 +129,7 @@ def build_engine(
     from trtkv.builder.attention import get_backend  # noqa: PLC0415
     from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
     from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
-    from trtkv.formats import get_format  # noqa: PLC0415
+    from trtkv.formats import fit_formats, get_format  # noqa: PLC0415
     from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
     from trtkv.runtime.backends import import_tensorrt  # noqa: PLC0415
 
@@ -164,6 +164,11 @@ def build_engine(
 
         loaded = load_model(model, device="cpu", dtype="float32")
     info = loaded.info
+    [base_fmt], notes = fit_formats([kv if isinstance(kv, str) else base_fmt], info.head_dim)  # presets fit any head_dim
+    fmt = base_fmt.with_block_size(bs)
+    if console:
+        for note in notes:
+            console.print(f"note: {note}")
     reasons = att.reasons(fmt, info.head_dim, bs)
     if reasons:
         raise TrtkvError(f"{attention} attention cannot build {fmt.spec()}: {'; '.join(reasons)}", "choose another --block-size / --kv, or the other --attention")
@@ -193,7 +198,7 @@ def build_engine(
     if console:
         console.print(f"[bold]build-engine[/] {info.name} · kv {fmt.spec()} · {backend} · {attention} attention · {dtype} · block {bs}")
 
-    with atomic_directory(out, replace=True, what="engine directory") as tmp:
+    with atomic_directory(out, replace=True, what="the engine directory") as tmp:
         with stages.stage("export", "ONNX step network, kv_params, tokenizer"):
             onnx_inputs, onnx_outputs = _export(tmp, loaded, layout1, params, att, dtype)
             from safetensors.torch import save_file  # noqa: PLC0415

@@ -79,7 +79,7 @@ def test_tiny_engine_matches_reference(tmp_path, tiny_dir, tiny_loaded, kv):
 def test_manifest_is_complete_and_validated(tmp_path, tiny_dir, tiny_loaded):
     out = build_engine(str(tiny_dir), None, "int4", tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK, max_seq_len=64, max_batch=4, loaded=tiny_loaded)
     m = load_manifest(out)
-    assert m.kv_spec == "k=int4:bchannel:asym,v=int4:token:asym:hadamard,block=4"
+    assert m.kv_spec == "k=int4:bchannel:asym,v=int4:g24:sym:hadamard,block=4"  # the preset fitted to head_dim 24
     assert m.limits.max_blocks_per_seq == 16 and m.limits.max_new_tokens_per_step == TINY_BLOCK
     assert {"model.onnx", "model.onnx.data", "kv_params.safetensors"} <= set(m.files)
     assert any(f.startswith("tokenizer/") for f in m.files)
@@ -188,7 +188,7 @@ def test_errors_format_needs_scales_the_calibration_lacks(tmp_path, tiny_dir, ti
         (["--block-size", "48", "--max-seq-len", "96"], ["block sizes", "48", "--block-size"]),
         (["--backend", "tensorrt-rtx", "--compute-capability", "89,90", "--max-seq-len", "64"], ["SM90", "--backend tensorrt"]),
         (["--backend", "tensorrt", "--max-seq-len", "64"], ["tensorrt", "NGC", "pip install tensorrt"]),
-        (["--kv", "int4-g32", "--max-seq-len", "64"], ["group size 32", "head_dim 24"]),
+        (["--kv", "k=int4:g32,v=int4:g32", "--max-seq-len", "64"], ["group size 32", "head_dim 24"]),  # a written-out spec is not refitted
     ],
 )
 def test_errors_bad_arguments(tmp_path, tiny_dir, args, needles):
