@@ -52,11 +52,11 @@ K_CHANNEL = "int4:bchannel:asym"  # per channel over each sealed block (KIVI's k
 V_BEST = "int4:token:asym:hadamard"
 ROWS: list[Row] = [
     # presets
-    Row("int8", "int8", method="max", note="preset: per token, sealed blocks of 64 (no calibration)"),
+    Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
     Row("int8-token", "int8-token", method="max", note="preset: per token, every token quantized on write"),
     Row("int8-static", "int8-static", note="preset (calibrated, shared K/V scale)"),
     Row("fp8", "fp8", note="preset (calibrated per-tensor scales)"),
-    Row("int4", "int4", note="preset: keys per channel per sealed block of 64, values per token rotated"),
+    Row("int4", "int4", note="preset: keys per channel per sealed block of 64, values rotated, symmetric groups of 32"),
     Row("int4-token", "int4-token", note="preset: per token, keys smoothed+rotated, quantized on write"),
     Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
     # sealed blocks: block size x key layout (pool bits 4.5 at head_dim 64 for every row but block 16/32 bchannel)
