@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, slot_mapping, write_paged, write_tail
+from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, slot_mapping, write_tail
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
-from trtkv.quant import TensorParams, fake_quantize_block, quantize_block
+from trtkv.quant import TensorParams, fake_quantize_block, quantize, quantize_block
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block_size 16 (formats are stored with sealed blocks of BS)
 H, D, BS = 3, 64, 16
@@ -203,10 +203,9 @@ def test_sealed_blocks_and_open_block_read_back_as_the_quantizer_defines(spec):
             if sealed:
                 qt = quantize_block(rows[s][:BS].transpose(0, 1), tf, params)
                 assert torch.equal(pool.data[tables[s][0]], qt.codes.to(pool.data.dtype))
-                if not tf.is_block_wise and tf.is_quantized:  # per-token formats: write_paged writes the same bytes
-                    other = lay.allocate(which)
-                    write_paged(lay, which, other, rows[s][:BS], torch.arange(BS) + tables[s][0] * BS, params)
-                    assert torch.equal(other.data[tables[s][0]], pool.data[tables[s][0]])
+                if not tf.is_block_wise and tf.is_quantized:  # per-token formats: each token's bytes on its own
+                    one = quantize(rows[s][:BS], tf, params, head_axis=-2)  # [BS, H, ...] token rows
+                    assert torch.equal(one.codes.transpose(0, 1).to(pool.data.dtype), pool.data[tables[s][0]])
 
         # blocks no sequence owns keep their garbage bit for bit
         after = [t for t in (pool.data, pool.scale, pool.zero) if t is not None]

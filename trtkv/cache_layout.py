@@ -28,7 +28,7 @@ import torch
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize, quantize_block
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 Which = Literal["k", "v"]
 TAIL_DTYPE = torch.float16
@@ -168,33 +168,6 @@ def seal_blocks(
         pool.scale[blocks] = qt.scale
     if pool.zero is not None:
         pool.zero[blocks] = qt.zero
-
-
-def write_paged(
-    layout: PagedKVLayout,
-    which: Which,
-    pool: KVPool,
-    rows: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    params: TensorParams | None = None,
-) -> None:
-    """Per-token quantize-and-write: rows [tokens, H, D] go to pool slots (slot < 0: skipped).
-
-    For per-token formats this writes exactly the bytes ``seal_blocks`` writes for the same tokens
-    (each token is quantized on its own); block-wise formats can only be sealed whole.
-    """
-    fmt = layout.tensor_format(which)
-    if fmt.is_block_wise:
-        raise TrtkvError(f"{fmt.short()} quantizes whole blocks; tokens cannot be written one by one", "use seal_blocks")
-    keep = slot_mapping >= 0
-    rows, slots = rows[keep], slot_mapping[keep].long()
-    qt = quantize(rows, fmt, params, head_axis=-2)
-    block, off = slots // layout.block_size, slots % layout.block_size
-    pool.data[block, :, off] = qt.codes.to(pool.data.dtype)
-    if pool.scale is not None:
-        pool.scale[block, :, off] = qt.scale
-    if pool.zero is not None:
-        pool.zero[block, :, off] = qt.zero
 
 
 def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int) -> None:
