@@ -45,11 +45,6 @@ def prompt_of(tokenizer, n: int, salt: int) -> str:
     return tokenizer.decode(ids)
 
 
-def metric_values(url: str, name: str) -> list[float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
-
-
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -112,13 +107,14 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
     with server:
         url = server.http_url
         one_request(url, prompt_of(tok, 16, -1), 4, [])  # warm-up
-        blocks = metric_values(server.metrics_url, "trtkv_kv_blocks")
+        blocks = server.metric_values("trtkv_kv_blocks")
         out["pool_blocks"] = int(sum(blocks))
         out["bytes_per_block"] = m.bytes_per_block
         # 1. admission
         prompts = [prompt_of(tok, args.admission_prompt, i) for i in range(args.admission_requests)]
         t0 = time.monotonic()
         level = run_level(url, prompts, args.admission_requests, 1, args.admission_max_tokens)
+        server.wait_for_metric("trtkv_requests", 1 + level["requests"], state="finished")  # warm-up + admission pushed
         out["admission"] = {
             "offered": args.admission_requests,
             "prompt_tokens": args.admission_prompt,
@@ -126,8 +122,8 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
             "completed": level["requests"],
             "errors": level["errors"],
             "seconds": time.monotonic() - t0,
-            "max_running": int(max(metric_values(server.metrics_url, "trtkv_peak_running_sequences"))),
-            "preemptions": int(max(metric_values(server.metrics_url, "trtkv_preemptions"))),
+            "max_running": int(max(server.metric_values("trtkv_peak_running_sequences"))),
+            "preemptions": int(max(server.metric_values("trtkv_preemptions"))),
         }
         print(f"[{name}] admission: {out['admission']}", flush=True)
         # 2. throughput
@@ -137,7 +133,7 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
             level = run_level(url, prompts, c, args.requests_per_stream, args.max_tokens)
             out["levels"].append(level)
             print(f"[{name}] c={c}: {level['tokens_per_s']:.1f} tok/s, ttft p50 {level['ttft_ms']['p50']:.0f} ms, itl p50 {level['itl_ms']['p50']:.0f} ms", flush=True)
-        out["success_requests_metric"] = metric_values(server.metrics_url, "nv_inference_request_success")
+        out["success_requests_metric"] = server.metric_values("nv_inference_request_success")
     return out
 
 

@@ -211,10 +211,12 @@ def test_small_pool_queues_and_preempts_and_rejects_oversized(engines, tmp_path)
         for t in threads:
             t.join(180)
         assert not errors and len(done) == 12 and all(done.values())
-        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-        peak = max(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("trtkv_peak_running_sequences{"))
-        preempt = max(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("trtkv_preemptions{"))
-        assert peak <= 4 and preempt >= 1
+        # the model pushes its counters once the engine drains; wait for that push, then read them
+        assert server.wait_for_metric("trtkv_requests", 12, state="finished") >= 12
+        assert server.metric_values("trtkv_requests", state="rejected") == [1.0]
+        peak = max(server.metric_values("trtkv_peak_running_sequences"))
+        preempt = max(server.metric_values("trtkv_preemptions"))
+        assert 1 < peak <= 4 and preempt >= 1
     finally:
         server.stop()
 

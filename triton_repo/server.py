@@ -129,6 +129,25 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
+    def metric_values(self, name: str, **labels: str) -> list[float]:
+        """The values of one metric family from /metrics, one per series whose labels include ``labels``."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        return [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in want)
+        ]
+
+    def wait_for_metric(self, name: str, at_least: float, timeout: float = 10.0, **labels: str) -> float:
+        """Poll until the metric reaches ``at_least`` (custom metrics are pushed asynchronously); its value."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = max(self.metric_values(name, **labels), default=float("-inf"))
+            if value >= at_least or time.monotonic() > deadline:
+                return value
+            time.sleep(0.05)
+
     def command(self, binary: ServerBinary, backend_dir: Path | None, shm_prefix: str) -> list[str]:
         cmd = [
             str(binary.path),

@@ -13,6 +13,7 @@ server drives it from one loop thread (``trtkv.runtime.engine_loop``).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -103,6 +104,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "peak_running": 0}
+        self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -144,15 +146,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Tokenize and validate a request (thread-safe: reads only constants); raises TrtkvError to reject it."""
-        params.validate()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise TrtkvError("the prompt encodes to no tokens", "send a non-empty prompt")
-        vocab = self.manifest.model.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise TrtkvError(f"prompt token ids must be in [0, {vocab})", "use the engine's tokenizer")
-        seq = Sequence(ids, params, request_id)
-        self.scheduler.check(seq)
+        try:
+            params.validate()
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise TrtkvError("the prompt encodes to no tokens", "send a non-empty prompt")
+            vocab = self.manifest.model.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise TrtkvError(f"prompt token ids must be in [0, {vocab})", "use the engine's tokenizer")
+            seq = Sequence(ids, params, request_id)
+            self.scheduler.check(seq)
+        except TrtkvError:
+            with self._reject_lock:
+                self.stats_counters["rejected"] += 1
+            raise
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
