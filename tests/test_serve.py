@@ -179,9 +179,9 @@ def test_wrong_dtype_is_refused(int4_server):
 
 def test_metrics_show_requests_and_pool(int4_server):
     generate(int4_server.http_url, PROMPTS[1], 20)
+    assert int4_server.wait_for_metric("nv_inference_request_success", 1, model="ensemble") >= 1
+    assert int4_server.wait_for_metric("trtkv_requests", 1, state="finished") >= 1
     text = urllib.request.urlopen(int4_server.metrics_url, timeout=10).read().decode()
-    ok = [ln for ln in text.splitlines() if ln.startswith('nv_inference_request_success{model="ensemble"')]
-    assert ok and float(ok[0].split()[-1]) >= 1
     for family in ("trtkv_kv_blocks", "trtkv_kv_slots", "trtkv_sequences", "trtkv_kv_pool_info", "trtkv_peak_running_sequences"):
         assert f"{family}{{" in text, family
     assert 'kv_format="int4@block16"' in text
