@@ -421,21 +421,32 @@ SEAL = OpSpec(
     ),
 )
 
+def _v_transform_consts() -> tuple[TensorSpec, ...]:
+    return (_const("v_static", "v", "static scale", _static("v")), _const("v_smooth", "v", "smoothing divisors", _smooth("v")))
+
+
+def _cache_inputs(rows: str) -> tuple[TensorSpec, ...]:
+    """The inputs both attention ops read after their queries: pools, open blocks, this step's rows
+    (``rows`` long), the K/V transform constants and the per-sequence block tables, lengths and slots."""
+    return (
+        *_pool("k"), *_pool("v"), *_tails(), *_new(rows),
+        _const("k_static", "k", "static scale", _static("k")),
+        _const("k_smooth", "k", "smoothing divisors", _smooth("k")),
+        *_v_transform_consts(),
+        TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k", "v")),
+        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]", _BT),
+        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", _CTX),
+        TensorSpec("slot_ids", 1, "int32", "slots", "[batch]", _SLOTS),
+    )
+
+
 DECODE_PARTITION = OpSpec(
     name="PagedDecodePartition",
     doc="Split-K decode attention, stage 1: partial softmax states of one new token per sequence (position "
         "context_len) over partitions of its keys: sealed blocks (pool), open block (tail) and its own new row.",
     inputs=(
         TensorSpec("q", 3, "float16", "activation", "[batch, q_heads, head_dim]", "queries (model channel space)"),
-        *_pool("k"), *_pool("v"), *_tails(), *_new("batch"),
-        _const("k_static", "k", "static scale", _static("k")),
-        _const("k_smooth", "k", "smoothing divisors", _smooth("k")),
-        _const("v_static", "v", "static scale", _static("v")),
-        _const("v_smooth", "v", "smoothing divisors", _smooth("v")),
-        TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k", "v")),
-        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]", _BT),
-        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", _CTX),
-        TensorSpec("slot_ids", 1, "int32", "slots", "[batch]", _SLOTS),
+        *_cache_inputs("batch"),
     ),
     outputs=(
         TensorSpec("part_m", 3, "float32", "partial", "[batch, q_heads, partitions]", "running max (log2 domain)"),
@@ -456,8 +467,7 @@ DECODE_REDUCE = OpSpec(
         TensorSpec("part_acc", 4, "float32", "partial", "[batch, q_heads, partitions, head_dim]",
                    "PagedDecodePartition output"),
         TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", "as given to PagedDecodePartition"),
-        _const("v_static", "v", "static scale", _static("v")),
-        _const("v_smooth", "v", "smoothing divisors", _smooth("v")),
+        *_v_transform_consts(),
         TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("v")),
     ),
     outputs=(TensorSpec("out", 3, "float16", "output", "[batch, q_heads, head_dim]", "attention output"),),
@@ -474,15 +484,7 @@ PREFILL = OpSpec(
                    "sequence b's queries and new rows are rows cu_seqlens[b] .. cu_seqlens[b+1]-1, at positions "
                    "context_len .. (padded [B, T] form: cu_seqlens = arange(B + 1) * T; padding rows come last in "
                    "each sequence and no valid query sees them)"),
-        *_pool("k"), *_pool("v"), *_tails(), *_new("tokens"),
-        _const("k_static", "k", "static scale", _static("k")),
-        _const("k_smooth", "k", "smoothing divisors", _smooth("k")),
-        _const("v_static", "v", "static scale", _static("v")),
-        _const("v_smooth", "v", "smoothing divisors", _smooth("v")),
-        TensorSpec("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("k", "v")),
-        TensorSpec("block_tables", 2, "int32", "block-table", "[batch, max_blocks]", _BT),
-        TensorSpec("context_lens", 1, "int32", "lengths", "[batch]", _CTX),
-        TensorSpec("slot_ids", 1, "int32", "slots", "[batch]", _SLOTS),
+        *_cache_inputs("tokens"),
     ),
     outputs=(TensorSpec("out", 3, "float16", "output", "[tokens, q_heads, head_dim]", "attention output"),),
     attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SCALE, _A_PREC),

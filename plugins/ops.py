@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout
+from trtkv.cache_layout import KVPool, PagedKVLayout, store_blocks
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, parse_tensor_spec
 from trtkv.quant import TensorParams, hadamard_matrix
@@ -204,13 +204,7 @@ def launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale=None, sm
     _check_pool(tf, data, scale, zero, rows.shape[-1], "pool")
     if data.shape[2] != rows.shape[2]:
         raise TrtkvError(f"seal rows hold blocks of {rows.shape[2]} tokens, the pool {data.shape[2]}")
-    codes, s, z = launch_seal(rows, tf, static_scale, smooth, clip, interpret)
-    b = blocks.long()
-    data[b] = codes
-    if scale is not None:
-        scale[b] = s
-    if zero is not None:
-        zero[b] = z
+    store_blocks(data, scale, zero, blocks, *launch_seal(rows, tf, static_scale, smooth, clip, interpret))
 
 
 def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, k_fmt, v_fmt,

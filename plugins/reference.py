@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, store_blocks
 from trtkv.formats import KVFormat, TensorFormat, parse_tensor_spec
 from trtkv.quant import TensorParams
 
@@ -63,13 +63,7 @@ def seal_ref(
 
 def seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None) -> None:
     """``seal_ref`` stored at pool blocks ``blocks`` [n] of the raw pool tensors (in place)."""
-    codes, s, z = seal_ref(rows, fmt, static_scale, smooth, clip)
-    b = blocks.long()
-    data[b] = codes
-    if scale is not None:
-        scale[b] = s
-    if zero is not None:
-        zero[b] = z
+    store_blocks(data, scale, zero, blocks, *seal_ref(rows, fmt, static_scale, smooth, clip))
 
 
 def cached_sequence(layout: PagedKVLayout, which: str, pool: KVPool, block_row: torch.Tensor, ctx: int, slot: int,

@@ -161,13 +161,20 @@ def seal_blocks(
     """Reference seal: quantize full blocks ``rows`` [n, H, block_size, D] into pool blocks ``blocks`` [n]."""
     if rows.shape[1:] != (layout.num_kv_heads, layout.block_size, layout.head_dim):
         raise ValueError(f"seal_blocks wants rows [n, {layout.num_kv_heads}, {layout.block_size}, {layout.head_dim}], got {list(rows.shape)}")
-    blocks = blocks.long()
     qt = quantize_block(rows, layout.tensor_format(which), params, head_axis=-3)
-    pool.data[blocks] = qt.codes.to(pool.data.dtype)
-    if pool.scale is not None:
-        pool.scale[blocks] = qt.scale
-    if pool.zero is not None:
-        pool.zero[blocks] = qt.zero
+    store_blocks(pool.data, pool.scale, pool.zero, blocks, qt.codes, qt.scale, qt.zero)
+
+
+def store_blocks(data: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, blocks: torch.Tensor,
+                 codes: torch.Tensor, block_scale: torch.Tensor | None, block_zero: torch.Tensor | None) -> None:
+    """Scatter sealed blocks (codes, scales, zero-points) into pool blocks ``blocks`` [n], in place:
+    the one store every seal path (reference, kernel op, its reference op) shares."""
+    b = blocks.long()
+    data[b] = codes.to(data.dtype)
+    if scale is not None:
+        scale[b] = block_scale
+    if zero is not None:
+        zero[b] = block_zero
 
 
 def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int) -> None:
