@@ -56,7 +56,7 @@ ROWS: list[Row] = [
     Row("int8-token", "int8-token", method="max", note="preset: per token, every token quantized on write"),
     Row("int8-static", "int8-static", note="preset (calibrated, shared K/V scale)"),
     Row("fp8", "fp8", note="preset (calibrated per-tensor scales)"),
-    Row("int4", "int4", note="preset: keys per channel per sealed block of 64, values rotated, symmetric groups of 32"),
+    Row("int4", "int4", note="preset: keys per channel per sealed block of 64, values rotated, symmetric groups of 32, 4 sink tokens fp16"),
     Row("int4-token", "int4-token", note="preset: per token, keys smoothed+rotated, quantized on write"),
     Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
     # sealed blocks: block size x key layout (pool bits 4.5 at head_dim 64 for every row but block 16/32 bchannel)
@@ -65,6 +65,9 @@ ROWS: list[Row] = [
     Row("int4-kch-b64-vplain", f"k={K_CHANNEL},v=int4:token:asym,block=64", note="values not rotated"),
     Row("int4-kch-b64-vg32", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64", note="values symmetric groups of 32, rotated"),
     Row("int4-kch-b64-vch", f"k={K_CHANNEL},v=int4:bchannel:asym,block=64", note="values per channel per block too"),
+    *[Row(f"int4-kch-b64-vg32-sink{n}", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64" + (f",sink={n}" if n else ""),
+          note=f"first {n} tokens kept fp16 (attention sinks)" if n else "no sink tokens") for n in (0, 1, 4, 16)],
+    Row("int4-kch-b32-vg32-sink4", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=32,sink=4", note="block 32, 4 sink tokens"),
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]

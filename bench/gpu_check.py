@@ -4,7 +4,7 @@
     python bench/gpu_check.py --dry-run          # CPU, Triton interpreter, tiny sizes (< 1 minute)
 
 The cache follows the sealed-block contract (docs/kv-cache-format.md): sealed blocks in the pool, each
-sequence's fp16 open block in ``tail[slot]``, this step's fp16 rows beside them.
+sequence's fp16 open block (and sink rows) in ``tail[slot]``, this step's fp16 rows beside them.
 
 Sections
 1. correctness: every kernel (block seal, split-K decode, prefill) for each KV preset, CUDA vs the torch
@@ -198,9 +198,12 @@ class Case:
                 if t is not None:
                     t.fill_(float("nan"))
             tail_rows = self.k_tail_rows if which == "k" else self.v_tail_rows
+            sink = self.layout.sink_tokens
             for b, c in enumerate(self.ctx):
                 s, n = int(self.slot_ids[b]), c % self.bs
                 p.tail[s, :, :n] = tail_rows[b, :n].transpose(0, 1)
+                if sink and c >= self.bs:  # sink rows: read instead of the first sealed block's first rows
+                    p.tail[s, :, self.bs:] = tail_rows[b, -sink:].transpose(0, 1)
             out.append(p)
         return out
 
@@ -804,8 +807,8 @@ class PreparedDecode:
          k_static, k_smooth, v_static, v_smooth) = args
         interpret = (not q.is_cuda) if interpret is None else interpret
         B, heads, d = q.shape
-        kf, vf, t = ops._attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
-                                      v_new, k_fmt, v_fmt, k_static, k_smooth, v_static, v_smooth, B)
+        kf, vf, t, sink = ops._attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
+                                            k_new, v_new, k_fmt, v_fmt, k_static, k_smooth, v_static, v_smooth, B)
         kvh, bs = k_data.shape[1], k_data.shape[2]
         cfg = K.decode_config(kf, vf, d, heads // kvh, partition_size, precision, interpret=interpret)
         bt, cl, slots = bt.to(torch.int32).contiguous(), cl.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous()
@@ -820,7 +823,7 @@ class PreparedDecode:
         common = dict(block_table_ptr=bt, context_lens_ptr=cl, slot_ids_ptr=slots, q_ptr=q.contiguous(),
                       part_m_ptr=self.part_m, part_l_ptr=self.part_l, part_acc_ptr=self.part_acc, out_ptr=self.out,
                       qk_scale=(1.0 / math.sqrt(d)) * K.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=bs,
-                      max_blocks=bt.shape[1], num_partitions=S, **t)
+                      sink_tokens=sink, max_blocks=bt.shape[1], num_partitions=S, **t)
         self._p_args = {n: common[n] for n in self._part.arg_names if n in common}
         self._p_args.update(cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
         self._r_args = {n: common[n] for n in self._red.arg_names if n in common}

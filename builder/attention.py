@@ -9,7 +9,8 @@ returns the reasons a configuration is rejected (``reasons``), and emits the att
 * ``plugin``: ``trtkv::`` nodes (builder/plugin_nodes.py), executed by TensorRT plugins on GPUs and, here,
   by onnxruntime-extensions Python custom ops backed by the torch references.
 
-Attention of new token ``t`` of sequence ``b`` covers the sealed blocks (dequantized from the pool), the
+Attention of new token ``t`` of sequence ``b`` covers the sealed blocks (dequantized from the pool; the first
+``sink_tokens`` positions from the tail's sink rows instead), the
 open block's ``context_lens[b] % block_size`` rows and the step's own rows ``0 … t`` as fp16 values
 (docs/kv-cache-format.md). K's transforms and static scale are folded into the query for the sealed
 part; V's are undone once on the sealed part's output (docs/kv-formats.md section 2).
@@ -47,8 +48,8 @@ class StepContext:
     block_idx: str = ""  # [B, MB] int64: block tables clamped to >= 0
     slot_ids: str = ""  # [B]
     sealed_valid: str = ""  # [B, 1, MB*bs, 1] bool
-    tail_valid: str = ""  # [B, 1, bs, 1] bool
-    mask: str = ""  # [B, 1, g*T, MB*bs + bs + T] bool: key visible to query (rows: GQA group-major, then token)
+    tail_valid: str = ""  # [B, 1, bs + sink, 1] bool
+    mask: str = ""  # [B, 1, g*T, MB*bs + bs + sink + T] bool: key visible to query (rows: GQA group-major, then token)
     sealed_len: str = ""  # [1] int64: MB * bs
     extra: dict = field(default_factory=dict)  # backend-specific shared tensors
 
@@ -191,7 +192,7 @@ class NativeAttention(AttentionBackend):
         return g.where(ctx.sealed_valid, x, g.scalar(0.0, _np_dtype(ctx.compute)))
 
     def _tail(self, ctx: StepContext, which: str, layer: int) -> str:
-        """[B, H, bs, D] open-block rows (compute dtype), zero past each sequence's open length."""
+        """[B, H, bs + sink, D] open-block and sink rows (compute dtype), zero where a sequence does not read them."""
         g = ctx.g
         idx = g.add(ctx.slot_ids, g.mul(g.scalar(layer, np.int64), ctx.num_slots))
         x = g.gather(ctx.pool[f"{which}_tail"], idx)
@@ -219,7 +220,7 @@ class NativeAttention(AttentionBackend):
         if ks is not None:
             qs = g.mul(qs, g.const(ks.astype(npd), "k_static"))
         k_sealed = self._sealed(ctx, "k", layer)
-        k_rest = g.concat(self._tail(ctx, "k", layer), k_new, axis=2)  # [B, H, bs + T, D]
+        k_rest = g.concat(self._tail(ctx, "k", layer), k_new, axis=2)  # [B, H, bs + sink + T, D]
         s_sealed = g.matmul(qs, g.transpose(k_sealed, (0, 1, 3, 2)))
         s_rest = g.matmul(qg, g.transpose(k_rest, (0, 1, 3, 2)))
         scores = g.concat(s_sealed, s_rest, axis=-1)  # [B, H, g*T, Kl]

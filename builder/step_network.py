@@ -3,7 +3,7 @@
 Inputs: ``input_ids [B, T]``, ``context_lens [B]``, ``new_lens [B]``, ``block_tables [B, MB]``,
 ``slot_ids [B]`` (int64); the stacked pools ``k_data``/``v_data [L, NB, H, bs, P]`` (fp16, or int8 — packed
 int4, unsigned int8 and fp8 bit patterns are declared int8 at the graph boundary), their fp16 scales /
-zero-points when the format has them, and the fp16 open blocks ``k_tail``/``v_tail [L, S, H, bs, D]``.
+zero-points when the format has them, and the fp16 open blocks and sink rows ``k_tail``/``v_tail [L, S, H, bs + sink, D]``.
 Outputs: ``logits [B, V]`` float32 at each sequence's last valid token, ``new_k``/``new_v [L, B, T, H, D]``
 fp16 (K after RoPE). LLaMA architecture: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
 attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), tied or untied embeddings.
@@ -50,7 +50,7 @@ def cache_input_specs(layout: PagedKVLayout, plugin: bool = False) -> list[tuple
             if layout.zero_shape(which) is not None:
                 out.append((f"{which}_zero", TensorProto.FLOAT16, sym, None))
     for which in ("k", "v"):
-        out.append((f"{which}_tail", TensorProto.FLOAT16, ["num_layers", "num_slots", layout.num_kv_heads, layout.block_size, layout.head_dim], None))
+        out.append((f"{which}_tail", TensorProto.FLOAT16, ["num_layers", "num_slots", layout.num_kv_heads, layout.fmt.tail_rows, layout.head_dim], None))
     return out
 
 
@@ -111,18 +111,26 @@ def build_step_network(
     sealed_ok = g.op("Less", j_sealed, sealed_tokens)  # [B, MB*bs]
     j_tail = g.const(np.arange(bs, dtype=np.int64)[None], "arange_bs")  # [1, bs]
     tail_ok = g.op("Less", j_tail, open_len)  # [B, bs]
+    tail_pos = g.add(sealed_tokens, j_tail)
+    sink = layout.sink_tokens
+    if sink:  # tail rows bs .. bs+sink-1 hold positions 0 .. sink-1 once a block is sealed; the pool's are not read
+        has_sealed = g.op("Greater", sealed_tokens, zero)  # [B, 1]
+        sealed_ok = g.op("And", sealed_ok, g.op("GreaterOrEqual", j_sealed, g.scalar(sink, np.int64)))
+        j_sink = g.const(np.arange(sink, dtype=np.int64)[None], "arange_sink")  # [1, sink]
+        tail_ok = g.concat(tail_ok, g.op("Expand", has_sealed, g.concat(B, g.i64(sink), axis=0)), axis=1)  # [B, bs+sink]
+        tail_pos = g.concat(tail_pos, g.op("Expand", j_sink, g.concat(B, g.i64(sink), axis=0)), axis=1)
     t_range = g.unsqueeze(g.op("Range", zero, g.op("Squeeze", T, g.i64(0)), one), 0)  # [1, T]
     q_pos = g.add(c2, t_range)  # [B, T] absolute positions of the new tokens
     key_pos = g.concat(
         g.where(sealed_ok, j_sealed, big),
-        g.where(tail_ok, g.add(sealed_tokens, j_tail), big),
+        g.where(tail_ok, tail_pos, big),
         q_pos,
         axis=1,
     )  # [B, Kl]
     visible = g.op("Less", g.unsqueeze(key_pos, 1), g.add(g.unsqueeze(q_pos, 2), one))  # [B, T, Kl]
     ctx.mask = g.op("Tile", g.unsqueeze(visible, 1), g.i64(1, 1, nh // H, 1))  # [B, 1, g*T, Kl]
     ctx.sealed_valid = g.unsqueeze(sealed_ok, 1, 3)  # [B, 1, MB*bs, 1]
-    ctx.tail_valid = g.unsqueeze(tail_ok, 1, 3)  # [B, 1, bs, 1]
+    ctx.tail_valid = g.unsqueeze(tail_ok, 1, 3)  # [B, 1, bs + sink, 1]
 
     # RoPE tables [B, 1, T, D] (computed in float32, cast to the compute dtype as transformers does)
     freqs = g.mul(g.unsqueeze(g.cast(q_pos, TensorProto.FLOAT), 2), g.const(w.inv_freq.astype(np.float32), "inv_freq"))

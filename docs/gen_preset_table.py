@@ -41,6 +41,8 @@ def _other(f: KVFormat) -> str:
         out.append("one scale for K and V")
     if f.block_size:
         out.append(f"sealed blocks of {f.block_size}; the open block stays fp16")
+    if f.sink_tokens:
+        out.append(f"the first {f.sink_tokens} tokens stay fp16 (sinks)")
     return "; ".join(out) or "—"
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import ELEM_TYPES
+from trtkv.formats import ELEM_TYPES, MAX_SINK_TOKENS
 
 DOMAIN = "trtkv"  # ONNX domain of the nodes and the TensorRT plugin namespace
 PLUGIN_VERSION = "1"  # tensorrt.plugin registers every op as version "1"
@@ -352,9 +352,11 @@ def _pool(which: str) -> tuple[TensorSpec, ...]:
 
 def _tails() -> tuple[TensorSpec, ...]:
     return tuple(
-        TensorSpec(f"{w}_tail", 4, "float16", "tail", "[num_slots, kv_heads, block_size, head_dim]",
+        TensorSpec(f"{w}_tail", 4, "float16", "tail", "[num_slots, kv_heads, block_size + sink_tokens, head_dim]",
                    f"{w.upper()} open blocks (fp16, model channel space); slot s holds its sequence's newest "
-                   "context_len % block_size rows at offsets 0 ..; rows past them may hold anything")
+                   "context_len % block_size rows at offsets 0 .., other open-block rows may hold anything; rows "
+                   "block_size .. hold the sequence's first sink_tokens tokens, read instead of the pool's once "
+                   "context_len >= block_size")
         for w in ("k", "v"))
 
 
@@ -383,6 +385,8 @@ _A_HEADS = (
     AttrSpec("head_dim", int, "head dimension (contract.LIMITS: a power of two, 32..256)"),
 )
 _A_BLOCK = AttrSpec("block_size", int, "tokens per pool block and open block (contract.LIMITS: a power of two, 16..128)")
+_A_SINK = AttrSpec("sink_tokens", int, "a sequence's first tokens kept fp16 in the tail's last rows (KVFormat.sink_tokens; "
+                   "0: none)", 0)
 _A_SCALE = AttrSpec("sm_scale", float, "softmax scale (usually 1/sqrt(head_dim))")
 _A_PREC = AttrSpec("precision", str, "tl.dot input precision: ieee | tf32x3 | tf32", "tf32x3")
 _A_PART = AttrSpec("partition_size", int, "context tokens per split-K partition (a power of two, >= 16)",
@@ -454,7 +458,7 @@ DECODE_PARTITION = OpSpec(
         TensorSpec("part_acc", 4, "float32", "partial", "[batch, q_heads, partitions, head_dim]",
                    "unnormalized outputs (V's stored channel space)"),
     ),
-    attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SCALE, _A_PART, _A_PREC),
+    attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SINK, _A_SCALE, _A_PART, _A_PREC),
 )
 
 DECODE_REDUCE = OpSpec(
@@ -487,7 +491,7 @@ PREFILL = OpSpec(
         *_cache_inputs("tokens"),
     ),
     outputs=(TensorSpec("out", 3, "float16", "output", "[tokens, q_heads, head_dim]", "attention output"),),
-    attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SCALE, _A_PREC),
+    attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SINK, _A_SCALE, _A_PREC),
 )
 
 OPS: dict[str, OpSpec] = {op.name: op for op in (SEAL, DECODE_PARTITION, DECODE_REDUCE, PREFILL)}
@@ -591,6 +595,9 @@ def _check_values(op: OpSpec, a: Attrs) -> None:
     bs = a.get("block_size")
     if bs is not None and LIMITS.block_size_problem(bs):
         raise _bad(op, "block_size", bs, LIMITS.block_size_problem(bs))
+    sink = a.get("sink_tokens")
+    if sink is not None and not (0 <= sink <= MAX_SINK_TOKENS and (bs is None or sink < bs)):
+        raise _bad(op, "sink_tokens", sink, f"must be in [0, {MAX_SINK_TOKENS}] and below block_size")
     ps = a.get("partition_size")
     if ps is not None and LIMITS.partition_problem(ps):
         raise _bad(op, "partition_size", ps, LIMITS.partition_problem(ps))
@@ -620,7 +627,7 @@ def attrs_for(op: OpSpec | str, fmt, *, num_q_heads: int, num_kv_heads: int, hea
                          f"use block_size={f.block_size}")
     every = dict(
         tensor_format=(f.k if which == "k" else f.v).short(), k_format=f.k.short(), v_format=f.v.short(),
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=bs, sink_tokens=f.sink_tokens,
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         partition_size=partition_size, precision=precision,
     )
@@ -737,7 +744,8 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
         shape = {
             "rows": (blocks, H, bs, D), "clip": (H,), "hadamard": (D, D),
             "q": (rows, Hq, D), "k_new": (rows, H, D), "v_new": (rows, H, D),
-            "k_tail": (num_slots, H, bs, D), "v_tail": (num_slots, H, bs, D),
+            "k_tail": (num_slots, H, bs + attrs.get("sink_tokens", 0), D),
+            "v_tail": (num_slots, H, bs + attrs.get("sink_tokens", 0), D),
             "cu_seqlens": (batch + 1,), "block_tables": (batch, max_blocks), "context_lens": (batch,),
             "slot_ids": (batch,),
             "part_m": (batch, Hq, S), "part_l": (batch, Hq, S), "part_acc": (batch, Hq, S, D),
@@ -891,7 +899,7 @@ BINDINGS: dict[str, Binding] = {
                     part_m_ptr="part_m", part_l_ptr="part_l", part_acc_ptr="part_acc"),
         scalars=("max_blocks", "num_partitions"),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"]),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"]),
         grid=lambda a, s, c, ops: decode_grids(s["block_tables"][0], a["num_kv_heads"], s["block_tables"][1],
                                                a["block_size"], a["partition_size"], ops)[0],
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1], num_partitions(s["block_tables"][1], a, ops)),
@@ -914,7 +922,7 @@ BINDINGS: dict[str, Binding] = {
                     out_ptr="out"),
         scalars=("max_blocks",),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"]),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"]),
         # any query count bounds one sequence's: programs past a sequence's queries exit at once
         grid=lambda a, s, c, ops: prefill_grid(s["q"][0], a["num_kv_heads"], s["context_lens"][0], c["BLOCK_M"], ops),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1],),

@@ -7,13 +7,15 @@ the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch defin
     scale [num_blocks, kv_heads, block_size, groups]       fp16, per-token dynamic formats
           [num_blocks, kv_heads, head_dim]                 fp16, per_block_channel (BCH) formats
     zero  same as scale                                    fp16, asymmetric dynamic formats
-    tail  [num_slots, kv_heads, block_size, head_dim]      fp16, the open blocks (model channel space)
+    tail  [num_slots, kv_heads, block_size + sink_tokens, head_dim]   fp16, the open blocks (model channel
+          space), then the sink rows: a sequence's first sink_tokens tokens once its first block is sealed
     row of (block, head, offset) = (block * kv_heads + head) * block_size + offset
 
 * ``seal_kernel`` quantizes whole blocks (``trtkv.quant.quantize_block``): the only way the pool is written.
 * The attention kernels read, for a new token at position ``context_len + t``: the sealed blocks
   (``context_len // block_size`` of them, through the block table), the open block's
-  ``context_len % block_size`` rows from ``tail[slot]`` and this step's rows ``0 .. t`` (fp16, model space).
+  ``context_len % block_size`` rows from ``tail[slot]`` and this step's rows ``0 .. t`` (fp16, model space);
+  once a block is sealed, positions ``< sink_tokens`` come from the slot's sink rows instead of the pool.
   Sealed K / V are in the stored channel space (smoothed, rotated, static-scaled); the query is moved into
   it (``_load_query``) and the output out of it (``_store_output``). Open-block and new rows are moved into
   it on load (``_load_open``), so one query and one accumulator serve every key.
@@ -507,7 +509,7 @@ def paged_decode_partition_kernel(
     q_ptr,  # [batch, heads, head_dim] fp16 / bf16 / fp32, contiguous
     k_data_ptr, k_scale_ptr, k_zero_ptr,  # sealed pool blocks (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
-    k_tail_ptr, v_tail_ptr,  # open blocks [num_slots, kv_heads, block_size, head_dim] fp16
+    k_tail_ptr, v_tail_ptr,  # open blocks + sink rows [num_slots, kv_heads, block_size + sink_tokens, head_dim] fp16
     k_new_ptr, v_new_ptr,  # this step's rows [batch, kv_heads, head_dim] fp16 (model space)
     k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,  # [kv_heads, head_dim] fp32 or dummies
     had_ptr,  # [head_dim, head_dim] fp32 (K_HAD or V_HAD; else dummy)
@@ -521,6 +523,7 @@ def paged_decode_partition_kernel(
     num_heads,
     num_kv_heads,
     block_size,
+    sink_tokens,
     max_blocks,
     num_partitions,
     HEAD_DIM: tl.constexpr,
@@ -560,16 +563,23 @@ def paged_decode_partition_kernel(
         acc_lo = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
         bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
+        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
+        sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
+        m_i, l_i, acc_lo, acc_hi = _attend_open(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sink_end),
+            0, sink_end, tail_row0 + block_size, b, kvh, num_kv_heads,
+            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         m_i, l_i, acc_lo, acc_hi = _attend_sealed(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sealed_end),
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sink_end), tl.minimum(kv_end, sealed_end),
             bt_row, kvh, num_kv_heads, block_size,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
             BLOCK_N, PREC)
-        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
         m_i, l_i, acc_lo, acc_hi = _attend_open(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
-            sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, b, kvh, num_kv_heads,
+            sealed_end, ctx - sealed_end, tail_row0, b, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
@@ -639,7 +649,7 @@ def paged_prefill_kernel(
     cu_seqlens_q_ptr,  # [batch + 1] int32: sequence b's queries / new rows are rows cu[b] .. cu[b+1]-1
     k_data_ptr, k_scale_ptr, k_zero_ptr,  # sealed pool blocks (read only)
     v_data_ptr, v_scale_ptr, v_zero_ptr,
-    k_tail_ptr, v_tail_ptr,  # open blocks [num_slots, kv_heads, block_size, head_dim] fp16
+    k_tail_ptr, v_tail_ptr,  # open blocks + sink rows [num_slots, kv_heads, block_size + sink_tokens, head_dim] fp16
     k_new_ptr, v_new_ptr,  # this step's rows [total_q, kv_heads, head_dim] fp16 (model space)
     k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,  # [kv_heads, head_dim] fp32 or dummies
     had_ptr,  # [head_dim, head_dim] fp32 or dummy
@@ -651,6 +661,7 @@ def paged_prefill_kernel(
     num_heads,
     num_kv_heads,
     block_size,
+    sink_tokens,
     max_blocks,
     HEAD_DIM: tl.constexpr,
     K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr, K_BCH: tl.constexpr,
@@ -693,16 +704,23 @@ def paged_prefill_kernel(
         acc_lo = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         acc_hi = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
         bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
+        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
+        sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
+        m_i, l_i, acc_lo, acc_hi = _attend_open(
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, sink_end,
+            0, sink_end, tail_row0 + block_size, q_begin, kvh, num_kv_heads,
+            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         m_i, l_i, acc_lo, acc_hi = _attend_sealed(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, sealed_end,
+            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sink_end, sealed_end,
             bt_row, kvh, num_kv_heads, block_size,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
             BLOCK_N, PREC)
-        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
         m_i, l_i, acc_lo, acc_hi = _attend_open(
             q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sealed_end, kv_end,
-            sealed_end, ctx - sealed_end, (slot * num_kv_heads + kvh) * block_size, q_begin, kvh, num_kv_heads,
+            sealed_end, ctx - sealed_end, tail_row0, q_begin, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)

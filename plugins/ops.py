@@ -49,7 +49,7 @@ import torch
 
 from trtkv.cache_layout import KVPool, PagedKVLayout, store_blocks
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat, parse_tensor_spec
+from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat, parse_tensor_spec
 from trtkv.quant import TensorParams, hadamard_matrix
 
 from . import contract as C
@@ -220,9 +220,13 @@ def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v
     _check_pool(vf, v_data, v_scale, v_zero, head_dim, "V pool")
     if v_data.shape[1:3] != k_data.shape[1:3]:
         raise TrtkvError("K and V pools disagree on kv_heads / block_size")
+    sink = k_tail.shape[2] - bs if k_tail is not None and k_tail.dim() == 4 else 0
+    if not 0 <= sink < bs or sink > MAX_SINK_TOKENS:
+        raise TrtkvError(f"K tail holds {k_tail.shape[2]} rows per slot: block_size {bs} + sink rows, at most "
+                         f"min({bs - 1}, {MAX_SINK_TOKENS}) of them")
     for what, tail in (("K", k_tail), ("V", v_tail)):
-        if tail is None or tail.dim() != 4 or tuple(tail.shape[1:]) != (kvh, bs, head_dim) or tail.dtype != torch.float16:
-            raise TrtkvError(f"{what} tail must be fp16 [num_slots, {kvh}, {bs}, {head_dim}], got "
+        if tail is None or tail.dim() != 4 or tuple(tail.shape[1:]) != (kvh, bs + sink, head_dim) or tail.dtype != torch.float16:
+            raise TrtkvError(f"{what} tail must be fp16 [num_slots, {kvh}, {bs} + {sink} sink rows, {head_dim}], got "
                              f"{None if tail is None else (tuple(tail.shape), tail.dtype)}")
     for what, new in (("K", k_new), ("V", v_new)):
         if new is None or tuple(new.shape) != (new_rows, kvh, head_dim):
@@ -245,7 +249,7 @@ def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v
         v_smooth_ptr=_per_channel(v_smooth, kvh, head_dim, dev, "V smoothing factors") if vf.smooth else f32,
         had_ptr=hadamard_matrix(head_dim, torch.float32, dev).contiguous() if had else f32,
     )
-    return kf, vf, tensors
+    return kf, vf, tensors, sink
 
 
 def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
@@ -256,8 +260,8 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
     kern = _kernels()
     interpret = (not q.is_cuda) if interpret is None else interpret
     batch, heads, head_dim = q.shape
-    kf, vf, t = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
-                              k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, batch)
+    kf, vf, t, sink = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
+                                    k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, batch)
     kvh, block_size = k_data.shape[1], k_data.shape[2]
     problem = C.LIMITS.partition_problem(partition_size)
     if problem:
@@ -281,7 +285,7 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
         q_ptr=q.contiguous(), **t, block_table_ptr=block_table, context_lens_ptr=context_lens.to(torch.int32).contiguous(),
         slot_ids_ptr=slot_ids.to(torch.int32).contiguous(), part_m_ptr=part_m, part_l_ptr=part_l,
         part_acc_ptr=part_acc, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh,
-        block_size=block_size, max_blocks=max_blocks, num_partitions=nparts,
+        block_size=block_size, sink_tokens=sink, max_blocks=max_blocks, num_partitions=nparts,
         **cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
     kmod.paged_decode_reduce_kernel[grid_r](
         part_m, part_l, part_acc, context_lens.to(torch.int32).contiguous(), t["v_static_ptr"], t["v_smooth_ptr"],
@@ -297,8 +301,8 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
     kern = _kernels()
     interpret = (not q.is_cuda) if interpret is None else interpret
     total_q, heads, head_dim = q.shape
-    kf, vf, t = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
-                              k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, total_q)
+    kf, vf, t, sink = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
+                                    k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, total_q)
     kvh, block_size = k_data.shape[1], k_data.shape[2]
     batch = context_lens.shape[0]
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -317,7 +321,7 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
         q_ptr=q.contiguous(), cu_seqlens_q_ptr=cu_seqlens_q, **t, block_table_ptr=block_table,
         context_lens_ptr=context_lens.to(torch.int32).contiguous(), slot_ids_ptr=slot_ids.to(torch.int32).contiguous(),
         out_ptr=out, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=block_size,
-        max_blocks=block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
+        sink_tokens=sink, max_blocks=block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
     return out
 
 

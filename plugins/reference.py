@@ -30,10 +30,10 @@ def as_tensor_format(spec: str | TensorFormat) -> TensorFormat:
 
 
 def layout_for(k_fmt: TensorFormat, v_fmt: TensorFormat, data: torch.Tensor, head_dim: int,
-               num_slots: int = 0) -> PagedKVLayout:
+               num_slots: int = 0, sink_tokens: int = 0) -> PagedKVLayout:
     """A PagedKVLayout matching pool tensors ``data`` [num_blocks, kv_heads, block_size, packed_dim]."""
     nb, kvh, bs, _ = data.shape
-    fmt = KVFormat(name="kernel", k=k_fmt, v=v_fmt, block_size=bs)
+    fmt = KVFormat(name="kernel", k=k_fmt, v=v_fmt, block_size=bs, sink_tokens=sink_tokens)
     return PagedKVLayout(fmt=fmt, num_kv_heads=kvh, head_dim=head_dim, block_size=bs, num_blocks=nb,
                          num_slots=num_slots)
 
@@ -91,7 +91,8 @@ def paged_attention_ref(
     """Attention of this step's queries over the cache (sealed pool blocks + open block) and the step's own
     rows, float64 math on the float32-dequantized cache.
 
-    ``k_pool`` / ``v_pool`` carry ``tail`` [num_slots, kv_heads, block_size, head_dim]. ``context_lens`` are the
+    ``k_pool`` / ``v_pool`` carry ``tail`` [num_slots, kv_heads, block_size + sink_tokens, head_dim] (the sink
+    rows replace positions ``< sink_tokens`` once a block is sealed). ``context_lens`` are the
     tokens cached before the step. Decode (``cu_seqlens_q`` None): q / k_new / v_new [batch, ...], one new token
     per sequence at position ``context_lens[b]``. Prefill: q / k_new / v_new [total, ...]; sequence b's rows
     ``cu[b] .. cu[b+1]-1`` are positions ``context_lens[b] ..`` (causal). New rows are rounded to fp16 (what
@@ -99,7 +100,7 @@ def paged_attention_ref(
     """
     kf, vf = as_tensor_format(k_fmt), as_tensor_format(v_fmt)
     head_dim = q.shape[-1]
-    layout = layout_for(kf, vf, k_pool.data, head_dim)
+    layout = layout_for(kf, vf, k_pool.data, head_dim, sink_tokens=k_pool.tail.shape[2] - k_pool.data.shape[2])
     kvh = k_pool.data.shape[1]
     ratio = q.shape[1] // kvh
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -79,7 +79,7 @@ def test_tiny_engine_matches_reference(tmp_path, tiny_dir, tiny_loaded, kv):
 def test_manifest_is_complete_and_validated(tmp_path, tiny_dir, tiny_loaded):
     out = build_engine(str(tiny_dir), None, "int4", tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK, max_seq_len=64, max_batch=4, loaded=tiny_loaded)
     m = load_manifest(out)
-    assert m.kv_spec == "k=int4:bchannel:asym,v=int4:g24:sym:hadamard,block=4"  # the preset fitted to head_dim 24
+    assert m.kv_spec == "k=int4:bchannel:asym,v=int4:g24:sym:hadamard,block=4,sink=2"  # the preset fitted to head_dim 24 and block 4
     assert m.limits.max_blocks_per_seq == 16 and m.limits.max_new_tokens_per_step == TINY_BLOCK
     assert {"model.onnx", "model.onnx.data", "kv_params.safetensors"} <= set(m.files)
     assert any(f.startswith("tokenizer/") for f in m.files)
@@ -293,6 +293,7 @@ def real_prompts(builtin_model):
 @pytest.mark.parametrize("kv", REAL_FORMATS)
 def test_real_model_logits_and_sealed_codes(builtin_model, real_engines, real_prompts, kv):
     """2 prompts of 100 tokens, prefilled in block-aligned chunks (0-64 sealed when written, 64-100 open)."""
+    from trtkv.cache_layout import without_sink
     from trtkv.evaluate import _prefill
     from trtkv.kv_cache import QuantizedKVCache
     from trtkv.quant import quantize_block
@@ -322,8 +323,12 @@ def test_real_model_logits_and_sealed_codes(builtin_model, real_engines, real_pr
             pool = cache.pool(layer, which)
             tf = cache.layout.tensor_format(which)
             for s, block in ((0, 3), (1, 5)):
-                # bit for bit: the sealed block is trtkv.quant.quantize_block of the fp16 rows the engine returned
-                qt = quantize_block(new[layer, s].transpose(0, 1).float()[None], tf, getattr(cache.params[layer], which), head_axis=-3)
+                # bit for bit: the sealed block is trtkv.quant.quantize_block of the fp16 rows the engine returned,
+                # its first sink_tokens rows kept in the slot's sink rows and replaced before quantizing
+                rows = new[layer, s].transpose(0, 1).float()[None]  # [1, H, 64, D]
+                sink = cache.layout.sink_tokens
+                assert torch.equal(pool.tail[s, :, 64:].float(), rows[0, :, :sink]), (layer, which, "sink rows")
+                qt = quantize_block(without_sink(rows, sink), tf, getattr(cache.params[layer], which), head_axis=-3)
                 assert torch.equal(pool.data[block], qt.codes[0].to(pool.data.dtype)), (layer, which, s)
                 for field in ("scale", "zero"):
                     if getattr(pool, field) is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, slot_mapping, write_tail
+from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, seal_open_block, slot_mapping, write_tail
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
 from trtkv.quant import TensorParams, fake_quantize_block, quantize, quantize_block
@@ -60,9 +60,10 @@ def test_preset_layouts(name):
     assert lay.bytes_per_block() == HAND_BYTES_PER_BLOCK[name]
     # the pool's byte count agrees with the format's pool accounting; the open blocks are per slot
     assert lay.bytes_per_block() == fmt.kv_bytes_per_token(1, H, D) * BS
-    assert lay.tail_bytes_per_slot() == fmt.tail_bytes_per_slot(1, H, D) == 2 * H * BS * D * 2
+    tail_rows = BS + {"int4": 4}.get(name, 0)  # the open block, then the int4 preset's 4 sink tokens
+    assert lay.tail_bytes_per_slot() == fmt.tail_bytes_per_slot(1, H, D) == 2 * H * tail_rows * D * 2
     pools = [lay.allocate(w) for w in ("k", "v")]
-    assert all(p.tail.shape == (5, H, BS, D) and p.tail.dtype == torch.float16 for p in pools)
+    assert all(p.tail.shape == (5, H, tail_rows, D) and p.tail.dtype == torch.float16 for p in pools)
     assert sum(_pool_bytes(p) for p in pools) == lay.bytes_per_block() * 10
     for w, p in zip(("k", "v"), pools):
         assert p.data.dtype == lay.data_dtype(w) and tuple(p.data.shape) == lay.data_shape(w) and not p.data.any()
@@ -180,31 +181,34 @@ def test_sealed_blocks_and_open_block_read_back_as_the_quantizer_defines(spec):
         for r in rows:
             r[0, 0, :5] = 1e3  # an outlier token
             r[-1, 1] = 0.0  # a zero row
-        for s, n in enumerate(contexts):
-            sealed = n // BS
-            if sealed:
-                blocks = rows[s][: sealed * BS].reshape(sealed, BS, H, D).transpose(1, 2)  # [n, H, BS, D]
-                seal_blocks(lay, which, pool, blocks, block_tables[s, :sealed], params)
+        for s, n in enumerate(contexts):  # as the runtime fills a slot: open block rows, sealed when full
+            for i in range(n // BS):
+                write_tail(pool, slots[s], rows[s][i * BS : (i + 1) * BS].half(), 0, BS)
+                seal_open_block(lay, which, pool, slots[s], int(block_tables[s, i]), i, params)
             if n % BS:
-                write_tail(pool, slots[s], rows[s][sealed * BS :].half(), 0)
+                write_tail(pool, slots[s], rows[s][n // BS * BS :].half(), 0, BS)
 
+        sink = lay.sink_tokens
         for s, n in enumerate(contexts):
             sealed = n // BS
             got = gather_paged(lay, which, pool, block_tables[s], n, params, slot=slots[s])
             assert got.shape == (n, H, D) and got.dtype == torch.float32
             want = rows[s].clone()
+            quantized_rows = rows[s][: sealed * BS].clone()
+            quantized_rows[:sink] = rows[s][sink]  # the first block is quantized with its sink tokens replaced
             if sealed:  # independent of the pool: the quantizer applied to the same blocks
-                blocks = rows[s][: sealed * BS].reshape(sealed, BS, H, D).transpose(1, 2)
+                blocks = quantized_rows.reshape(sealed, BS, H, D).transpose(1, 2)
                 want[: sealed * BS] = fake_quantize_block(blocks, tf, params).transpose(1, 2).reshape(-1, H, D)
+                want[:sink] = rows[s][:sink]  # ... and read back from the sink rows, unquantized
                 if tf.is_quantized:
                     assert not torch.equal(want[: sealed * BS], rows[s][: sealed * BS])
             assert torch.equal(got, want), f"{which}: sequence {s} differs"
             # the block that sealed tokens 0..BS-1 holds their codes, byte for byte, at table entry 0
             if sealed:
-                qt = quantize_block(rows[s][:BS].transpose(0, 1), tf, params)
+                qt = quantize_block(quantized_rows[:BS].transpose(0, 1), tf, params)
                 assert torch.equal(pool.data[tables[s][0]], qt.codes.to(pool.data.dtype))
                 if not tf.is_block_wise and tf.is_quantized:  # per-token formats: each token's bytes on its own
-                    one = quantize(rows[s][:BS], tf, params, head_axis=-2)  # [BS, H, ...] token rows
+                    one = quantize(quantized_rows[:BS], tf, params, head_axis=-2)  # [BS, H, ...] token rows
                     assert torch.equal(one.codes.transpose(0, 1).to(pool.data.dtype), pool.data[tables[s][0]])
 
         # blocks no sequence owns keep their garbage bit for bit
@@ -220,7 +224,7 @@ def test_gather_reads_only_the_context():
     rows = torch.randn(20, H, D).half().float()
     table = torch.tensor([2, -1, -1, -1])
     seal_blocks(lay, "k", pool, rows[:BS].transpose(0, 1)[None], table[:1])
-    write_tail(pool, 1, rows[BS:].half(), 0)
+    write_tail(pool, 1, rows[BS:].half(), 0, BS)
     pool.tail[1, :, 4:] = float("nan")  # garbage after the open rows
     pool.data[0], pool.scale[0] = 127, float("nan")  # an unlisted block
     want = torch.cat([fake_quantize_block(rows[:BS].transpose(0, 1), fmt.k).transpose(0, 1), rows[BS:]])

@@ -321,22 +321,38 @@ def test_mixed_k_and_v():
 
 
 def test_sealed_block_formats_count_the_open_block_per_sequence():
-    fmt = PRESETS["int4"]  # sealed blocks of 64, 4.5 pool bits at head_dim 64
+    fmt = PRESETS["int4"]  # sealed blocks of 64 and 4 sink tokens, 4.5 pool bits at head_dim 64
     assert fmt.pool_bits_per_element(64) == 4.5 and fmt.bits_per_element(64) == 4.5  # long-context limit
-    # one sequence of 512 tokens: 8 sealed blocks at 4.5 bits plus one reserved fp16 block of 64 tokens
-    assert fmt.bits_per_element(64, 512) == (512 * 4.5 + 64 * 16) / 512 == 6.5
+    # one sequence of 512 tokens: 8 sealed blocks at 4.5 bits plus 68 reserved fp16 rows (open block + sinks)
+    assert fmt.bits_per_element(64, 512) == (512 * 4.5 + 68 * 16) / 512 == 6.625
     # 500 tokens: 7 sealed blocks (448 tokens), 52 in the open block, which reserves 64
-    assert fmt.bits_per_element(64, 500) == (448 * 4.5 + 64 * 16) / 500
-    # a context shorter than a block costs the whole open block
-    assert fmt.bits_per_element(64, 10) == 64 * 16 / 10
-    # SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): the open blocks of one slot, K and V, fp16
-    assert fmt.tail_bytes_per_slot(30, 3, 64) == 2 * 30 * 3 * 64 * 64 * 2
-    assert fmt.kv_bytes_per_token(30, 3, 64, 512) == (512 * 2 * 30 * 3 * 36 + 2 * 30 * 3 * 64 * 64 * 2) / 512
+    assert fmt.bits_per_element(64, 500) == (448 * 4.5 + 68 * 16) / 500
+    # a context shorter than a block costs the whole reservation
+    assert fmt.bits_per_element(64, 10) == 68 * 16 / 10
+    # SmolLM2-135M (30 layers, 3 KV heads, head_dim 64): the open blocks and sink rows of one slot, K and V, fp16
+    assert fmt.tail_bytes_per_slot(30, 3, 64) == 2 * 30 * 3 * 68 * 64 * 2
+    assert fmt.kv_bytes_per_token(30, 3, 64, 512) == (512 * 2 * 30 * 3 * 36 + 2 * 30 * 3 * 68 * 64 * 2) / 512
+    assert get_format("int8").tail_bytes_per_slot(30, 3, 64) == 2 * 30 * 3 * 64 * 64 * 2  # no sink tokens
     # block-wise scales are amortised over the block: bchannel at block 16 costs 4 + 32/16 bits
     assert get_format("k=int4:bchannel:asym,v=int4:bchannel:asym,block=16").pool_bits_per_element(64) == 6.0
     # quantize-on-write formats reserve nothing
     assert PRESETS["int8-token"].tail_bytes_per_slot(30, 3, 64) == 0
     assert PRESETS["int8-token"].bits_per_element(64, 512) == PRESETS["int8-token"].bits_per_element(64)
+
+
+def test_sink_tokens_spec_round_trip_and_errors():
+    fmt = get_format("k=int4:bchannel:asym,v=int4:g32:sym:hadamard,block=64,sink=4")
+    assert fmt.sink_tokens == 4 and fmt.tail_rows == 68 and fmt.spec().endswith(",block=64,sink=4")
+    assert get_format(fmt.spec()) == fmt.model_copy(update={"name": fmt.spec()})
+    assert PRESETS["int4"].sink_tokens == 4 and PRESETS["int8"].sink_tokens == 0
+    for bad, why in (("k=int8:token,v=int8:token,sink=2", "needs sealed blocks"),
+                     ("k=int8:token,v=int8:token,block=4,sink=4", "needs sealed blocks of more than 4"),
+                     ("k=int8:token,v=int8:token,block=64,sink=17", "sink_tokens"),
+                     ("k=int8:token,v=int8:token,block=64,sink=2,sink=3", "repeated field")):
+        with pytest.raises(TrtkvError, match=why):
+            get_format(bad)
+    # re-blocked for a small cache, sinks are capped at half a block
+    assert PRESETS["int4"].with_block_size(4).sink_tokens == 2 and PRESETS["int4"].with_block_size(16).sink_tokens == 4
 
 
 def test_with_block_size_names_the_variant():

@@ -109,7 +109,10 @@ class Case:
                             sc[None, :, None, :])).half()
                     seal_blocks(self.layout, which, pool, rows, self.block_table[b, :sealed], p)
                 if ctx % bs:
-                    write_tail(pool, int(self.slot_ids[b]), torch.randn(ctx % bs, kvh, head_dim, generator=gen).half(), 0)
+                    write_tail(pool, int(self.slot_ids[b]), torch.randn(ctx % bs, kvh, head_dim, generator=gen).half(), 0, bs)
+                if sealed and self.layout.sink_tokens:  # the sink rows: outliers, as attention sinks are
+                    sink = torch.randn(kvh, self.layout.sink_tokens, head_dim, generator=gen) * 4
+                    pool.tail[int(self.slot_ids[b]), :, bs:] = sink.half()
         total = sum(self.new)
         self.cu = torch.tensor([0] + torch.tensor(self.new).cumsum(0).tolist(), dtype=torch.int32)
         self.k_new = torch.randn(total, kvh, head_dim, generator=gen).half()
@@ -130,15 +133,21 @@ class Case:
             else:
                 junk = torch.randint(0, 256, data.shape, generator=gen, dtype=torch.int32).to(torch.uint8).view(data.dtype)
             data[dead] = junk[dead]
+            sink = self.layout.sink_tokens
+            for b, c in enumerate(self.ctxs):  # pool rows a sequence reads from its sink rows instead
+                if c >= bs and sink:
+                    first = int(self.block_table[b, 0])
+                    data[first, :, :sink] = junk[first, :, :sink]
             for t in (pool.scale, pool.zero):
                 if t is not None:
                     j = torch.full(t.shape, float("nan"), dtype=torch.float16)
                     j[..., ::2] = float("inf")
                     t[dead] = j[dead]
             tail = pool.tail
-            used = torch.zeros(tail.shape[0], bs, dtype=torch.bool)
+            used = torch.zeros(tail.shape[0], tail.shape[2], dtype=torch.bool)
             for b, c in enumerate(self.ctxs):
                 used[int(self.slot_ids[b]), : c % bs] = True
+                used[int(self.slot_ids[b]), bs:] = c >= bs  # sink rows: read once a block is sealed
             j = torch.full(tail.shape, float("nan"), dtype=torch.float16)
             j[..., 1::2] = float("inf")
             m = ~used[:, None, :, None].expand_as(tail)
@@ -374,6 +383,8 @@ DECODE_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
     ("int4", 64, 3, 64, 2),  # preset: K per block-channel, V per token + Hadamard, block 64
     ("int8", 128, 8, 512, 1),
     ("k=int8:bchannel:sym:smooth,v=int4:g32:asym:smooth:hadamard,block=16", 64, 1, 32, 3),
+    ("k=int4:bchannel:asym,v=int4:g32:sym:hadamard,block=32,sink=5", 64, 2, 16, 2),  # sink spans a key tile edge
+    ("k=fp16,v=int8:token:sym,block=16,sink=1", 64, 1, 16, 1),
     ("k=int4:bchannel:sym:hadamard,v=int8:token:asym,block=16", 128, 3, 64, 2),
     ("fp8", 64, 8, 32, 1),
     ("int8-static", 128, 1, 64, 2),
@@ -445,7 +456,8 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
     kmod.paged_decode_partition_kernel[gp](q, k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.tail, v.tail,
                                            case.k_new, case.v_new, f32, f32, f32, f32, had, case.block_table,
                                            case.context_lens, case.slot_ids, pm, pl, pa, K.LOG2E / math.sqrt(128),
-                                           case.heads, case.kvh, 64, case.block_table.shape[1], gp[2],
+                                           case.heads, case.kvh, 64, case.layout.sink_tokens,
+                                           case.block_table.shape[1], gp[2],
                                            **cfg["partition"]["constexprs"])
     kmod.paged_decode_reduce_kernel[gr](pm, pl, pa, case.context_lens, f32, f32, had, out, case.heads, case.kvh,
                                         gp[2], **cfg["reduce"]["constexprs"])
@@ -461,6 +473,7 @@ PREFILL_CASES = [  # (format, head_dim, gqa ratio, kv heads)
     ("int4", 64, 8, 1),
     ("fp8", 64, 1, 3),
     ("k=int4:bchannel:asym:smooth,v=int8:token:asym:smooth:hadamard,block=16", 128, 1, 2),
+    ("k=int8:bchannel:sym,v=int4:g32:sym:hadamard,block=16,sink=3", 64, 2, 2),
 ]
 
 

@@ -11,7 +11,7 @@ from trtkv.artifacts import LayerParams
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, greedy_generate, model_logits
 from trtkv.formats import get_format
-from trtkv.cache_layout import PagedKVLayout, gather_paged, seal_blocks, write_tail
+from trtkv.cache_layout import PagedKVLayout, gather_paged, seal_open_block, write_tail
 from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer, block_chunks
 from trtkv.quant import TensorParams, fake_quantize, fake_quantize_block
 
@@ -103,6 +103,32 @@ def test_sealed_blocks_keep_the_open_block_in_fp16_and_quantize_full_blocks_whol
     assert layer.k_store.nbytes() == 8 * H * D // 2 + 2 * (2 * H * D * 2) + 4 * H * D * 2
 
 
+def test_sink_tokens_stay_fp16_and_do_not_set_the_first_blocks_ranges():
+    fmt = get_format(SEALED + ",sink=2")
+    layer = QuantizedKVLayer(fmt)
+    torch.manual_seed(1)
+    k = torch.randn(1, H, 9, D)
+    k[:, :, 0] = 40.0  # an attention-sink-like outlier token
+    k_read = None
+    for a, b in block_chunks(0, 9, 4):
+        k_read, _ = layer.update(k[:, :, a:b], k[:, :, a:b].clone())
+    k16 = k.half().float()
+    torch.testing.assert_close(k_read[:, :, :2], k16[:, :, :2], rtol=0, atol=0)  # the sinks, unquantized
+    first = k16[:, :, :4].clone()
+    first[:, :, :2] = first[:, :, 2:3]  # quantized with the sinks replaced by token 2
+    want = fake_quantize_block(torch.cat([first, k16[:, :, 4:8]], 2).reshape(1, H, 2, 4, D), fmt.k, head_axis=-4)
+    want = want.reshape(1, H, 8, D)
+    torch.testing.assert_close(k_read[:, :, 2:8], want[:, :, 2:8], rtol=0, atol=0)
+    # without sinks the outlier sets block 0's ranges, and tokens 1..3 come back much worse
+    plain = QuantizedKVLayer(get_format(SEALED))
+    for a, b in block_chunks(0, 9, 4):
+        p_read, _ = plain.update(k[:, :, a:b], k[:, :, a:b].clone())
+    err = lambda r: (r[:, :, 1:4] - k16[:, :, 1:4]).abs().mean()  # noqa: E731
+    assert err(k_read) < err(p_read) / 4
+    # the sink rows are a fixed fp16 reservation beside the open block
+    assert layer.k_store.nbytes() == plain.k_store.nbytes() + 2 * H * D * 2
+
+
 def test_a_chunk_crossing_a_block_boundary_is_refused():
     layer = QuantizedKVLayer(get_format(SEALED))
     layer.update(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D))
@@ -144,9 +170,9 @@ class PagedReferenceCache(Cache):
                 # the step contract: cached tokens (sealed blocks + open block, read-only) plus the step's new rows
                 cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b)
                 rows.append(torch.cat([cached, new.float()]).transpose(0, 1))
-                write_tail(pool, b, new, n0 % bs)  # after the step: the runtime writes the rows ...
+                write_tail(pool, b, new, n0 % bs, bs)  # after the step: the runtime writes the rows ...
                 if (n0 + n) % bs == 0:  # ... and seals a full open block into the sequence's next pool block
-                    seal_blocks(self.layout, w, pool, pool.tail[b : b + 1].float(), self.tables[b, n0 // bs : n0 // bs + 1], p)
+                    seal_open_block(self.layout, w, pool, b, int(self.tables[b, n0 // bs]), n0 // bs, p)
             out.append(torch.stack(rows).to(x.dtype))
         self.lens[layer_idx] += n
         return out[0], out[1]
@@ -159,7 +185,7 @@ class PagedReferenceCache(Cache):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("spec", [SEALED, "k=int8:token,v=int8:bchannel:asym,block=4", "int8-static"])
+@pytest.mark.parametrize("spec", [SEALED, SEALED + ",sink=2", "k=int8:token,v=int8:bchannel:asym,block=4", "int8-static"])
 def test_eval_forward_equals_paged_step_by_step_decode(tiny_model, arch, spec):
     """Teacher-forced eval (one forward, chunked at block boundaries) computes exactly what a paged engine
     computes decoding token by token: same sealed bytes, same open block, same logits."""

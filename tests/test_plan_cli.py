@@ -30,10 +30,10 @@ def test_capacity_matches_hand_count(name):
     budget, [row] = plan(shape, [fmt], context_len=ctx, gpu_bytes=gpu, reserve_fraction=0.25)
     assert budget == gpu - 3 * GIB - int(0.25 * gpu)
     # hand count: codes bits + fp16 scale (and zero) per dynamic group (int8/int4 keys: per channel per block of 64),
-    # for K and V; sealed-block presets (int8, int4: blocks of 64) add one fp16 open block per sequence
+    # for K and V; sealed-block presets (int8, int4: blocks of 64) add one fp16 open block per sequence (int4: + 4 sink rows)
     bits = {"int8": (8 + 16 / 64 + 8 + 16 / hd) / 2, "int4": (4 + 32 / 64 + 4 + 32 / 64) / 2, "fp8": 8, "int8-static": 8}[name]
     sealed = ctx - ctx % 64 if fmt.sealed else ctx
-    open_bytes = 2 * layers * heads * 64 * hd * 2 if fmt.sealed else 0
+    open_bytes = 2 * layers * heads * (64 + {"int4": 4}.get(name, 0)) * hd * 2 if fmt.sealed else 0  # + int4's sink rows
     per_token = (sealed * 2 * layers * heads * hd * bits / 8 + open_bytes) / ctx
     assert row.pool_bits_per_element == pytest.approx(bits) and row.tail_bytes_per_slot == open_bytes
     assert row.kv_bytes_per_token == pytest.approx(per_token)

@@ -374,7 +374,7 @@ def _trt_order_launch(op: str, a, tensors: dict) -> list:
 def _contract_case(fmt_name: str, new: list[int] | None, *, hq=4, hkv=2, d=64, ctxs=(37, 5, 16, 47), seed=3):
     """Contract tensors of one attention op on the sealed-block cache and its float64 reference output.
 
-    Sealed blocks are written by ``seal_blocks``, open blocks by ``write_tail``; unused pool blocks, tail rows
+    Sealed blocks are written by ``seal_blocks``, open blocks by ``write_tail``, sink rows at random; unused pool blocks, tail rows
     past each context and block-table entries past the sealed blocks hold NaN / garbage. ``new`` None:
     decode (one new row per sequence)."""
     from trtkv.cache_layout import seal_blocks, write_tail
@@ -415,7 +415,9 @@ def _contract_case(fmt_name: str, new: list[int] | None, *, hq=4, hkv=2, d=64, c
                 seal_blocks(layout, which, pool, torch.randn(sealed[b], hkv, bs, d, generator=g).half(),
                             bt[b, :sealed[b]], p)
             if c % bs:
-                write_tail(pool, int(slots[b]), torch.randn(c % bs, hkv, d, generator=g).half(), 0)
+                write_tail(pool, int(slots[b]), torch.randn(c % bs, hkv, d, generator=g).half(), 0, bs)
+            if sealed[b] and layout.sink_tokens:  # sink rows, read instead of the first block's first rows
+                pool.tail[int(slots[b]), :, bs:] = (torch.randn(hkv, layout.sink_tokens, d, generator=g) * 3).half()
         params[which], pools[which] = p, pool
     rows = int(cu[-1]) if new is not None else B
     k_new = torch.randn(rows, hkv, d, generator=g).half()

@@ -5,13 +5,16 @@ holds every KV head. Beside the pools, every sequence slot owns one fp16 **open 
 per layer and K/V. A sequence's newest ``context_len % block_size`` tokens live in its tail; when the
 tail fills, it is **sealed**: quantized as a whole into a pool block (``seal_blocks``) and emptied.
 So a query at position ``t`` sees positions ``>= block_size * (t // block_size)`` in fp16 and every
-older token through the quantized pool. See docs/kv-cache-format.md for the byte-level description.
+older token through the quantized pool. A format with ``sink=S`` also keeps a sequence's first ``S`` tokens
+in fp16, in ``S`` more tail rows, once its first block is sealed: a query then reads positions ``< S``
+from there, never from the pool (``seal_open_block``). See docs/kv-cache-format.md for the byte-level
+description.
 
     data  [num_blocks, H, block_size, packed_dim]   codes (int8 | uint8 | fp16)
     scale [num_blocks, H, block_size, groups]       fp16, per-token dynamic formats
           [num_blocks, H, head_dim]                 fp16, per_block_channel formats (one per channel per block)
     zero  same shape as scale                       fp16, asymmetric dynamic formats
-    tail  [num_slots, H, block_size, head_dim]      fp16, the open blocks
+    tail  [num_slots, H, block_size + S, head_dim]  fp16, the open blocks, then the S sink rows
 
 Sequence ``s`` holding ``n`` tokens addresses them through its block table: ``block_table[s, i]`` is the
 pool block of tokens ``i*block_size ... (i+1)*block_size-1`` for ``i < n // block_size`` (sealed blocks),
@@ -41,7 +44,7 @@ class KVPool:
     data: torch.Tensor
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
-    tail: torch.Tensor | None = None  # [num_slots, H, block_size, head_dim] fp16
+    tail: torch.Tensor | None = None  # [num_slots, H, block_size + sink_tokens, head_dim] fp16
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,12 @@ class PagedKVLayout:
     def zero_shape(self, which: Which) -> tuple[int, ...] | None:
         return None if self.tensor_format(which).symmetric else self.scale_shape(which)
 
+    @property
+    def sink_tokens(self) -> int:
+        return self.fmt.sink_tokens
+
     def tail_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_slots, self.num_kv_heads, self.block_size, self.head_dim)
+        return (self.num_slots, self.num_kv_heads, self.fmt.tail_rows, self.head_dim)
 
     def bytes_per_block(self) -> int:
         """Bytes of one pool block of K and V together, scales included."""
@@ -109,8 +116,8 @@ class PagedKVLayout:
         return total
 
     def tail_bytes_per_slot(self) -> int:
-        """Bytes of one sequence slot's open blocks, K and V together (fp16)."""
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * TAIL_DTYPE.itemsize
+        """Bytes of one sequence slot's open blocks and sink rows, K and V together (fp16)."""
+        return 2 * self.num_kv_heads * self.fmt.tail_rows * self.head_dim * TAIL_DTYPE.itemsize
 
     def allocate(self, which: Which, device: torch.device | str = "cpu") -> KVPool:
         """Zero-filled pool tensors and open blocks for K or V."""
@@ -177,11 +184,37 @@ def store_blocks(data: torch.Tensor, scale: torch.Tensor | None, zero: torch.Ten
         zero[b] = block_zero
 
 
-def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int) -> None:
+def without_sink(rows: torch.Tensor, sink_tokens: int, seq_axis: int = -2) -> torch.Tensor:
+    """A sequence's first block as it is quantized: its first ``sink_tokens`` rows replaced by row
+    ``sink_tokens`` (they are kept in fp16 instead), so that the sink's outliers do not set the block's ranges."""
+    if not sink_tokens:
+        return rows
+    rows = rows.clone()
+    rows.narrow(seq_axis, 0, sink_tokens).copy_(rows.narrow(seq_axis, sink_tokens, 1).expand_as(rows.narrow(seq_axis, 0, sink_tokens)))
+    return rows
+
+
+def seal_open_block(layout: PagedKVLayout, which: Which, pool: KVPool, slot: int, block: int, block_index: int,
+                    params: TensorParams | None = None) -> None:
+    """Seal open block ``slot`` -- its sequence's block number ``block_index`` -- into pool block ``block``.
+
+    The first block of a sequence (``block_index == 0``) of a format with sink tokens first copies its
+    first ``sink_tokens`` rows to the slot's sink rows, then is quantized ``without_sink``.
+    """
+    assert pool.tail is not None
+    bs, sink = layout.block_size, layout.sink_tokens
+    rows = pool.tail[slot : slot + 1, :, :bs].float()
+    if block_index == 0 and sink:
+        pool.tail[slot, :, bs : bs + sink] = pool.tail[slot, :, :sink]
+        rows = without_sink(rows, sink)
+    seal_blocks(layout, which, pool, rows, torch.tensor([block]), params)
+
+
+def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int, block_size: int) -> None:
     """Write ``rows`` [n, H, D] into open block ``slot`` at offsets ``start ... start+n-1`` (within one block)."""
     assert pool.tail is not None
-    if start + rows.shape[0] > pool.tail.shape[2]:
-        raise ValueError(f"{rows.shape[0]} rows at offset {start} overflow an open block of {pool.tail.shape[2]} tokens")
+    if start + rows.shape[0] > block_size:
+        raise ValueError(f"{rows.shape[0]} rows at offset {start} overflow an open block of {block_size} tokens")
     pool.tail[slot, :, start : start + rows.shape[0]] = rows.transpose(0, 1).to(pool.tail.dtype)
 
 
@@ -196,11 +229,15 @@ def gather_paged(
 ) -> torch.Tensor:
     """Reference read of one sequence's ``context_len`` tokens: [context_len, H, D] float32, model space.
 
-    Sealed blocks come from the pool through ``block_table``; the newest ``context_len % block_size``
-    tokens come from open block ``slot`` (required when there are any).
+    Sealed blocks come from the pool through ``block_table``, except the first ``sink_tokens`` positions,
+    which come from the sink rows of slot ``slot``; the newest ``context_len % block_size`` tokens come
+    from open block ``slot`` (a slot is required when either is read).
     """
-    bs = layout.block_size
+    bs, sink = layout.block_size, layout.sink_tokens
     sealed = context_len // bs
+    open_len = context_len - sealed * bs
+    if (open_len or (sealed and sink)) and (slot is None or pool.tail is None):
+        raise ValueError(f"{context_len} tokens read open block or sink rows but no slot was given")
     parts = []
     if sealed:
         b = block_table[:sealed].long()
@@ -210,11 +247,11 @@ def gather_paged(
             zero=None if pool.zero is None else pool.zero[b],
         )
         x = dequantize(qt, layout.tensor_format(which), params, head_axis=-3)  # [sealed, H, bs, D]
-        parts.append(x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim))
-    open_len = context_len - sealed * bs
+        x = x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim)
+        if sink:
+            x = torch.cat([pool.tail[slot, :, bs : bs + sink].transpose(0, 1).float(), x[sink:]])
+        parts.append(x)
     if open_len:
-        if slot is None or pool.tail is None:
-            raise ValueError(f"{open_len} tokens live in an open block but no slot was given")
         parts.append(pool.tail[slot, :, :open_len].transpose(0, 1).float())
     if not parts:
         return torch.zeros(0, layout.num_kv_heads, layout.head_dim)

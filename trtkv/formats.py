@@ -26,6 +26,7 @@ DYNAMIC_GRANULARITIES = ("per_token", "per_token_group", "per_block_channel")
 # per_block_channel: one scale (and zero-point) per channel over the tokens of a sealed block (KIVI's
 # key layout); it exists only in formats with sealed blocks, because a block is quantized when it fills.
 SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
+MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,10 @@ class KVFormat(BaseModel):
     # Sealed blocks: a sequence's newest tokens live in an fp16 open block of this many tokens, which is
     # quantized as a whole ("sealed") into the pool when it fills. None: every token is quantized on write.
     block_size: int | None = Field(default=None, ge=1)
+    # Attention sinks: the first ``sink_tokens`` tokens of a sequence stay fp16 after its first block is sealed
+    # (beside the open block, in the slot's tail), and that block is quantized with them replaced by token
+    # ``sink_tokens`` so that their outlier keys neither lose precision nor stretch the block's ranges.
+    sink_tokens: int = Field(default=0, ge=0, le=MAX_SINK_TOKENS)
     shared_kv_scale: bool = False  # one static scale for K and V together (TensorRT-LLM's convention)
     description: str = ""
 
@@ -203,14 +208,23 @@ class KVFormat(BaseModel):
             raise ValueError("shared_kv_scale needs per_tensor static scales on both K and V")
         if self.block_size is None and (self.k.is_block_wise or self.v.is_block_wise):
             raise ValueError("per_block_channel (bchannel) scales need sealed blocks: add block=N (e.g. block=64)")
+        if self.sink_tokens and (self.block_size is None or self.sink_tokens >= self.block_size):
+            raise ValueError(f"sink={self.sink_tokens} needs sealed blocks of more than {self.sink_tokens} tokens: add block=N (e.g. block=64)")
         return self
 
+    @property
+    def tail_rows(self) -> int:
+        """fp16 rows a sequence slot holds per layer, K or V: the open block, then the sink tokens."""
+        return (self.block_size or 0) + self.sink_tokens
+
     def with_block_size(self, block_size: int) -> "KVFormat":
-        """This format with sealed blocks of ``block_size`` tokens (what a paged engine stores)."""
+        """This format with sealed blocks of ``block_size`` tokens (what a paged engine stores); sink tokens are
+        capped at half a block, so that presets fit the small blocks of small models."""
         if self.block_size == block_size:
             return self
         base = self.name.split("@block")[0]
-        return KVFormat.model_validate({**self.model_dump(), "block_size": block_size, "name": f"{base}@block{block_size}"})
+        return KVFormat.model_validate({**self.model_dump(), "block_size": block_size, "name": f"{base}@block{block_size}",
+                                        "sink_tokens": min(self.sink_tokens, block_size // 2)})
 
     @property
     def sealed(self) -> bool:
@@ -239,7 +253,7 @@ class KVFormat(BaseModel):
         if self.block_size is None or context_len is None:
             return pool
         sealed = context_len - context_len % self.block_size
-        return (sealed * pool + self.block_size * DTYPES["fp16"].bits) / context_len
+        return (sealed * pool + self.tail_rows * DTYPES["fp16"].bits) / context_len
 
     def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int | None = None) -> float:
         """Bytes of K and V cache per token over all layers, scales (and, at a context length, the open block) included."""
@@ -247,15 +261,15 @@ class KVFormat(BaseModel):
         return elements * self.bits_per_element(head_dim, context_len) / 8
 
     def tail_bytes_per_slot(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of the fp16 open blocks (K and V, all layers) one sequence slot holds; 0 without sealed blocks."""
-        if self.block_size is None:
-            return 0
-        return 2 * num_layers * num_kv_heads * self.block_size * head_dim * DTYPES["fp16"].bits // 8
+        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds; 0 without sealed blocks."""
+        return 2 * num_layers * num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
 
     def spec(self) -> str:
         out = f"k={self.k.short()},v={self.v.short()}"
         if self.block_size:
             out += f",block={self.block_size}"
+        if self.sink_tokens:
+            out += f",sink={self.sink_tokens}"
         if self.shared_kv_scale:
             out += ",shared"
         return out
@@ -301,8 +315,9 @@ PRESETS: dict[str, KVFormat] = {
             k=_t("int4", "per_block_channel", symmetric=False),
             v=_t("int4", "per_token_group", group_size=32, hadamard=True),
             block_size=64,
+            sink_tokens=4,
             description="int4 in sealed blocks of 64 (4.5 bits): keys asymmetric per channel over each block, values "
-            "Hadamard-rotated, symmetric groups of 32; the open block stays fp16",
+            "Hadamard-rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay fp16",
         ),
         KVFormat(
             name="int4-token",
@@ -323,7 +338,7 @@ PRESETS: dict[str, KVFormat] = {
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token", "bchannel": "per_block_channel"}
 SPEC_HELP = (
-    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,shared]'"
+    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]'"
 )
 
 
@@ -391,6 +406,8 @@ def get_format(spec: str | KVFormat) -> KVFormat:
                 fields[key] = parse_tensor_spec(value)
             elif key == "block":
                 fields["block_size"] = int(value)
+            elif key == "sink":
+                fields["sink_tokens"] = int(value)
             elif key == "shared" and not value:
                 fields["shared_kv_scale"] = True
             else:

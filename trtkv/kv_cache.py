@@ -14,7 +14,9 @@ Two semantics, chosen by the format:
   starts. A query at position t therefore sees positions >= N*floor(t/N) unquantized and everything
   older quantized, exactly as the engine computes it. One ``update`` must not cross a block boundary
   (a chunk that did would need some of its own tokens quantized for others): callers chunk at block
-  boundaries (``block_chunks``), and ``update`` refuses a chunk that crosses one.
+  boundaries (``block_chunks``), and ``update`` refuses a chunk that crosses one. With ``sink=S`` the
+  first block is quantized ``without_sink`` and its first S tokens are read back unquantized, as the
+  engine reads them from a slot's sink rows.
 * **Quantize on write** (``block_size`` None): each token is quantized when written and ``update``
   returns the dequantized cache including the step's own tokens, so within a prefill every query
   also attends to the quantized K/V of its own chunk — the decode-time view. Every such quantizer
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from trtkv.cache_layout import without_sink
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, get_format
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
@@ -81,10 +84,12 @@ def block_chunks(start: int, length: int, block_size: int | None) -> list[tuple[
 class TensorStore:
     """The stored form of one of K or V in one layer: the quantized past plus, for sealed formats, the open block."""
 
-    def __init__(self, fmt: TensorFormat, params: TensorParams | None, block_size: int | None = None):
+    def __init__(self, fmt: TensorFormat, params: TensorParams | None, block_size: int | None = None, sink_tokens: int = 0):
         self.fmt = fmt
         self.params = params
         self.block_size = block_size
+        self.sink_tokens = sink_tokens if fmt.is_quantized else 0
+        self.sink: torch.Tensor | None = None  # [B, H, sink_tokens, D]: the first tokens, unquantized
         self.quantized: QuantizedTensor | None = None  # [B, H, S_q, ...] codes + scales (block-wise: scales [B, H, blocks, D])
         self.open: torch.Tensor | None = None  # [B, H, S_o, D] in the model dtype (unquantized open block)
         self.dtype: torch.dtype | None = None
@@ -125,7 +130,11 @@ class TensorStore:
             return
         open_len = 0 if self.open is None else self.open.shape[SEQ_AXIS]
         if open_len == self.block_size:  # the open block is full: seal it before new tokens arrive
-            self._write_quantized(self.open)
+            block = self.open
+            if self.quantized is None and self.sink_tokens:  # a sequence's first block keeps its sink rows
+                self.sink = block[:, :, : self.sink_tokens]
+                block = without_sink(block, self.sink_tokens, SEQ_AXIS)
+            self._write_quantized(block)
             self.open, open_len = None, 0
         if open_len + x.shape[SEQ_AXIS] > self.block_size:
             raise TrtkvError(
@@ -142,7 +151,10 @@ class TensorStore:
         parts = []
         if self.quantized is not None:
             if self.fmt.is_quantized:
-                parts.append(self._dequantized())
+                x = self._dequantized()
+                if self.sink is not None:
+                    x = torch.cat([self.sink, x[:, :, self.sink_tokens :]], dim=SEQ_AXIS)
+                parts.append(x)
             else:
                 parts.append(self.quantized.codes)
         if self.open is not None:
@@ -167,16 +179,17 @@ class TensorStore:
             q = self.quantized
             self.quantized = QuantizedTensor(codes=fn(q.codes), scale=_select(q.scale, fn), zero=_select(q.zero, fn))
         self.open = _select(self.open, fn)
+        self.sink = _select(self.sink, fn)
 
     def nbytes(self) -> int:
-        """Bytes held: codes, scales, zero-points, and the open block counted at its full fp16 size (its reservation)."""
+        """Bytes held: codes, scales, zero-points, and the open block and sink rows counted at their full fp16 size (a reservation)."""
         total = 0
         if self.quantized is not None:
             q = self.quantized
             total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero) if t is not None)
         if self.block_size and len(self):  # the open block is a fixed fp16 reservation per sequence
             ref = self.open if self.open is not None else self.quantized.codes
-            total += ref.shape[0] * ref.shape[1] * self.block_size * self.head_dim * 2
+            total += ref.shape[0] * ref.shape[1] * (self.block_size + self.sink_tokens) * self.head_dim * 2
         return total
 
 
@@ -188,8 +201,8 @@ class QuantizedKVLayer(DynamicLayer):
     def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None):
         super().__init__()
         self.fmt = fmt
-        self.k_store = TensorStore(fmt.k, None if params is None else params.k, fmt.block_size)
-        self.v_store = TensorStore(fmt.v, None if params is None else params.v, fmt.block_size)
+        self.k_store = TensorStore(fmt.k, None if params is None else params.k, fmt.block_size, fmt.sink_tokens)
+        self.v_store = TensorStore(fmt.v, None if params is None else params.v, fmt.block_size, fmt.sink_tokens)
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -217,8 +230,8 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         fmt = self.fmt
         k, v = self.k_store, self.v_store
-        self.k_store = TensorStore(fmt.k, k.params, fmt.block_size)
-        self.v_store = TensorStore(fmt.v, v.params, fmt.block_size)
+        self.k_store = TensorStore(fmt.k, k.params, fmt.block_size, fmt.sink_tokens)
+        self.v_store = TensorStore(fmt.v, v.params, fmt.block_size, fmt.sink_tokens)
         self.cumulative_length = 0
         self.keys = self.values = None
         self.is_initialized = False

@@ -5,11 +5,11 @@ Tensors (the step network's cache inputs, docs/kv-cache-format.md "The engine st
     k_data, v_data    [L, num_blocks, H, block_size, packed_dim]   the format's storage dtype
     k_scale, k_zero   [L, *scale_shape]                             fp16, when the format has them
     v_scale, v_zero
-    k_tail, v_tail    [L, num_slots, H, block_size, D]              fp16 open blocks
+    k_tail, v_tail    [L, num_slots, H, block_size + sink, D]       fp16 open blocks, then sink rows
 
 Shapes and dtypes come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
 ``write_new_rows`` copies every sequence's new K/V rows into its open block and, when the open block is
-full, seals it with ``trtkv.cache_layout.seal_blocks`` (the reference quantizer) into the pool block the
+full, seals it with ``trtkv.cache_layout.seal_open_block`` (the reference quantizer) into the pool block the
 sequence's block table names for it — the block manager allocates that block before the step.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, seal_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest
 from trtkv.runtime.step import StepBatch, StepOutput
@@ -114,15 +114,14 @@ class PagedKVCache:
                         f"sequence {b} fills its open block at {c + n} tokens but its block table has no block at index {idx}",
                         "allocate the block that receives the sealed block before the step",
                     )
-                self.seal(s, int(batch.block_tables[b, idx]))
+                self.seal(s, int(batch.block_tables[b, idx]), idx)
                 sealed.append(b)
         return sealed
 
-    def seal(self, slot: int, block: int) -> None:
-        """Quantize open block ``slot`` of every layer into pool block ``block`` (``cache_layout.seal_blocks``)."""
-        blocks = torch.tensor([block], dtype=torch.long)
+    def seal(self, slot: int, block: int, block_index: int) -> None:
+        """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool
+        block ``block`` (``cache_layout.seal_open_block``: a first block also fills the slot's sink rows)."""
         for layer in range(self.num_layers):
             for which in ("k", "v"):
                 pool = self.pool(layer, which)
-                params = getattr(self.params[layer], which)
-                seal_blocks(self.layout, which, pool, pool.tail[slot : slot + 1].float(), blocks, params)
+                seal_open_block(self.layout, which, pool, slot, block, block_index, getattr(self.params[layer], which))
