@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from trtkv.triton_repo.client import request_body, stream_generate

@@ -117,8 +117,9 @@ def build_step_network(
         has_sealed = g.op("Greater", sealed_tokens, zero)  # [B, 1]
         sealed_ok = g.op("And", sealed_ok, g.op("GreaterOrEqual", j_sealed, g.scalar(sink, np.int64)))
         j_sink = g.const(np.arange(sink, dtype=np.int64)[None], "arange_sink")  # [1, sink]
-        tail_ok = g.concat(tail_ok, g.op("Expand", has_sealed, g.concat(B, g.i64(sink), axis=0)), axis=1)  # [B, bs+sink]
-        tail_pos = g.concat(tail_pos, g.op("Expand", j_sink, g.concat(B, g.i64(sink), axis=0)), axis=1)
+        b_sink = g.concat(B, g.i64(sink), axis=0)  # the shape [B, sink]
+        tail_ok = g.concat(tail_ok, g.op("Expand", has_sealed, b_sink), axis=1)  # [B, bs+sink]
+        tail_pos = g.concat(tail_pos, g.op("Expand", j_sink, b_sink), axis=1)
     t_range = g.unsqueeze(g.op("Range", zero, g.op("Squeeze", T, g.i64(0)), one), 0)  # [1, T]
     q_pos = g.add(c2, t_range)  # [B, T] absolute positions of the new tokens
     key_pos = g.concat(
