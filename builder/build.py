@@ -9,7 +9,6 @@ a temp sibling of ``--out`` (``trtkv.artifacts.atomic_directory``) and renamed o
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import os
 import platform
@@ -60,15 +59,6 @@ def resolve_backend(backend: str) -> str:
     except ImportError:
         have_trt = False
     return "tensorrt" if have_trt and gpu_present() else "onnxruntime"
-
-
-def calibration_sha256(path: Path) -> str:
-    from trtkv.artifacts import RECIPE_FILE, SCALES_FILE  # noqa: PLC0415
-
-    h = hashlib.sha256()
-    for name in (RECIPE_FILE, SCALES_FILE):
-        h.update((path / name).read_bytes())
-    return h.hexdigest()
 
 
 class Stages:
@@ -125,13 +115,13 @@ def build_engine(
     """Build an engine directory; returns its path. ``loaded``: an already loaded ``LoadedModel`` (tests)."""
     import torch  # noqa: PLC0415
 
-    from trtkv.artifacts import atomic_directory, load_calibration, params_to_tensors  # noqa: PLC0415
+    from trtkv.artifacts import atomic_directory, calibration_sha256, load_calibration, params_to_tensors  # noqa: PLC0415
     from trtkv.builder.attention import get_backend  # noqa: PLC0415
     from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
     from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
     from trtkv.formats import fit_formats, get_format  # noqa: PLC0415
     from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
-    from trtkv.runtime.backends import import_tensorrt  # noqa: PLC0415
+    from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
 
     # ------------------------------------------------------------ arguments (before any work)
     out = Path(out).expanduser().absolute()
@@ -180,7 +170,7 @@ def build_engine(
     if calibration is not None:
         cal = load_calibration(calibration)
         params = cal.params_for(base_fmt, info)
-        cal_ref = {"path": str(Path(calibration).absolute()), "sha256": calibration_sha256(Path(calibration)), "format_name": cal._resolve(base_fmt)[0]}
+        cal_ref = {"path": str(Path(calibration).absolute()), "sha256": calibration_sha256(calibration), "format_name": cal._resolve(base_fmt)[0]}
     elif fmt.needs_calibration:
         raise TrtkvError(f"KV format {fmt.spec()} needs calibrated scales or smoothing factors", f"run `trtkv calibrate --model {model} --kv {kv}` and pass --calibration")
     else:
@@ -209,7 +199,7 @@ def build_engine(
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             if attention == "plugin":
-                from trtkv.builder.ort_ops import write_ort_model  # noqa: PLC0415
+                from trtkv.plugins.ort_ops import write_ort_model  # noqa: PLC0415
                 from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
 
                 write_ort_model(str(tmp / ONNX_FILE), str(tmp / ORT_PLUGIN_ONNX_FILE))
@@ -276,7 +266,7 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
 
     so = ort.SessionOptions()
     if attention == "plugin":
-        from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
+        from trtkv.plugins.ort_ops import register_ort_ops  # noqa: PLC0415
 
         register_ort_ops(so)
     from trtkv.manifest import ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415

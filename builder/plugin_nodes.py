@@ -8,7 +8,7 @@ values), that layer's pool and tail slices, int32 ``block_tables`` / ``context_l
 constants ``[H, D]`` float32 and the Hadamard matrix; tensors a format does not use are placeholders
 (``contract.placeholder_shape``). Pools keep their storage dtype (uint8 codes) at the boundary of a plugin graph,
 as the contract declares them. Under ONNX Runtime the node runs as an onnxruntime-extensions Python op backed
-by ``trtkv.plugins.reference.run_op`` (``builder/ort_ops.py``).
+by ``trtkv.plugins.reference.run_op`` (``plugins/ort_ops.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trtkv.builder.attention import BACKENDS, AttentionBackend, StepContext, _st
 from trtkv.plugins import contract as C
 from trtkv.quant import hadamard_matrix
 
-OP_TYPE = "PagedPrefillAttention"
+OP_TYPE = C.PREFILL.name  # the op every layer emits; plugins/ort_ops.py runs it under ONNX Runtime
 
 
 def _expand(x: np.ndarray | None, H: int, D: int) -> np.ndarray | None:

@@ -25,6 +25,7 @@ the AOT one; no ``@trtp.autotune``: inputs keep the network's types, outputs the
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import typing
 import warnings
@@ -34,6 +35,23 @@ from typing import Any, Sequence
 from trtkv.errors import TrtkvError
 
 from . import contract as C
+
+TENSORRT_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
+
+
+def import_tensorrt(backend: str):
+    """The ``tensorrt`` or ``tensorrt_rtx`` module, or one TrtkvError saying how to get it."""
+    mod = TENSORRT_MODULES[backend]
+    try:
+        return importlib.import_module(mod)
+    except ImportError:
+        if backend == "tensorrt":
+            raise TrtkvError(
+                "the tensorrt Python package is not installed (it cannot be installed on this CPU machine)",
+                "run in NVIDIA's NGC TensorRT container (nvcr.io/nvidia/tensorrt) or `pip install tensorrt` on a CUDA machine",
+            ) from None
+        raise TrtkvError("the tensorrt_rtx Python package is not installed", "pip install tensorrt-rtx (or pip install 'trtkv[tensorrt-rtx]')") from None
+
 
 INSTALL_FIX = (
     "run inside an NVIDIA TensorRT container (nvcr.io/nvidia/tensorrt, or the Triton server image "

@@ -2,7 +2,7 @@
 
 Reference: the transformers model reading trtkv's quantized cache (``trtkv.evaluate.model_logits`` /
 ``greedy_generate``) with the same sealed format. Engines run the way the runtime runs them
-(``trtkv.builder.verify``: block-aligned prefill chunks, decode steps, ``PagedKVCache.write_new_rows``).
+(``trtkv.runtime.verify``: block-aligned prefill chunks, decode steps, ``PagedKVCache.write_new_rows``).
 
 Tolerances (tiny model, 2 layers): the engine and the reference both compute in float32. Quantized formats:
 the reference rounds its open block to fp16 like the engine's tail, so only summation order differs: bound
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from trtkv.builder.build import build_engine
-from trtkv.builder.verify import StaticBatch, greedy_decode
+from trtkv.runtime.verify import StaticBatch, greedy_decode
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import greedy_generate, model_logits
 from trtkv.manifest import load_manifest
@@ -139,6 +139,20 @@ def write_amax_calibration(loaded, out, formats=("fp8", "int8-static"), seq_len:
 def tiny_cal(tiny_loaded, tmp_path_factory):
     """Calibration of the tiny model for fp8 only (static scales)."""
     return write_amax_calibration(tiny_loaded, tmp_path_factory.mktemp("cal") / "cal-fp8", formats=("fp8",))
+
+
+def test_engine_and_eval_record_the_same_calibration_hash(tmp_path, tiny_dir, tiny_loaded, tiny_cal):
+    """One calibration, two consumers: the engine manifest and eval's --json meta name it by the same sha256."""
+    from trtkv.artifacts import calibration_sha256
+    from trtkv.evaluate import run_eval
+
+    out = build_engine(str(tiny_dir), tiny_cal, "fp8", tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK,
+                       max_seq_len=64, max_batch=2, loaded=tiny_loaded)
+    meta: dict = {}
+    run_eval(str(tiny_dir), "builtin:pydoc", ["fp8"], calibration=tiny_cal, windows=1, seq_len=32, device="cpu",
+             dtype="float32", generate_prompts=0, progress=False, meta=meta)
+    engine_hash = load_manifest(out).calibration.sha256
+    assert len(engine_hash) == 64 and engine_hash == meta["calibration_sha256"] == calibration_sha256(tiny_cal)
 
 
 def _cli(*args):

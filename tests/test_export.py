@@ -41,7 +41,7 @@ from trtkv.artifacts import load_calibration, load_stats_tensors
 from trtkv.calibration.stats import KVStats
 from trtkv.cli import app
 from trtkv.errors import TrtkvError
-from trtkv.export import export_checkpoint
+from trtkv.calibration.checkpoint import export_checkpoint
 
 runner = CliRunner()
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -436,7 +436,7 @@ def test_existing_out_needs_force_and_failures_leave_nothing(tiny, tmp_path, mon
     with pytest.raises(TrtkvError, match="already exists") as e:
         export_checkpoint(cal, str(d), "trtllm", out, kv="int8-static")
     assert "--force" in e.value.fix and (out / "keep.txt").is_file()
-    import trtkv.export as ex
+    import trtkv.calibration.checkpoint as ex
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

@@ -1,4 +1,5 @@
-"""The ``trtkv`` command line: calibrate, eval, plan, export (build-engine and serve come with the builder stage).
+"""The ``trtkv`` command line: eval and plan here; calibrate, export, build-engine, inspect, serve, triton-repo and
+generate come from the stages (``register_stage_commands``).
 
 Every user mistake surfaces as a ``TrtkvError`` and is printed as one line (problem — fix) with exit
 code 2; ``--debug`` shows the traceback instead. Heavy imports happen inside the commands so that
@@ -7,15 +8,27 @@ code 2; ``--debug`` shows the traceback instead. Heavy imports happen inside the
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
+from trtkv.cli_options import (
+    DEFAULT_DATASET,
+    DatasetOpt,
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    TextFieldOpt,
+    TokenizerOpt,
+    _show_version,
+    _state,
+    console,
+    err_console,
+    handle_errors,
+)
 from trtkv.errors import TrtkvError
 
 app = typer.Typer(
@@ -25,67 +38,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-_state = {"debug": False}
-
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_DATASET = "builtin:pydoc"
-
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="HF model dir, .gguf file, or the builtin alias smollm2-135m")]
-DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="builtin:pydoc, .txt/.jsonl/.parquet file or folder, save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]")]
-DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
-DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
-TextFieldOpt = Annotated[str, typer.Option(help="field holding the text in .jsonl / parquet / datasets sources")]
-
-
-def handle_errors(fn):
-    """Turn TrtkvError (and any unexpected error) into one line on stderr and a non-zero exit."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort):
-            raise
-        except TrtkvError as exc:
-            if _state["debug"]:
-                raise
-            err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
-            raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]")
-            raise typer.Exit(130) from None
-        except Exception as exc:  # a bug, not a user error: one line unless --debug
-            if _state["debug"]:
-                raise
-            err_console.print(
-                f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-                soft_wrap=True,
-                highlight=False,
-            )
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
-def _set_debug(value: bool) -> bool:
-    if value:
-        _state["debug"] = True
-    return value
-
-
-def _show_version(value: bool) -> None:
-    if value:
-        from trtkv import __version__
-
-        console.print(f"trtkv {__version__}", highlight=False)
-        raise typer.Exit()
-
-
-# accepted before the subcommand (trtkv --debug plan ...) and after it (trtkv plan ... --debug)
-DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one-line errors", callback=_set_debug, is_eager=True)]
-TokenizerOpt = Annotated[Optional[Path], typer.Option("--tokenizer", help="directory with the tokenizer files, for a model directory that has none")]
 
 
 @app.callback()
@@ -94,47 +46,6 @@ def main(
     version: Annotated[bool, typer.Option("--version", help="print the version and exit", callback=_show_version, is_eager=True)] = False,
 ) -> None:
     _state["debug"] = debug
-
-
-@app.command()
-@handle_errors
-def calibrate(
-    model: ModelOpt = DEFAULT_MODEL,
-    dataset: DatasetOpt = DEFAULT_DATASET,
-    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
-    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4 (fitted to the model's head_dim)")] = None,
-    method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
-    samples: Annotated[Optional[int], typer.Option(help="calibration windows (default: every window of the calib split, at most 64)")] = None,
-    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
-    seed: int = 0,
-    batch_size: int = 4,
-    text_field: TextFieldOpt = "text",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    tokenizer: TokenizerOpt = None,
-    debug: DebugOpt = False,
-) -> None:
-    """Collect K/V statistics on calibration text and choose scales for each KV format."""
-    from trtkv.calibration.run import run_calibration
-
-    if method not in ("max", "percentile", "mse"):
-        raise TrtkvError(f"unknown calibration method {method!r}", "use --method max, percentile or mse")
-    path = run_calibration(
-        model,
-        dataset,
-        out,
-        formats=kv or None,
-        method=method,
-        samples=samples,
-        seq_len=seq_len,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        text_field=text_field,
-        batch_size=batch_size,
-        tokenizer=tokenizer,
-    )
-    console.print(f"calibration written to [bold]{path}[/]")
 
 
 @app.command("eval")
@@ -249,31 +160,6 @@ def plan(
         _atomic_write_text(json_out, json.dumps(payload, indent=2))
 
 
-@app.command()
-@handle_errors
-def export(
-    calibration: Annotated[Path, typer.Option(help="calibration directory from `trtkv calibrate`")],
-    to: Annotated[str, typer.Option("--to", help="vllm (Hugging Face checkpoint + compressed-tensors KV scheme) | trtllm (TensorRT-LLM checkpoint)")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")],
-    model: ModelOpt = DEFAULT_MODEL,
-    kv: Annotated[str, typer.Option("--kv", help="KV format to export: fp8 (vllm, trtllm), int8-static (trtllm)")] = "fp8",
-    tp_size: Annotated[int, typer.Option(help="tensor-parallel ranks (trtllm: one rank file each; vllm: echoed in the serve command)")] = 1,
-    force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
-    dtype: Annotated[str, typer.Option(help="weights dtype: auto (the source's fp16/bf16, else float16) | float16 | bfloat16 | float32")] = "auto",
-    max_shard_size: Annotated[str, typer.Option(help="vllm: largest safetensors shard (e.g. 5GB, 500MB)")] = "5GB",
-    q_windows: Annotated[Optional[int], typer.Option(help="trtllm fp8: calibration windows run to measure the query range (default all; 0 skips)")] = None,
-) -> None:
-    """Write a complete vLLM or TensorRT-LLM checkpoint of the model with the calibrated KV scales."""
-    from trtkv.export import export_checkpoint
-
-    res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
-                            max_shard_size=max_shard_size, q_windows=q_windows)
-    console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
-    for note in res.notes:
-        console.print(f"  {note}", soft_wrap=True)
-    console.print(f"next: {res.next_step()}", soft_wrap=True, highlight=False)
-
-
 def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):
     from trtkv.plan import GIB, ModelShape
 
@@ -309,15 +195,23 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise TrtkvError(f"cannot write {path}: {exc.strerror}", "choose a writable output path") from None
 
 
-# build-engine, inspect (builder/cli.py)
-from trtkv.builder import cli as _builder_cli  # noqa: E402
+def register_stage_commands(target: typer.Typer = app) -> list[str]:
+    """Add each stage's commands (calibrate/export, build-engine/inspect, serve/triton-repo/generate).
 
-_builder_cli.register(app, handle_errors)
+    Stages announce them through the ``trtkv.commands`` entry points in pyproject.toml, so this core module
+    imports no stage; entry points are taken in name order, which is the pipeline's.
+    """
+    from importlib.metadata import entry_points
 
-# serve, triton-repo, generate (trtkv/serve_cli.py)
-from trtkv import serve_cli as _serve_cli  # noqa: E402
+    names = []
+    for ep in sorted(entry_points(group=STAGE_COMMANDS), key=lambda e: e.name):
+        ep.load()(target, handle_errors)
+        names.append(ep.name)
+    return names
 
-_serve_cli.register(app, handle_errors)
+
+STAGE_COMMANDS = "trtkv.commands"
+register_stage_commands()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ An engine directory (written atomically by ``trtkv build-engine``)::
     manifest.json           EngineManifest (this module)
     model.onnx              the step network (docs/kv-cache-format.md "The engine step contract")
     model.onnx.data         its weights (ONNX external data)
-    model.ort.onnx          plugin attention only: the same graph for ONNX Runtime (builder/ort_ops.py)
+    model.ort.onnx          plugin attention only: the same graph for ONNX Runtime (plugins/ort_ops.py)
     kv_params.safetensors   the KV constants baked into the network, which the runtime needs to SEAL
                             blocks: ``kv.layers.{i}.{k|v}.{scale|smooth|clip}`` float32
     tokenizer/              tokenizer files (``AutoTokenizer.from_pretrained(dir / "tokenizer")``)

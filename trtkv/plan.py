@@ -59,7 +59,7 @@ def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
         return int(gpu_mem_gib * GIB)
     name = gpu or DEFAULT_GPU
     if name.lower() == "auto":  # this machine's GPU, as pynvml (or torch.cuda) reports it; trtkv serve reads the same
-        from trtkv.runtime.gpu import device_memory
+        from trtkv.gpu import device_memory
 
         return device_memory(0)[1]
     for known, mib in GPUS.items():

@@ -12,7 +12,6 @@ All take the cache as the runtime owns it (``PagedKVCache``) and never write it:
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -69,7 +68,7 @@ class OnnxRuntimeEngine(Engine):
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         onnx_file = ONNX_FILE
         if self.manifest.attention == "plugin":
-            from trtkv.builder.ort_ops import register_ort_ops  # noqa: PLC0415
+            from trtkv.plugins.ort_ops import register_ort_ops  # noqa: PLC0415
 
             register_ort_ops(so)
             onnx_file = ORT_PLUGIN_ONNX_FILE
@@ -81,23 +80,6 @@ class OnnxRuntimeEngine(Engine):
         arrays = {k: np.ascontiguousarray(feeds[k].cpu().numpy()) for k in self._inputs}
         logits, new_k, new_v = self.session.run(["logits", "new_k", "new_v"], arrays)
         return StepOutput(torch.from_numpy(logits), torch.from_numpy(new_k), torch.from_numpy(new_v))
-
-
-TENSORRT_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
-
-
-def import_tensorrt(backend: str):
-    """The ``tensorrt`` or ``tensorrt_rtx`` module, or one TrtkvError saying how to get it."""
-    mod = TENSORRT_MODULES[backend]
-    try:
-        return importlib.import_module(mod)
-    except ImportError:
-        if backend == "tensorrt":
-            raise TrtkvError(
-                "the tensorrt Python package is not installed (it cannot be installed on this CPU machine)",
-                "run in NVIDIA's NGC TensorRT container (nvcr.io/nvidia/tensorrt) or `pip install tensorrt` on a CUDA machine",
-            ) from None
-        raise TrtkvError("the tensorrt_rtx Python package is not installed", "pip install tensorrt-rtx (or pip install 'trtkv[tensorrt-rtx]')") from None
 
 
 class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never executed on the CPU machines
@@ -112,6 +94,8 @@ class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never exec
     def __init__(self, engine_dir: str | Path, device: int = 0):
         self.dir = Path(engine_dir)
         self.manifest = load_manifest(self.dir)
+        from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
+
         trt = import_tensorrt(self.manifest.backend if self.manifest.backend != "onnxruntime" else "tensorrt")
         major, minor = torch.cuda.get_device_capability(device)
         cc = major * 10 + minor

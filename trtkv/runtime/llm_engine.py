@@ -339,7 +339,7 @@ def resolve_kv_budget(config: RuntimeConfig, device: torch.device) -> int:
             raise TrtkvError(f"--kv-memory must be positive, got {config.kv_memory_gib}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
         return int(config.kv_memory_gib * GIB)
     if torch.device(device).type == "cuda":
-        from trtkv.runtime.gpu import device_memory
+        from trtkv.gpu import device_memory
 
         frac = config.kv_memory_fraction if config.kv_memory_fraction is not None else DEFAULT_GPU_KV_FRACTION
         if not 0 < frac <= 1:

@@ -17,7 +17,6 @@ import numpy as np
 import onnx
 import torch
 
-from trtkv.builder.plugin_nodes import OP_TYPE
 
 ORT_DOMAIN = "ai.onnx.contrib"
 _CODES = {onnx.TensorProto.INT8: "i8", onnx.TensorProto.UINT8: "u8", onnx.TensorProto.FLOAT16: "f", onnx.TensorProto.FLOAT: "f"}
@@ -26,7 +25,7 @@ _CODES = {onnx.TensorProto.INT8: "i8", onnx.TensorProto.UINT8: "u8", onnx.Tensor
 def _spec():
     from trtkv.plugins import contract as C  # noqa: PLC0415
 
-    return C.get_op(OP_TYPE)
+    return C.PREFILL
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +49,7 @@ def _register_variant(name: str) -> None:
         for t, a, h in zip(spec.inputs, args, half):
             x = torch.from_numpy(np.ascontiguousarray(a))
             tensors[t.name] = x.half() if h else x
-        return run_op(OP_TYPE, kw, tensors)[0].float().numpy()
+        return run_op(C.PREFILL.name, kw, tensors)[0].float().numpy()
 
 
 def register_ort_ops(session_options) -> None:
@@ -59,7 +58,7 @@ def register_ort_ops(session_options) -> None:
 
     for kc in ("i8", "u8", "f"):
         for vc in ("i8", "u8", "f"):
-            _register_variant(f"{OP_TYPE}_{kc}_{vc}")
+            _register_variant(f"{C.PREFILL.name}_{kc}_{vc}")
     session_options.register_custom_ops_library(get_library_path())
 
 
@@ -82,8 +81,8 @@ def write_ort_model(src: str, dst: str) -> None:
     casts: dict[str, str] = {}
     nodes = []
     for node in m.graph.node:
-        if node.domain == "trtkv" and node.op_type == OP_TYPE:
-            node.op_type = f"{OP_TYPE}_{_CODES[types[node.input[k_idx]]]}_{_CODES[types[node.input[v_idx]]]}"
+        if node.domain == "trtkv" and node.op_type == C.PREFILL.name:
+            node.op_type = f"{C.PREFILL.name}_{_CODES[types[node.input[k_idx]]]}_{_CODES[types[node.input[v_idx]]]}"
             node.domain = ORT_DOMAIN
             keep = [a for a in node.attribute if a.name not in PARSER_ATTRS]
             del node.attribute[:]

@@ -1,0 +1,81 @@
+"""``trtkv calibrate`` and ``trtkv export``: the calibration stage's commands (registered on the main app through the
+``trtkv.commands`` entry point, so the core CLI imports no stage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, TextFieldOpt, TokenizerOpt
+from trtkv.errors import TrtkvError
+
+console = Console()
+
+
+def register(app: typer.Typer, handle_errors) -> None:
+    @app.command()
+    @handle_errors
+    def calibrate(
+        model: ModelOpt = DEFAULT_MODEL,
+        dataset: DatasetOpt = DEFAULT_DATASET,
+        out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
+        kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4 (fitted to the model's head_dim)")] = None,
+        method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
+        samples: Annotated[Optional[int], typer.Option(help="calibration windows (default: every window of the calib split, at most 64)")] = None,
+        seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+        seed: int = 0,
+        batch_size: int = 4,
+        text_field: TextFieldOpt = "text",
+        device: DeviceOpt = "auto",
+        dtype: DtypeOpt = "auto",
+        tokenizer: TokenizerOpt = None,
+        debug: DebugOpt = False,
+    ) -> None:
+        """Collect K/V statistics on calibration text and choose scales for each KV format."""
+        from trtkv.calibration.run import run_calibration
+
+        if method not in ("max", "percentile", "mse"):
+            raise TrtkvError(f"unknown calibration method {method!r}", "use --method max, percentile or mse")
+        path = run_calibration(
+            model,
+            dataset,
+            out,
+            formats=kv or None,
+            method=method,
+            samples=samples,
+            seq_len=seq_len,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+            text_field=text_field,
+            batch_size=batch_size,
+            tokenizer=tokenizer,
+        )
+        console.print(f"calibration written to [bold]{path}[/]")
+
+    @app.command()
+    @handle_errors
+    def export(
+        calibration: Annotated[Path, typer.Option(help="calibration directory from `trtkv calibrate`")],
+        to: Annotated[str, typer.Option("--to", help="vllm (Hugging Face checkpoint + compressed-tensors KV scheme) | trtllm (TensorRT-LLM checkpoint)")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")],
+        model: ModelOpt = DEFAULT_MODEL,
+        kv: Annotated[str, typer.Option("--kv", help="KV format to export: fp8 (vllm, trtllm), int8-static (trtllm)")] = "fp8",
+        tp_size: Annotated[int, typer.Option(help="tensor-parallel ranks (trtllm: one rank file each; vllm: echoed in the serve command)")] = 1,
+        force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
+        dtype: Annotated[str, typer.Option(help="weights dtype: auto (the source's fp16/bf16, else float16) | float16 | bfloat16 | float32")] = "auto",
+        max_shard_size: Annotated[str, typer.Option(help="vllm: largest safetensors shard (e.g. 5GB, 500MB)")] = "5GB",
+        q_windows: Annotated[Optional[int], typer.Option(help="trtllm fp8: calibration windows run to measure the query range (default all; 0 skips)")] = None,
+    ) -> None:
+        """Write a complete vLLM or TensorRT-LLM checkpoint of the model with the calibrated KV scales."""
+        from trtkv.calibration.checkpoint import export_checkpoint
+
+        res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
+                                max_shard_size=max_shard_size, q_windows=q_windows)
+        console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
+        for note in res.notes:
+            console.print(f"  {note}", soft_wrap=True)
+        console.print(f"next: {res.next_step()}", soft_wrap=True, highlight=False)

@@ -1,0 +1,80 @@
+"""What every ``trtkv`` command shares: option types, the defaults, and the one error handler.
+
+The core CLI (``trtkv.cli``) and each stage's commands (``calibration/cli.py``, ``builder/cli.py``,
+``triton_repo/cli.py``) import it; it imports no stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from trtkv.errors import TrtkvError
+
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DATASET = "builtin:pydoc"
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="HF model dir, .gguf file, or the builtin alias smollm2-135m")]
+DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="builtin:pydoc, .txt/.jsonl/.parquet file or folder, save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]")]
+DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
+TextFieldOpt = Annotated[str, typer.Option(help="field holding the text in .jsonl / parquet / datasets sources")]
+
+
+def handle_errors(fn):
+    """Turn TrtkvError (and any unexpected error) into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except TrtkvError as exc:
+            if _state["debug"]:
+                raise
+            err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
+        except Exception as exc:  # a bug, not a user error: one line unless --debug
+            if _state["debug"]:
+                raise
+            err_console.print(
+                f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+                soft_wrap=True,
+                highlight=False,
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _set_debug(value: bool) -> bool:
+    if value:
+        _state["debug"] = True
+    return value
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from trtkv import __version__
+
+        console.print(f"trtkv {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+# accepted before the subcommand (trtkv --debug plan ...) and after it (trtkv plan ... --debug)
+DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one-line errors", callback=_set_debug, is_eager=True)]
+TokenizerOpt = Annotated[Optional[Path], typer.Option("--tokenizer", help="directory with the tokenizer files, for a model directory that has none")]
+
+
