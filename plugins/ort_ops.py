@@ -17,15 +17,11 @@ import numpy as np
 import onnx
 import torch
 
+from trtkv.plugins import contract as C
+
 
 ORT_DOMAIN = "ai.onnx.contrib"
 _CODES = {onnx.TensorProto.INT8: "i8", onnx.TensorProto.UINT8: "u8", onnx.TensorProto.FLOAT16: "f", onnx.TensorProto.FLOAT: "f"}
-
-
-def _spec():
-    from trtkv.plugins import contract as C  # noqa: PLC0415
-
-    return C.PREFILL
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,7 +30,7 @@ def _register_variant(name: str) -> None:
 
     from trtkv.plugins.reference import run_op  # noqa: PLC0415
 
-    spec = _spec()
+    spec = C.PREFILL
     kc, vc = name.split("_")[-2:]
     dt = {"i8": PyCustomOpDef.dt_int8, "u8": PyCustomOpDef.dt_uint8, "f": PyCustomOpDef.dt_float}
     by_name = {"float16": PyCustomOpDef.dt_float, "float32": PyCustomOpDef.dt_float, "int32": PyCustomOpDef.dt_int32}
@@ -64,8 +60,6 @@ def register_ort_ops(session_options) -> None:
 
 def write_ort_model(src: str, dst: str) -> None:
     """``model.ort.onnx``: ``src``'s graph (external weights shared, not loaded) with the plugin nodes made runnable by ORT."""
-    from trtkv.plugins.contract import PARSER_ATTRS  # noqa: PLC0415
-
     m = onnx.load(src, load_external_data=False)
     F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     types = {i.name: i.type.tensor_type.elem_type for i in m.graph.input}
@@ -75,7 +69,7 @@ def write_ort_model(src: str, dst: str) -> None:
             types[node.output[0]] = next(a.i for a in node.attribute if a.name == "to")
         elif node.op_type == "Gather" and node.input[0] in types:
             types[node.output[0]] = types[node.input[0]]
-    spec = _spec()
+    spec = C.PREFILL
     k_idx = next(i for i, t in enumerate(spec.inputs) if t.name == "k_data")
     v_idx = next(i for i, t in enumerate(spec.inputs) if t.name == "v_data")
     casts: dict[str, str] = {}
@@ -84,7 +78,7 @@ def write_ort_model(src: str, dst: str) -> None:
         if node.domain == "trtkv" and node.op_type == C.PREFILL.name:
             node.op_type = f"{C.PREFILL.name}_{_CODES[types[node.input[k_idx]]]}_{_CODES[types[node.input[v_idx]]]}"
             node.domain = ORT_DOMAIN
-            keep = [a for a in node.attribute if a.name not in PARSER_ATTRS]
+            keep = [a for a in node.attribute if a.name not in C.PARSER_ATTRS]
             del node.attribute[:]
             node.attribute.extend(keep)
             for i, name in enumerate(node.input):
