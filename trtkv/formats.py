@@ -29,9 +29,28 @@ SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the 
 MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
 
 
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes [..., D] (D even) to bytes [..., D/2], the even channel in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise TrtkvError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}", "use an even head_dim")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: bytes [..., D/2] to unsigned codes [..., D] (uint8)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
 @dataclass(frozen=True)
 class DtypeTraits:
-    """One storage dtype: everything the math, the pools and the byte accounting need to know."""
+    """One storage dtype: everything the math, the pools, the graphs and the byte accounting need to know.
+
+    Like ggml's type traits, a row also carries its codec: ``encode`` turns rounded, clamped code values into
+    the pool's storage tensor and ``decode`` turns it back (``code_offset`` is what symmetric codes are shifted
+    by to be stored unsigned: int4's +8), and ``byte_table`` is the value of every storage byte, for decoders
+    that look bytes up (the ONNX graph's Gather).
+    """
 
     name: str
     bits: int
@@ -42,6 +61,7 @@ class DtypeTraits:
     codes_per_byte: int
     storage: torch.dtype  # dtype of the packed storage tensor in a pool (symmetric / static codes)
     storage_asym: torch.dtype | None = None  # asymmetric (unsigned) codes, when they differ from ``storage``
+    code_offset: int = 0  # added to symmetric codes before they are stored (int4: +8, so nibbles are unsigned)
 
     @property
     def packed_bytes_per_code(self) -> float:
@@ -54,6 +74,41 @@ class DtypeTraits:
     def elem_type(self, symmetric: bool) -> "ElemType":
         """The storage element type of these codes, with its name for every consumer."""
         return ELEM_TYPES[str(self.storage_for(symmetric)).removeprefix("torch.")]
+
+    def offset(self, symmetric: bool) -> int:
+        """What a stored code is minus the code value (symmetric int4: 8; everything else 0)."""
+        return self.code_offset if symmetric else 0
+
+    def encode(self, q: torch.Tensor, symmetric: bool) -> torch.Tensor:
+        """Rounded, clamped code values (float) [..., D] -> the pool's storage tensor [..., D / codes_per_byte]."""
+        if self.name == "fp16":
+            return q.to(torch.float16)
+        if not self.is_int:  # fp8: the e4m3fn bit pattern (rounding to nearest even happens in this cast)
+            return q.to(torch.float8_e4m3fn).view(torch.uint8)
+        stored = q + self.offset(symmetric) if self.offset(symmetric) else q
+        if self.codes_per_byte == 2:
+            return pack_int4(stored.to(torch.uint8))
+        return stored.to(self.storage_for(symmetric))
+
+    def decode(self, codes: torch.Tensor, symmetric: bool) -> torch.Tensor:
+        """Storage tensor -> code values as float32 [..., D] (the inverse of ``encode``)."""
+        if self.name == "fp16":
+            return codes.float()
+        if not self.is_int:
+            return codes.view(torch.float8_e4m3fn).float()
+        q = (unpack_int4(codes) if self.codes_per_byte == 2 else codes).float()
+        return q - self.offset(symmetric) if self.offset(symmetric) else q
+
+    def byte_table(self, symmetric: bool) -> torch.Tensor:
+        """float32 [256, codes_per_byte]: the code values stored in each byte 0..255 (the even channel first).
+        fp8's two NaN patterns read as 0: they never occur, inputs are clamped to ±448."""
+        if self.bits > 8:
+            raise ValueError(f"{self.name} is not stored in bytes")
+        b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        if self.codes_per_byte == 1 and self.is_int:
+            b = b.view(self.storage_for(symmetric))
+        table = self.decode(b.reshape(256, 1), symmetric)
+        return torch.nan_to_num(table, nan=0.0).reshape(256, self.codes_per_byte)
 
 
 @dataclass(frozen=True)
@@ -84,7 +139,7 @@ DTYPES: dict[str, DtypeTraits] = {
     "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, 1, torch.float16),
     "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, 1, torch.uint8),
     "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8, torch.uint8),
-    "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8),
+    "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8, code_offset=8),
 }
 
 
@@ -162,6 +217,24 @@ class TensorFormat(BaseModel):
                 )
             return head_dim // self.group_size
         return 0
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """The one place that says whether this storage fits a head_dim: TrtkvError naming the rule, else None."""
+        self.groups(head_dim)  # a group size must divide head_dim
+        if head_dim % 2 and self.traits.codes_per_byte == 2:
+            raise TrtkvError(f"{self.dtype} packs two codes per byte and needs an even head_dim, got {head_dim}", "use int8 for this model")
+        if head_dim % 2 and self.hadamard:
+            raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {head_dim}", "drop the hadamard transform for this model")
+
+    def scale_shape(self, lead: tuple, num_kv_heads, block_size, head_dim: int) -> tuple | None:
+        """Shape of this format's dynamic scale (and zero-point) tensor after the ``lead`` axes, or None when it
+        has none: per sealed block and channel ``[*lead, kv_heads, head_dim]``, per token (group)
+        ``[*lead, kv_heads, block_size, groups]``. Dimensions other than ``head_dim`` may be symbolic."""
+        if not self.is_dynamic:
+            return None
+        if self.is_block_wise:
+            return (*lead, num_kv_heads, head_dim)
+        return (*lead, num_kv_heads, block_size, self.groups(head_dim))
 
     def bits_per_element(self, head_dim: int, block_size: int | None = None) -> float:
         """Storage bits per element, dynamic scales and zero-points included (block-wise: amortised over the block)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import TensorFormat
+from trtkv.formats import TensorFormat, pack_int4, unpack_int4  # noqa: F401  (re-exported: the codec lives in the DTYPES rows)
 
 FP16_MAX = 65504.0
 
@@ -51,21 +51,6 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack unsigned 4-bit codes [..., D] (D even) into bytes [..., D/2], even channel in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise TrtkvError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}", "use an even head_dim")
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_int4``: bytes [..., D/2] to unsigned codes [..., D] (uint8)."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack((lo, hi), dim=-1).flatten(-2)
-
-
 @functools.lru_cache(maxsize=16)
 def _hadamard_cpu(n: int) -> torch.Tensor:
     block = n & -n  # largest power of two dividing n
@@ -79,6 +64,20 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Orthonormal (block-diagonal) Sylvester Hadamard matrix of size n; blocks are the largest power of two dividing n."""
     return _hadamard_cpu(n).to(dtype=dtype, device=device)
+
+
+def per_channel(t: torch.Tensor, num_kv_heads: int, head_dim: int, what: str = "constant") -> torch.Tensor:
+    """A calibrated constant stored ``[]`` (per tensor), ``[H]`` (per head) or ``[H, D]`` (per channel) as the one
+    layout kernels, graphs and plugins read: contiguous float32 ``[H, D]``."""
+    t = torch.as_tensor(t).float()
+    if t.dim() == 0:
+        t = t.expand(num_kv_heads, head_dim)
+    elif t.dim() == 1 and t.shape[0] == num_kv_heads:
+        t = t.view(num_kv_heads, 1).expand(num_kv_heads, head_dim)
+    if tuple(t.shape) != (num_kv_heads, head_dim):
+        raise TrtkvError(f"{what} has shape {tuple(t.shape)}, expected [], [{num_kv_heads}] or [{num_kv_heads}, {head_dim}]",
+                         "pass the calibration made for this model (`trtkv calibrate`)")
+    return t.contiguous()
 
 
 def _per_head(t: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
@@ -133,25 +132,6 @@ def _dynamic_clip(params: TensorParams | None, ndim: int, head_axis: int) -> tor
     return _per_head(params.clip, ndim + 1, head_axis - 1) if params.clip.dim() else params.clip.float()
 
 
-def _encode(q: torch.Tensor, fmt: TensorFormat, symmetric: bool) -> torch.Tensor:
-    """Map rounded/clamped code values (float) to their storage tensor."""
-    if fmt.dtype == "fp8_e4m3":
-        return q.to(torch.float8_e4m3fn).view(torch.uint8)
-    if fmt.dtype == "int8":
-        return q.to(fmt.traits.storage_for(symmetric))
-    return pack_int4((q + 8 if symmetric else q).to(torch.uint8))
-
-
-def _decode(codes: torch.Tensor, fmt: TensorFormat, symmetric: bool) -> torch.Tensor:
-    """Storage tensor back to code values as float32."""
-    if fmt.dtype == "fp8_e4m3":
-        return codes.view(torch.float8_e4m3fn).float()
-    if fmt.dtype == "int8":
-        return codes.float()
-    q = unpack_int4(codes).float()
-    return q - 8 if symmetric else q
-
-
 def _round_codes(y: torch.Tensor, fmt: TensorFormat, lo: float, hi: float) -> torch.Tensor:
     if fmt.dtype == "fp8_e4m3":
         return y.clamp(lo, hi)  # rounding happens in the fp8 cast (round to nearest even)
@@ -191,10 +171,10 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = N
         scale = _per_head(params.scale, xf.dim(), head_axis)
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = _round_codes(xf * inv, fmt, tr.sym_min, tr.sym_max)
-        return QuantizedTensor(codes=_encode(q, fmt, True))
+        return QuantizedTensor(codes=fmt.traits.encode(q, True))
     qt = _dynamic_codes(_group(xf, fmt), fmt, _dynamic_clip(params, xf.dim(), head_axis), -1)  # groups [..., G, g]
     return QuantizedTensor(
-        codes=_encode(qt.codes.flatten(-2), fmt, fmt.symmetric),
+        codes=fmt.traits.encode(qt.codes.flatten(-2), fmt.symmetric),
         scale=qt.scale.squeeze(-1).half(),
         zero=None if qt.zero is None else qt.zero.squeeze(-1).half(),
     )
@@ -214,7 +194,7 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
     clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
     qt = _dynamic_codes(xf, fmt, clip, -2)
     return QuantizedTensor(
-        codes=_encode(qt.codes, fmt, fmt.symmetric),
+        codes=fmt.traits.encode(qt.codes, fmt.symmetric),
         scale=qt.scale.squeeze(-2).half(),
         zero=None if qt.zero is None else qt.zero.squeeze(-2).half(),
     )
@@ -233,7 +213,7 @@ def dequantize(
     """
     if not fmt.is_quantized:
         return qt.codes.to(dtype)
-    q = _decode(qt.codes, fmt, fmt.symmetric or fmt.is_static)
+    q = fmt.traits.decode(qt.codes, fmt.symmetric or fmt.is_static)
     if fmt.is_static:
         assert params is not None and params.scale is not None
         x = q * _per_head(params.scale, q.dim(), head_axis)
