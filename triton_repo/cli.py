@@ -77,15 +77,35 @@ def register(app: typer.Typer, handle_errors) -> None:
         instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")] = "auto",
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")] = False,
         force: Annotated[bool, typer.Option(help="rewrite even if the repository is up to date")] = False,
+        k8s: Annotated[Optional[Path], typer.Option("--k8s", help="also write Kubernetes manifests (Deployment, Service, HPA) for replicas of this repository here")] = None,
+        k8s_name: Annotated[str, typer.Option("--k8s-name", help="name of the Deployment / Service / HPA")] = "trtkv",
+        image: Annotated[Optional[str], typer.Option(help="container image with tritonserver + trtkv (default: trtkv-tritonserver:<version>, see the written Dockerfile)")] = None,
+        repo_url: Annotated[Optional[str], typer.Option("--repo-url", help="where the replicas read the repository: s3:// gs:// as:// URL, or a path in the mounted volume")] = None,
+        replicas: Annotated[int, typer.Option(help="replicas at start (the autoscaler's minimum)")] = 1,
+        max_replicas: Annotated[int, typer.Option("--max-replicas", help="the autoscaler's maximum")] = 4,
+        gpus: Annotated[int, typer.Option(help="GPUs per replica (0: CPU)")] = 1,
     ) -> None:
         """Write a Triton model repository (TensorRT-LLM's `ensemble` interface) serving ENGINE_DIR."""
         from trtkv.manifest import load_manifest
+        from trtkv.triton_repo.k8s import K8sOptions, write_k8s
         from trtkv.triton_repo.repository import write_repository
 
         load_manifest(engine_dir)
+        kube = None
+        if k8s is not None:
+            kube = K8sOptions(name=k8s_name, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
+                              **{k: v for k, v in (("image", image), ("repository", repo_url)) if v is not None})
+            kube.check()  # before anything is written
+            copy_engine = True  # replicas read the repository elsewhere: the engine travels inside it
+            instance_kind = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
         opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
         path = write_repository(engine_dir, out, opts, force=force)
         console.print(f"model repository written to [bold]{path}[/] (models: ensemble, trtkv_llm)")
+        if kube is not None:
+            files = write_k8s(k8s, kube)
+            where = kube.repository if kube.from_object_store else f"the volume claim {kube.repository_claim} (mounted at {kube.repository})"
+            console.print(f"Kubernetes manifests written to [bold]{k8s}[/] ({', '.join(f.name for f in files)})")
+            console.print(f"next: copy {path} to {where}; build and push {kube.image} (Dockerfile); kubectl apply -f {k8s}", highlight=False)
 
     @app.command()
     @handle_errors

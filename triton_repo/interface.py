@@ -60,3 +60,6 @@ OUTPUTS: tuple[Tensor, ...] = (
 )
 
 INPUT_BY_NAME = {t.name: t for t in INPUTS}
+
+# Custom metric families the python-backend model exports (and the Kubernetes autoscaler rules read).
+KV_BLOCKS_METRIC = "trtkv_kv_blocks"  # gauge, label state=used|free

@@ -97,6 +97,9 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002  # tritonserver's own defaults
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -109,9 +112,9 @@ class TritonServer:
 
     repo: Path
     host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
+    http_port: int = HTTP_PORT
+    grpc_port: int = GRPC_PORT
+    metrics_port: int = METRICS_PORT
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
