@@ -125,6 +125,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
         log_file: Annotated[Optional[Path], typer.Option(help="tritonserver log (default: REPO/tritonserver.log)")] = None,
         timeout: Annotated[float, typer.Option(help="seconds to wait for the server to become ready")] = 300.0,
+        openai_port: Annotated[Optional[int], typer.Option("--openai-port", help="also serve OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models on this port (same model, same engine)")] = None,
+        served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="the model name OpenAI clients send (default: the engine's model name)")] = None,
     ) -> None:
         """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM."""
         from trtkv.manifest import load_manifest
@@ -138,6 +140,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
         server = TritonServer(path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve())
         stop = {"sig": None}
+        openai_server = None
 
         def on_signal(signum, _frame):
             stop["sig"] = signum
@@ -158,6 +161,12 @@ def register(app: typer.Typer, handle_errors) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+            if openai_port is not None:
+                from trtkv.triton_repo.openai_api import load_served, start_openai_server
+
+                served = load_served(engine_dir, server.http_url, served_model_name)
+                openai_server = start_openai_server(served, host, openai_port)
+                console.print(f"  OpenAI   http://{server.client_host}:{openai_port}/v1  (model {served.name!r}: completions, chat/completions, models)", highlight=False)
             console.print("  Ctrl-C stops the server", highlight=False)
             while stop["sig"] is None:
                 if server.process is None or server.process.poll() is not None:
@@ -169,6 +178,8 @@ def register(app: typer.Typer, handle_errors) -> None:
                 time.sleep(0.2)
             err_console.print("stopping tritonserver ...")
         finally:
+            if openai_server is not None:
+                openai_server.should_exit = True
             rc = server.stop()
             for s, h in old.items():
                 signal.signal(s, h)

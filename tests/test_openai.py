@@ -1,0 +1,144 @@
+"""OpenAI-compatible endpoints (`trtkv serve --openai-port`) driven by the official `openai` client, against a real
+tritonserver: one `trtkv serve` process per module, a tiny random Llama engine with a chat template."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("pytriton")
+openai = pytest.importorskip("openai")
+
+from trtkv.triton_repo.client import generate  # noqa: E402
+from trtkv.triton_repo.server import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`trtkv serve ENGINE --openai-port P` as a user runs it; yields (openai client, triton url, tokenizer)."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    from trtkv.builder.build import build_engine
+
+    root = tmp_path_factory.mktemp("openai")
+    build_tiny_model(root / "model", "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(root / "model"))
+    engine = build_engine(str(root / "model"), kv="int4", out=root / "engine", backend="onnxruntime", block_size=16, max_batch=4, max_seq_len=128)
+    ports = [free_port() for _ in range(4)]
+    cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engine), "--repo", str(root / "repo"), "--kv-memory", "0.01", "--max-seqs", "4",
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+           "--openai-port", str(ports[3]), "--served-model-name", MODEL]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if "Ctrl-C" in line:
+                break
+        assert any(f"http://127.0.0.1:{ports[3]}/v1" in ln for ln in out), "".join(out) + proc.stderr.read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[3]}/v1", api_key="none", max_retries=0, timeout=60)
+        yield client, f"http://127.0.0.1:{ports[0]}", tok
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_models_lists_the_served_model(served):
+    client, _, _ = served
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_is_the_same_engine_output_with_usage(served):
+    client, triton, tok = served
+    prompt = "The quick brown fox"
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    want = generate(triton, prompt, 12, exclude_input_in_output=True)["text_output"]  # Triton's own endpoint, same engine
+    (choice,) = res.choices
+    assert choice.text == want
+    assert res.usage.prompt_tokens == len(tok.encode(prompt))
+    assert res.usage.completion_tokens == 12 and res.usage.total_tokens == res.usage.prompt_tokens + 12
+    assert choice.finish_reason == "length"
+
+
+def test_streamed_completion_concatenates_to_the_plain_one(served):
+    client, _, _ = served
+    prompt = "def f(x):\n    return"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_uses_the_template_and_streams(served):
+    client, triton, tok = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Pack my box"}]
+    res = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|>")
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == generate(triton, prompt, 8, exclude_input_in_output=True)["text_output"]
+    assert res.usage.prompt_tokens == len(tok.encode(prompt))
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == res.choices[0].message.content
+
+
+def test_seed_reproduces_sampling_and_stop_cuts_it(served):
+    client, triton, _ = served
+    prompt = "Sphinx of black quartz, judge"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=7)
+    full, again = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert full == again and len(set(full)) > 3  # sampled (the random model's greedy text is one repeated token)
+    # a stop string that occurs once in the sampled text, not at its start
+    stop = next(full[i : i + k] for k in (3, 2) for i in range(1, len(full) - k) if full.count(full[i : i + k]) == 1)
+    res = client.completions.create(**kw, stop=[stop])
+    want = generate(triton, prompt, 16, temperature=1.0, seed=7, stop_words=[stop], exclude_input_in_output=True)["text_output"]
+    assert res.choices[0].text == want and res.choices[0].finish_reason == "stop"
+    assert stop not in res.choices[0].text and full.startswith(res.choices[0].text) and len(res.choices[0].text) < len(full)
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        ({"n": 2}, 400, "n"),
+        ({"model": "gpt-4"}, 404, "model"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 1000}, 400, "max_tokens"),  # beyond the engine's 128-token context
+        ({"temperature": -1}, 400, "temperature"),
+    ],
+)
+def test_errors_have_openai_shape_and_status(served, kwargs, status, param):
+    client, _, _ = served
+    args = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(**args)
+    assert exc.value.status_code == status
+    err = exc.value.body if isinstance(exc.value.body, dict) else {}
+    err = err.get("error", err)
+    assert err.get("param") == param and err.get("message") and err.get("type")
+    # the server keeps serving
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
