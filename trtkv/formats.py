@@ -333,9 +333,14 @@ class KVFormat(BaseModel):
         elements = 2 * num_layers * num_kv_heads * head_dim
         return elements * self.bits_per_element(head_dim, context_len) / 8
 
+    def tail_bytes(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one sequence slot's fp16 open block and sink rows, one layer, K or V: the one count the
+        layout, the eval cache and ``tail_bytes_per_slot`` share; 0 without sealed blocks."""
+        return num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
+
     def tail_bytes_per_slot(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds; 0 without sealed blocks."""
-        return 2 * num_layers * num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
+        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds."""
+        return 2 * num_layers * self.tail_bytes(num_kv_heads, head_dim)
 
     def spec(self) -> str:
         out = f"k={self.k.short()},v={self.v.short()}"
@@ -514,20 +519,23 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
     A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
     (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80). Hadamard rotations use blocks of the largest
     power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
-    smaller than ``head_dim``. int4 packing and Hadamard rotations need an even ``head_dim``.
+    smaller than ``head_dim``. Anything else ``TensorFormat.check_head_dim`` rejects (int4 packing and
+    Hadamard rotations need an even ``head_dim``) cannot fit: its problem is the note.
     """
     changes, parts = [], {}
     for side in ("k", "v"):
         tf: TensorFormat = getattr(fmt, side)
-        if head_dim % 2 and (tf.dtype == "int4" or tf.hadamard):
-            return None, f"{fmt.name}: {'int4 packing' if tf.dtype == 'int4' else 'a Hadamard rotation'} needs an even head_dim, the model has {head_dim}"
         g = tf.group_size
         if g is not None and head_dim % g:
             fit = max((d for d in range(2, min(g, head_dim) + 1) if head_dim % d == 0), default=None)
             if fit is None:
                 return None, f"{fmt.name}: no group size from 2 to {g} divides head_dim {head_dim}"
-            parts[side] = tf.model_copy(update={"group_size": fit})
+            tf = parts[side] = tf.model_copy(update={"group_size": fit})
             changes.append(f"{side.upper()} g{g}->g{fit}")
+        try:
+            tf.check_head_dim(head_dim)
+        except TrtkvError as e:
+            return None, f"{fmt.name}: {e.problem}"
     block = head_dim & -head_dim
     rotated = [s.upper() for s in ("k", "v") if getattr(fmt, s).hadamard]
     if rotated and block < head_dim:
