@@ -357,10 +357,15 @@ def _t(dtype: str, granularity: str = "none", **kw) -> TensorFormat:
     return TensorFormat(dtype=dtype, granularity=granularity, **kw)
 
 
+def _alike(name: str, t: TensorFormat, **kw) -> KVFormat:
+    """A preset that stores K and V alike."""
+    return KVFormat(name=name, k=t, v=t, **kw)
+
+
 PRESETS: dict[str, KVFormat] = {
     p.name: p
     for p in [
-        KVFormat(name="fp16", k=_t("fp16"), v=_t("fp16"), description="unquantized baseline"),
+        _alike("fp16", _t("fp16"), description="unquantized baseline"),
         KVFormat(
             name="int8",
             k=_t("int8", "per_block_channel"),
@@ -369,25 +374,10 @@ PRESETS: dict[str, KVFormat] = {
             description="int8 in sealed blocks of 64 (8.25 bits): keys one fp16 scale per channel per block, values one "
             "per token; the open block stays fp16",
         ),
-        KVFormat(
-            name="int8-token",
-            k=_t("int8", "per_token"),
-            v=_t("int8", "per_token"),
-            description="int8, one dynamic fp16 scale per token and head, every token quantized on write",
-        ),
-        KVFormat(
-            name="int8-static",
-            k=_t("int8", "per_tensor"),
-            v=_t("int8", "per_tensor"),
-            shared_kv_scale=True,
-            description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)",
-        ),
-        KVFormat(
-            name="fp8",
-            k=_t("fp8_e4m3", "per_tensor"),
-            v=_t("fp8_e4m3", "per_tensor"),
-            description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)",
-        ),
+        _alike("int8-token", _t("int8", "per_token"), description="int8, one dynamic fp16 scale per token and head, every token quantized on write"),
+        _alike("int8-static", _t("int8", "per_tensor"), shared_kv_scale=True,
+               description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)"),
+        _alike("fp8", _t("fp8_e4m3", "per_tensor"), description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)"),
         KVFormat(
             name="int4",
             k=_t("int4", "per_block_channel", symmetric=False),
@@ -404,12 +394,7 @@ PRESETS: dict[str, KVFormat] = {
             description="int4 asymmetric per token (4.5 bits at head_dim 64), keys smoothed and rotated, every token "
             "quantized on write",
         ),
-        KVFormat(
-            name="int4-g32",
-            k=_t("int4", "per_token_group", group_size=32),
-            v=_t("int4", "per_token_group", group_size=32),
-            description="int4 symmetric groups of 32 (llama.cpp q4_0-like)",
-        ),
+        _alike("int4-g32", _t("int4", "per_token_group", group_size=32), description="int4 symmetric groups of 32 (llama.cpp q4_0-like)"),
     ]
 }
 
