@@ -22,12 +22,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from onnx import TensorProto
 
 from trtkv.builder.graph import Graph
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.formats import KVFormat, TensorFormat
-from trtkv.quant import TensorParams, hadamard_matrix
+from trtkv.quant import TensorParams, hadamard_matrix, per_channel
 
 NEG_INF = float("-inf")
 
@@ -93,41 +94,28 @@ class AttentionBackend(ABC):
 # --------------------------------------------------------------------------- native
 
 
-def _byte_lut(kind: str) -> np.ndarray:
-    """Decode table of every byte, indexed by ``int32(x) + 128`` where ``x`` is the byte read as int8 (the pool's
-    graph dtype): ``uint8`` -> the unsigned value; ``fp8`` -> the e4m3fn value; ``int4`` / ``int4_sym`` -> [256, 2]
-    (low nibble = even channel, high nibble; symmetric codes minus 8). One Gather decodes a whole tile."""
-    b = ((np.arange(256) - 128) & 0xFF).astype(np.uint8)
-    if kind == "uint8":
-        return b.astype(np.float32)
-    if kind == "fp8":
-        import torch  # noqa: PLC0415
-
-        vals = torch.from_numpy(b).view(torch.float8_e4m3fn).float().numpy()
-        return np.nan_to_num(vals, nan=0.0).astype(np.float32)  # 0x7F / 0xFF never occur (inputs clamp to ±448)
-    pair = np.stack([b & 0x0F, b >> 4], -1).astype(np.float32)
-    return pair - 8.0 if kind == "int4_sym" else pair
+def _byte_lut(t: TensorFormat) -> np.ndarray:
+    """The ``DtypeTraits.byte_table`` of ``t``'s codes, its rows reordered to be indexed by ``int32(x) + 128`` where
+    ``x`` is the byte read as int8 (the pool's graph dtype): [256] values, or [256, 2] for int4 (the even channel
+    first). One Gather decodes a whole tile."""
+    table = t.traits.byte_table(t.symmetric)[(torch.arange(256) - 128) % 256]  # row i: the byte whose int8 value is i - 128
+    return table.squeeze(-1).numpy()
 
 
 def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: TensorParams | None = None) -> np.ndarray | None:
-    """A static scale broadcastable to [H, 1, D] (per-tensor and per-head expanded), or None."""
+    """A static scale as the [H, D] float32 constant (``quant.per_channel``), or None for a dynamic format."""
     if not t.is_static:
         return None
     s = p.scale if p is not None and p.scale is not None else (shared.scale if shared is not None else None)
     assert s is not None, "static format without a scale (checked by the builder)"
-    s = s.float().numpy()
-    if s.ndim == 0:
-        return np.full((H, 1, 1), float(s), np.float32)
-    if s.ndim == 1:
-        return s.reshape(H, 1, 1).astype(np.float32)
-    return s.reshape(H, 1, D).astype(np.float32)
+    return per_channel(s, H, D, "a static scale").numpy()
 
 
-def _lut(ctx: StepContext, kind: str) -> str:
+def _lut(ctx: StepContext, t: TensorFormat) -> str:
     """One initializer per decode table, shared by every layer."""
-    key = f"lut_{kind}"
+    key = f"lut_{t.dtype}_{'sym' if t.symmetric else 'asym'}"
     if key not in ctx.extra:
-        ctx.extra[key] = ctx.g.const(_byte_lut(kind), key)
+        ctx.extra[key] = ctx.g.const(_byte_lut(t), key)
     return ctx.extra[key]
 
 
@@ -150,17 +138,12 @@ class NativeAttention(AttentionBackend):
         idx = g.add(ctx.block_idx, g.mul(g.scalar(layer, np.int64), ctx.num_blocks))  # [B, MB] into the flattened [L*NB, ...]
         codes = g.transpose(g.gather(ctx.pool[f"{which}_data"], idx), (0, 2, 1, 3, 4))  # [B, H, MB, bs, P]
         f32 = TensorProto.FLOAT
-        if t.dtype == "fp16":
+        if t.storage.name != "uint8":  # fp16 values and signed int8 codes are their own values
             x = g.cast(codes, f32)
-        elif t.dtype == "int8" and (t.symmetric or t.is_static):
-            x = g.cast(codes, f32)
-        elif t.dtype == "int8":  # unsigned codes declared int8: LUT[int8 + 128] = the unsigned value
-            x = g.gather(_lut(ctx, "uint8"), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
-        elif t.dtype == "fp8_e4m3":
-            x = g.gather(_lut(ctx, "fp8"), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
-        else:  # int4: LUT[int8 + 128] = (low nibble, high nibble) -> [..., P, 2] -> [..., D], even channel first
-            lut = _lut(ctx, "int4_sym" if t.symmetric else "int4")
-            x = g.reshape(g.gather(lut, g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32))), (0, 0, 0, 0, D))
+        else:  # uint8 storage declared int8: LUT[int8 + 128] = the code values of the byte
+            x = g.gather(_lut(ctx, t), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
+            if t.traits.codes_per_byte > 1:  # [..., P, 2] -> [..., D], even channel first
+                x = g.reshape(x, (0, 0, 0, 0, D))
         if t.is_dynamic:
             x = self._apply_dynamic(ctx, which, idx, x, t)
         return x if ctx.compute == f32 else g.cast(x, ctx.compute)
@@ -169,11 +152,11 @@ class NativeAttention(AttentionBackend):
         g, D = ctx.g, ctx.layout.head_dim
         f32 = TensorProto.FLOAT
 
-        def gathered(name: str) -> str:
-            s = g.gather(ctx.pool[f"{which}_{name}"], idx)
-            if t.is_block_wise:  # [B, MB, H, D] -> [B, H, MB, 1, D]
-                return g.cast(g.unsqueeze(g.transpose(s, (0, 2, 1, 3)), 3), f32)
-            return g.cast(g.unsqueeze(g.transpose(s, (0, 2, 1, 3, 4)), -1), f32)  # [B, H, MB, bs, G, 1]
+        rank = len(t.scale_shape(("B", "MB"), "H", "bs", D))  # [B, MB, H, D] block-wise, [B, MB, H, bs, G] per token
+
+        def gathered(name: str) -> str:  # heads before blocks, as the data: [B, H, MB, 1, D] / [B, H, MB, bs, G, 1]
+            s = g.transpose(g.gather(ctx.pool[f"{which}_{name}"], idx), (0, 2, 1, *range(3, rank)))
+            return g.cast(g.unsqueeze(s, 3 if t.is_block_wise else -1), f32)
 
         if t.is_block_wise:
             x = g.mul(x, gathered("scale"))
@@ -213,12 +196,12 @@ class NativeAttention(AttentionBackend):
         # K side: fold smoothing, rotation and static scale into the query of the sealed part
         qs = qg
         if kf.smooth:
-            qs = g.mul(qs, g.const(kp.smooth.float().numpy().reshape(H, 1, D).astype(npd), "k_smooth"))
+            qs = g.mul(qs, g.const(per_channel(kp.smooth, H, D, "K smoothing factors").numpy().reshape(H, 1, D).astype(npd), "k_smooth"))
         if kf.hadamard:
             qs = g.matmul(qs, g.const(hadamard_matrix(D).numpy().astype(npd), "hadamard"))
         ks = _static(kp, kf, H, D, vp if lay.fmt.shared_kv_scale else None)
         if ks is not None:
-            qs = g.mul(qs, g.const(ks.astype(npd), "k_static"))
+            qs = g.mul(qs, g.const(ks.reshape(H, 1, D).astype(npd), "k_static"))
         k_sealed = self._sealed(ctx, "k", layer)
         k_rest = g.concat(self._tail(ctx, "k", layer), k_new, axis=2)  # [B, H, bs + sink + T, D]
         s_sealed = g.matmul(qs, g.transpose(k_sealed, (0, 1, 3, 2)))
@@ -237,11 +220,11 @@ class NativeAttention(AttentionBackend):
         o = g.matmul(p_sealed, self._sealed(ctx, "v", layer))  # [B, H, g*T, D]
         vs = _static(vp, vf, H, D, kp if lay.fmt.shared_kv_scale else None)
         if vs is not None:
-            o = g.mul(o, g.const(vs.astype(npd), "v_static"))
+            o = g.mul(o, g.const(vs.reshape(H, 1, D).astype(npd), "v_static"))
         if vf.hadamard:
             o = g.matmul(o, g.const(hadamard_matrix(D).numpy().T.copy().astype(npd), "hadamard_t"))
         if vf.smooth:
-            o = g.mul(o, g.const(vp.smooth.float().numpy().reshape(H, 1, D).astype(npd), "v_smooth"))
+            o = g.mul(o, g.const(per_channel(vp.smooth, H, D, "V smoothing factors").numpy().reshape(H, 1, D).astype(npd), "v_smooth"))
         v_rest = g.concat(self._tail(ctx, "v", layer), v_new, axis=2)
         o = g.add(o, g.matmul(p_rest, v_rest))
         return g.op("Reshape", o, ctx.extra["q_shape"])  # [B, H, g*T, D] -> [B, nh, T, D]

@@ -18,15 +18,9 @@ from onnx import TensorProto
 
 from trtkv.builder.attention import BACKENDS, AttentionBackend, StepContext, _static
 from trtkv.plugins import contract as C
-from trtkv.quant import hadamard_matrix
+from trtkv.quant import hadamard_matrix, per_channel
 
 OP_TYPE = C.PREFILL.name  # the op every layer emits; plugins/ort_ops.py runs it under ONNX Runtime
-
-
-def _expand(x: np.ndarray | None, H: int, D: int) -> np.ndarray | None:
-    if x is None:
-        return None
-    return np.broadcast_to(x.reshape(H, -1) if x.size > 1 else x.reshape(1, 1), (H, D)).astype(np.float32).copy()
 
 
 class PluginAttention(AttentionBackend):
@@ -44,10 +38,10 @@ class PluginAttention(AttentionBackend):
         kp, vp = ctx.params[layer].k, ctx.params[layer].v
         sh = lay.fmt.shared_kv_scale
         consts = {
-            "k_static": _expand(_static(kp, lay.fmt.k, H, D, vp if sh else None), H, D),
-            "k_smooth": None if kp.smooth is None else kp.smooth.float().numpy().reshape(H, D),
-            "v_static": _expand(_static(vp, lay.fmt.v, H, D, kp if sh else None), H, D),
-            "v_smooth": None if vp.smooth is None else vp.smooth.float().numpy().reshape(H, D),
+            "k_static": _static(kp, lay.fmt.k, H, D, vp if sh else None),
+            "k_smooth": None if kp.smooth is None else per_channel(kp.smooth, H, D, "K smoothing factors").numpy(),
+            "v_static": _static(vp, lay.fmt.v, H, D, kp if sh else None),
+            "v_smooth": None if vp.smooth is None else per_channel(vp.smooth, H, D, "V smoothing factors").numpy(),
             "hadamard": hadamard_matrix(D).numpy().astype(np.float32),
         }
         layer_idx = g.scalar(layer, np.int64)

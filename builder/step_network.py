@@ -43,12 +43,11 @@ def cache_input_specs(layout: PagedKVLayout, plugin: bool = False) -> list[tuple
         storage = str(layout.data_dtype(which)).removeprefix("torch.")
         P = layout.packed_dim(which)
         out.append((f"{which}_data", dt, ["num_layers", "num_blocks", layout.num_kv_heads, layout.block_size, P], storage))
-        shape = layout.scale_shape(which)
+        shape = layout.tensor_format(which).scale_shape(("num_layers", "num_blocks"), layout.num_kv_heads, layout.block_size, layout.head_dim)
         if shape is not None:
-            sym = ["num_layers", "num_blocks", *shape[1:]]
-            out.append((f"{which}_scale", TensorProto.FLOAT16, sym, None))
+            out.append((f"{which}_scale", TensorProto.FLOAT16, list(shape), None))
             if layout.zero_shape(which) is not None:
-                out.append((f"{which}_zero", TensorProto.FLOAT16, sym, None))
+                out.append((f"{which}_zero", TensorProto.FLOAT16, list(shape), None))
     for which in ("k", "v"):
         out.append((f"{which}_tail", TensorProto.FLOAT16, ["num_layers", "num_slots", layout.num_kv_heads, layout.fmt.tail_rows, layout.head_dim], None))
     return out

@@ -480,3 +480,23 @@ def test_tensorrt_rtx_builds_every_pool_pattern(tmp_path, tiny_dir, tiny_loaded,
                        block_size=16, max_seq_len=128, max_batch=4, loaded=tiny_loaded)
     m = load_manifest(out)
     assert m.plans[0].compute_capability == 89 and m.plans[0].bytes > 0 and (out / m.plans[0].path).stat().st_size == m.plans[0].bytes
+
+
+@pytest.mark.parametrize("spec", ["int4:token", "int4:token:asym", "int8:token:asym", "fp8:tensor"])
+def test_byte_lut_is_indexed_by_the_byte_read_as_int8_plus_128(spec):
+    """The native graph reads uint8 pools as int8 and gathers row int32(x) + 128: that row holds the byte's codes."""
+    from trtkv.builder.attention import _byte_lut
+    from trtkv.formats import parse_tensor_spec
+
+    t = parse_tensor_spec(spec)
+    lut = _byte_lut(t)
+    for b in range(256):
+        x = b - 256 if b > 127 else b  # the byte read as int8
+        row = lut[x + 128].tolist()
+        if t.dtype == "int4":
+            off = 8 if t.symmetric else 0
+            assert row == [(b & 15) - off, (b >> 4) - off]
+        elif t.dtype == "int8":
+            assert row == b  # asymmetric codes are the unsigned byte
+        elif b not in (0x7F, 0xFF):
+            assert row == torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()

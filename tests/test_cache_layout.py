@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, seal_open_block, slot_mapping, write_tail
+from trtkv.cache_layout import (
+    KVPool,
+    PagedKVLayout,
+    block_chunks,
+    chunk_length,
+    gather_paged,
+    seal_blocks,
+    seal_open_block,
+    slot_mapping,
+    write_tail,
+)
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
 from trtkv.quant import TensorParams, fake_quantize_block, quantize, quantize_block
@@ -241,3 +251,34 @@ def test_slot_mapping_is_block_table_arithmetic():
     want = [[7 * 16 + 0, 7 * 16 + 15, 2 * 16 + 0, 5 * 16 + 8], [1 * 16 + 3, 0 * 16 + 1, 3 * 16 + 1, 3 * 16 + 15]]
     assert slot_mapping(table, pos, 16).tolist() == want
     assert slot_mapping(table[0], pos[0], 16).tolist() == want[0]
+
+
+# ----------------------------------------------------------------------------- chunks never cross a block boundary
+
+
+def _naive_chunks(start: int, remaining: int, limit: int | None, block_size: int | None) -> list[tuple[int, int]]:
+    """Token by token: a token opens a new chunk at a block boundary or when the current one holds ``limit``."""
+    out: list[list[int]] = []
+    for p in range(start, start + remaining):
+        if not out or (block_size and p % block_size == 0) or (limit is not None and out[-1][1] - out[-1][0] == limit):
+            out.append([p, p])
+        out[-1][1] = p + 1
+    return [tuple(c) for c in out]
+
+
+def test_block_chunks_match_a_naive_token_loop():
+    rng = torch.Generator().manual_seed(11)
+    for _ in range(3000):
+        start, remaining, limit, bs = (int(v) for v in torch.randint(1, 40, (4,), generator=rng))
+        start -= 1  # 0 … 38
+        bs = None if bs > 33 else bs  # some without sealed blocks
+        limit = None if limit > 30 else limit
+        chunks = block_chunks(start, remaining, bs, limit)
+        assert chunks == _naive_chunks(start, remaining, limit, bs), (start, remaining, limit, bs)
+        assert [p for a, b in chunks for p in range(a, b)] == list(range(start, start + remaining))  # exactly the tokens
+        for a, b in chunks:
+            assert b > a and (limit is None or b - a <= limit)
+            assert not bs or a // bs == (b - 1) // bs  # inside one block, whatever the offset of ``start``
+        assert chunk_length(start, remaining, bs, limit) == chunks[0][1] - chunks[0][0]
+    with pytest.raises(ValueError, match="no progress"):
+        block_chunks(0, 5, 4, 0)

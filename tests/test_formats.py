@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -360,3 +361,103 @@ def test_with_block_size_names_the_variant():
     assert f.block_size == 32 and f.name == "int8-static@block32" and f.k == PRESETS["int8-static"].k
     assert f.with_block_size(16).name == "int8-static@block16"
     assert PRESETS["int4"].with_block_size(64) is PRESETS["int4"]
+
+
+# ----------------------------------------------------------------------------- the codec in the DTYPES rows
+
+
+def _fp8_value(byte: int) -> float:
+    """e4m3fn by hand: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal; 0x7F / 0xFF are NaN."""
+    s, e, m = byte >> 7, (byte >> 3) & 15, byte & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    mag = m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -mag if s else mag
+
+
+def _fp8_nearest_byte(x: float) -> int:
+    """The e4m3fn byte nearest to x (ties to the even mantissa), by searching every finite byte."""
+    assert x != 0  # (which zero is a matter of sign, not of nearness)
+    finite = [(b, _fp8_value(b)) for b in range(256) if _fp8_value(b) == _fp8_value(b)]
+    best = min(abs(v - x) for _, v in finite)
+    (byte,) = [b for b, v in finite if abs(v - x) == best and (b & 1 == 0 or all(abs(w - x) > best for c, w in finite if c != b))]
+    return byte
+
+
+def _naive_stored(name: str, symmetric: bool, q: list[float]) -> list:
+    """Storage elements of one row of code values q (floats), element by element."""
+    if name == "fp16":
+        return [struct.unpack("e", struct.pack("e", v))[0] for v in q]
+    if name == "fp8_e4m3":
+        return [_fp8_nearest_byte(v) for v in q]
+    if name == "int8":
+        return [int(v) for v in q]
+    off = 8 if symmetric else 0  # int4: two codes per byte, the even channel in the low nibble
+    return [(int(q[2 * j]) + off) | ((int(q[2 * j + 1]) + off) << 4) for j in range(len(q) // 2)]
+
+
+CODEC_CASES = [(n, s) for n in DTYPES for s in (True, False) if not (n in ("fp16", "fp8_e4m3") and not s)]
+
+
+@pytest.mark.parametrize("name,symmetric", CODEC_CASES)
+def test_encode_decode_match_a_naive_loop(name, symmetric):
+    tr = DTYPES[name]
+    g = torch.Generator().manual_seed(5)
+    D = 6 if tr.codes_per_byte == 2 else 7
+    shape = (3, 5, D)
+    if tr.is_int:
+        lo, hi = (tr.sym_min, tr.sym_max) if symmetric else (0, tr.asym_max)
+        q = torch.randint(int(lo), int(hi) + 1, shape, generator=g).float()
+    else:
+        q = (torch.randn(shape, generator=g) * (100 if name == "fp8_e4m3" else 1000)).clamp(tr.sym_min, tr.sym_max)
+    stored = tr.encode(q, symmetric)
+    assert stored.dtype == tr.storage_for(symmetric) and stored.shape == (3, 5, D // tr.codes_per_byte)
+    for row_q, row_s in zip(q.reshape(-1, D).tolist(), stored.reshape(-1, stored.shape[-1])):
+        got = row_s.view(torch.uint8).tolist() if name == "fp8_e4m3" else row_s.tolist()
+        assert got == _naive_stored(name, symmetric, row_q)
+    back = tr.decode(stored, symmetric)
+    assert back.dtype == torch.float32 and back.shape == shape
+    if tr.is_int:
+        assert torch.equal(back, q)  # integer codes round-trip exactly
+    else:
+        for v, b in zip(back.flatten().tolist(), stored.flatten().tolist()):
+            assert v == (_fp8_value(b) if name == "fp8_e4m3" else b)
+
+
+def test_byte_table_by_hand():
+    assert DTYPES["int4"].byte_table(True)[0xA3].tolist() == [3 - 8, 10 - 8]
+    assert DTYPES["int4"].byte_table(False)[0xA3].tolist() == [3, 10]
+    assert DTYPES["int8"].byte_table(False)[200].tolist() == [200]
+    assert DTYPES["int8"].byte_table(True)[200].tolist() == [200 - 256]
+    assert DTYPES["fp8_e4m3"].byte_table(True)[0x38].tolist() == [1.0]
+    for b in range(256):  # every byte, by hand
+        assert DTYPES["int4"].byte_table(True)[b].tolist() == [(b & 15) - 8, (b >> 4) - 8]
+        assert DTYPES["int8"].byte_table(True)[b].tolist() == [b - 256 if b > 127 else b]
+        v = _fp8_value(b)
+        assert DTYPES["fp8_e4m3"].byte_table(True)[b].tolist() == [0.0 if v != v else v]
+    assert DTYPES["int4"].byte_table(True).shape == (256, 2) and DTYPES["int8"].byte_table(True).shape == (256, 1)
+    with pytest.raises(ValueError):
+        DTYPES["fp16"].byte_table(True)
+
+
+def test_check_head_dim_names_each_rule():
+    with pytest.raises(TrtkvError, match="int4 packs two codes per byte and needs an even head_dim, got 25"):
+        parse_tensor_spec("int4:token").check_head_dim(25)
+    with pytest.raises(TrtkvError, match="Hadamard rotation needs an even head_dim, got 25"):
+        parse_tensor_spec("int8:token:hadamard").check_head_dim(25)
+    with pytest.raises(TrtkvError, match="group size 32 does not divide head_dim 48"):
+        parse_tensor_spec("int8:g32").check_head_dim(48)
+    for spec, d in (("int4:token", 26), ("int8:token", 25), ("int8:g5", 25), ("fp8:tensor", 7), ("int4:g16:hadamard", 48), ("fp16", 3)):
+        parse_tensor_spec(spec).check_head_dim(d)  # fits: no error
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("int8:token", ("L", 7, 3, 5, 1)),
+    ("int4:g16:asym", ("L", 7, 3, 5, 3)),
+    ("int4:bchannel:asym", ("L", 7, 3, 48)),
+    ("int8:tensor", None),
+    ("int8:channel", None),
+    ("fp16", None),
+])
+def test_scale_shape(spec, want):
+    assert parse_tensor_spec(spec).scale_shape(("L", 7), 3, 5, 48) == want

@@ -81,6 +81,21 @@ def test_cache_bytes_match_format_accounting():
 SEALED = "k=int4:bchannel:asym,v=int4:token:asym:hadamard,block=4"
 
 
+@pytest.mark.parametrize("spec", ["k=int4:bchannel:asym,v=int4:token:asym,block=4,sink=2", "k=fp16,v=int8:token,block=4,sink=2"])
+def test_sealed_cache_bytes_are_the_engines(spec):
+    """Sealed blocks plus one slot's open blocks and sink rows per sequence: the bytes the paged layout holds,
+    counted independently here (fp16 rows: 2 bytes; both K and V keep the sink rows, even an fp16 side)."""
+    fmt = get_format(spec)
+    cache = QuantizedKVCache(fmt, num_layers=2)
+    for layer_idx in range(2):
+        for a, b in ((0, 4), (4, 8), (8, 10)):
+            cache.update(torch.randn(3, H, b - a, D).half(), torch.randn(3, H, b - a, D).half(), layer_idx)  # fp16 model: fp16 K stays 2 bytes
+    lay = PagedKVLayout(fmt, H, D, 4, num_blocks=1, num_slots=1)
+    tail = 2 * H * (4 + 2) * D * 2  # K and V, one layer, one slot
+    assert lay.tail_bytes_per_slot() == tail
+    assert cache.nbytes() == 2 * 3 * (2 * lay.bytes_per_block() + tail)  # layers x sequences x (2 sealed blocks + slot)
+
+
 def test_sealed_blocks_keep_the_open_block_in_fp16_and_quantize_full_blocks_whole():
     fmt = get_format(SEALED)
     layer = QuantizedKVLayer(fmt)

@@ -99,6 +99,21 @@ def test_prefill_is_chunked_at_block_boundaries():
     assert len(s.block_table) == 2
 
 
+def test_a_small_token_budget_never_crosses_a_block_boundary_from_mid_block():
+    """max_num_batched_tokens=3 with blocks of 4: after the first chunk the prompt resumes at offset 3 of its block,
+    so the next chunk is 1 token, not 3 (which would run into the next block)."""
+    sched = Scheduler(BlockManager(16, 4, BS), max_num_batched_tokens=3)
+    s = seq(10)
+    sched.add(s)
+    chunks = []
+    while not s.output_ids:
+        out = run_step(sched)
+        chunks += [(c.start, c.length) for c in out.prefill + out.decode if c.seq is s]
+    assert chunks == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 2)]
+    for start, n in chunks:
+        assert start % BS + n <= BS and n <= 3
+
+
 def test_token_budget_limits_each_step_and_decodes_go_first():
     sched = Scheduler(BlockManager(64, 8, BS), max_num_batched_tokens=6)
     a = seq(2, max_tokens=20)

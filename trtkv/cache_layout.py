@@ -70,9 +70,7 @@ class PagedKVLayout:
             )
         object.__setattr__(self, "fmt", self.fmt.with_block_size(self.block_size))
         for t in (self.fmt.k, self.fmt.v):
-            t.groups(self.head_dim)  # validates group size against head_dim
-            if t.dtype == "int4" and self.head_dim % 2:
-                raise TrtkvError(f"int4 needs an even head_dim, got {self.head_dim}", "use int8 for this model")
+            t.check_head_dim(self.head_dim)
 
     def tensor_format(self, which: Which) -> TensorFormat:
         return self.fmt.k if which == "k" else self.fmt.v
@@ -88,12 +86,7 @@ class PagedKVLayout:
         return (self.num_blocks, self.num_kv_heads, self.block_size, self.packed_dim(which))
 
     def scale_shape(self, which: Which) -> tuple[int, ...] | None:
-        t = self.tensor_format(which)
-        if not t.is_dynamic:
-            return None
-        if t.is_block_wise:
-            return (self.num_blocks, self.num_kv_heads, self.head_dim)
-        return (self.num_blocks, self.num_kv_heads, self.block_size, t.groups(self.head_dim))
+        return self.tensor_format(which).scale_shape((self.num_blocks,), self.num_kv_heads, self.block_size, self.head_dim)
 
     def zero_shape(self, which: Which) -> tuple[int, ...] | None:
         return None if self.tensor_format(which).symmetric else self.scale_shape(which)
@@ -117,7 +110,7 @@ class PagedKVLayout:
 
     def tail_bytes_per_slot(self) -> int:
         """Bytes of one sequence slot's open blocks and sink rows, K and V together (fp16)."""
-        return 2 * self.num_kv_heads * self.fmt.tail_rows * self.head_dim * TAIL_DTYPE.itemsize
+        return self.fmt.tail_bytes_per_slot(1, self.num_kv_heads, self.head_dim)
 
     def allocate(self, which: Which, device: torch.device | str = "cpu") -> KVPool:
         """Zero-filled pool tensors and open blocks for K or V."""
@@ -148,8 +141,9 @@ def _numel(shape) -> int:
 def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat pool slots ``block_table[pos // block_size] * block_size + pos % block_size`` of ``positions``.
 
-    ``block_table`` [max_blocks] (one sequence) or [B, max_blocks] with ``positions`` [B, T]. The one place
-    this arithmetic is written; everything that addresses a token in the pool calls it.
+    ``block_table`` [max_blocks] (one sequence) or [B, max_blocks] with ``positions`` [B, T]. The reference
+    statement of the addressing in docs/kv-cache-format.md; nothing in the package calls it (the kernels, the graph
+    and the runtime address whole blocks through the block table), the tests check it against a loop.
     """
     positions = positions.long()
     idx = positions // block_size
@@ -194,20 +188,45 @@ def without_sink(rows: torch.Tensor, sink_tokens: int, seq_axis: int = -2) -> to
     return rows
 
 
+def sealing(block: torch.Tensor, block_index: int, sink_tokens: int, seq_axis: int = -2) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What sealing a sequence's block number ``block_index`` quantizes, and the sink rows it keeps in fp16:
+    ``(block, None)``, except for a first block with sink tokens: ``(without_sink(block), its first sink_tokens rows)``.
+    The one rule the paged seal (``seal_open_block``) and the eval cache (``trtkv.kv_cache``) share."""
+    if block_index or not sink_tokens:
+        return block, None
+    return without_sink(block, sink_tokens, seq_axis), block.narrow(seq_axis, 0, sink_tokens)
+
+
 def seal_open_block(layout: PagedKVLayout, which: Which, pool: KVPool, slot: int, block: int, block_index: int,
                     params: TensorParams | None = None) -> None:
-    """Seal open block ``slot`` -- its sequence's block number ``block_index`` -- into pool block ``block``.
-
-    The first block of a sequence (``block_index == 0``) of a format with sink tokens first copies its
-    first ``sink_tokens`` rows to the slot's sink rows, then is quantized ``without_sink``.
-    """
+    """Seal open block ``slot`` -- its sequence's block number ``block_index`` -- into pool block ``block``;
+    a first block also fills the slot's sink rows (``sealing``)."""
     assert pool.tail is not None
     bs, sink = layout.block_size, layout.sink_tokens
-    rows = pool.tail[slot : slot + 1, :, :bs].float()
-    if block_index == 0 and sink:
-        pool.tail[slot, :, bs : bs + sink] = pool.tail[slot, :, :sink]
-        rows = without_sink(rows, sink)
+    rows, sink_rows = sealing(pool.tail[slot : slot + 1, :, :bs].float(), block_index, sink)
+    if sink_rows is not None:
+        pool.tail[slot : slot + 1, :, bs : bs + sink] = sink_rows
     seal_blocks(layout, which, pool, rows, torch.tensor([block]), params)
+
+
+def chunk_length(start: int, remaining: int, block_size: int | None, limit: int | None = None) -> int:
+    """Tokens of a step starting at position ``start``: ``remaining`` at most, ``limit`` at most (a token budget),
+    and never past the end of ``start``'s block, counted from the offset inside it (a step never crosses a
+    block boundary). The one rule the eval chunks, the scheduler and the static driver share."""
+    n = remaining if limit is None else min(remaining, limit)
+    return n if not block_size else min(n, block_size - start % block_size)
+
+
+def block_chunks(start: int, length: int, block_size: int | None, limit: int | None = None) -> list[tuple[int, int]]:
+    """``(begin, end)`` ranges covering ``start ... start+length-1``, each one ``chunk_length`` long."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"a chunk limit of {limit} tokens makes no progress")
+    out, pos, stop = [], start, start + length
+    while pos < stop:
+        end = pos + chunk_length(pos, stop - pos, block_size, limit)
+        out.append((pos, end))
+        pos = end
+    return out
 
 
 def write_tail(pool: KVPool, slot: int, rows: torch.Tensor, start: int, block_size: int) -> None:

@@ -37,7 +37,8 @@ from pydantic import BaseModel
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, get_format
-from trtkv.kv_cache import QuantizedKVCache, block_chunks
+from trtkv.cache_layout import block_chunks
+from trtkv.kv_cache import QuantizedKVCache
 
 BASELINE = "fp16"
 PROMPT_TOKENS = 64

@@ -333,9 +333,14 @@ class KVFormat(BaseModel):
         elements = 2 * num_layers * num_kv_heads * head_dim
         return elements * self.bits_per_element(head_dim, context_len) / 8
 
+    def tail_bytes(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one sequence slot's fp16 open block and sink rows, one layer, K or V: the one count the
+        layout, the eval cache and ``tail_bytes_per_slot`` share; 0 without sealed blocks."""
+        return num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
+
     def tail_bytes_per_slot(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds; 0 without sealed blocks."""
-        return 2 * num_layers * num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
+        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds."""
+        return 2 * num_layers * self.tail_bytes(num_kv_heads, head_dim)
 
     def spec(self) -> str:
         out = f"k={self.k.short()},v={self.v.short()}"
@@ -352,10 +357,15 @@ def _t(dtype: str, granularity: str = "none", **kw) -> TensorFormat:
     return TensorFormat(dtype=dtype, granularity=granularity, **kw)
 
 
+def _alike(name: str, t: TensorFormat, **kw) -> KVFormat:
+    """A preset that stores K and V alike."""
+    return KVFormat(name=name, k=t, v=t, **kw)
+
+
 PRESETS: dict[str, KVFormat] = {
     p.name: p
     for p in [
-        KVFormat(name="fp16", k=_t("fp16"), v=_t("fp16"), description="unquantized baseline"),
+        _alike("fp16", _t("fp16"), description="unquantized baseline"),
         KVFormat(
             name="int8",
             k=_t("int8", "per_block_channel"),
@@ -364,25 +374,10 @@ PRESETS: dict[str, KVFormat] = {
             description="int8 in sealed blocks of 64 (8.25 bits): keys one fp16 scale per channel per block, values one "
             "per token; the open block stays fp16",
         ),
-        KVFormat(
-            name="int8-token",
-            k=_t("int8", "per_token"),
-            v=_t("int8", "per_token"),
-            description="int8, one dynamic fp16 scale per token and head, every token quantized on write",
-        ),
-        KVFormat(
-            name="int8-static",
-            k=_t("int8", "per_tensor"),
-            v=_t("int8", "per_tensor"),
-            shared_kv_scale=True,
-            description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)",
-        ),
-        KVFormat(
-            name="fp8",
-            k=_t("fp8_e4m3", "per_tensor"),
-            v=_t("fp8_e4m3", "per_tensor"),
-            description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)",
-        ),
+        _alike("int8-token", _t("int8", "per_token"), description="int8, one dynamic fp16 scale per token and head, every token quantized on write"),
+        _alike("int8-static", _t("int8", "per_tensor"), shared_kv_scale=True,
+               description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)"),
+        _alike("fp8", _t("fp8_e4m3", "per_tensor"), description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)"),
         KVFormat(
             name="int4",
             k=_t("int4", "per_block_channel", symmetric=False),
@@ -399,12 +394,7 @@ PRESETS: dict[str, KVFormat] = {
             description="int4 asymmetric per token (4.5 bits at head_dim 64), keys smoothed and rotated, every token "
             "quantized on write",
         ),
-        KVFormat(
-            name="int4-g32",
-            k=_t("int4", "per_token_group", group_size=32),
-            v=_t("int4", "per_token_group", group_size=32),
-            description="int4 symmetric groups of 32 (llama.cpp q4_0-like)",
-        ),
+        _alike("int4-g32", _t("int4", "per_token_group", group_size=32), description="int4 symmetric groups of 32 (llama.cpp q4_0-like)"),
     ]
 }
 
@@ -514,20 +504,23 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
     A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
     (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80). Hadamard rotations use blocks of the largest
     power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
-    smaller than ``head_dim``. int4 packing and Hadamard rotations need an even ``head_dim``.
+    smaller than ``head_dim``. Anything else ``TensorFormat.check_head_dim`` rejects (int4 packing and
+    Hadamard rotations need an even ``head_dim``) cannot fit: its problem is the note.
     """
     changes, parts = [], {}
     for side in ("k", "v"):
         tf: TensorFormat = getattr(fmt, side)
-        if head_dim % 2 and (tf.dtype == "int4" or tf.hadamard):
-            return None, f"{fmt.name}: {'int4 packing' if tf.dtype == 'int4' else 'a Hadamard rotation'} needs an even head_dim, the model has {head_dim}"
         g = tf.group_size
         if g is not None and head_dim % g:
             fit = max((d for d in range(2, min(g, head_dim) + 1) if head_dim % d == 0), default=None)
             if fit is None:
                 return None, f"{fmt.name}: no group size from 2 to {g} divides head_dim {head_dim}"
-            parts[side] = tf.model_copy(update={"group_size": fit})
+            tf = parts[side] = tf.model_copy(update={"group_size": fit})
             changes.append(f"{side.upper()} g{g}->g{fit}")
+        try:
+            tf.check_head_dim(head_dim)
+        except TrtkvError as e:
+            return None, f"{fmt.name}: {e.problem}"
     block = head_dim & -head_dim
     rotated = [s.upper() for s in ("k", "v") if getattr(fmt, s).hadamard]
     if rotated and block < head_dim:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from trtkv.cache_layout import without_sink
+from trtkv.cache_layout import block_chunks, sealing  # noqa: F401  (block_chunks: re-exported, its old home)
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, get_format
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
@@ -69,26 +69,15 @@ def _select(t: torch.Tensor | None, fn) -> torch.Tensor | None:
     return None if t is None else fn(t)
 
 
-def block_chunks(start: int, length: int, block_size: int | None) -> list[tuple[int, int]]:
-    """``(begin, end)`` ranges covering ``start ... start+length-1`` that never cross a block boundary."""
-    if not block_size:
-        return [(start, start + length)]
-    out, pos, stop = [], start, start + length
-    while pos < stop:
-        end = min(stop, (pos // block_size + 1) * block_size)
-        out.append((pos, end))
-        pos = end
-    return out
-
-
 class TensorStore:
     """The stored form of one of K or V in one layer: the quantized past plus, for sealed formats, the open block."""
 
-    def __init__(self, fmt: TensorFormat, params: TensorParams | None, block_size: int | None = None, sink_tokens: int = 0):
-        self.fmt = fmt
+    def __init__(self, kv_fmt: KVFormat, which: str, params: TensorParams | None):
+        self.kv_fmt = kv_fmt  # the open block's byte count is the format's (``KVFormat.tail_bytes``)
+        self.fmt: TensorFormat = getattr(kv_fmt, which)
         self.params = params
-        self.block_size = block_size
-        self.sink_tokens = sink_tokens if fmt.is_quantized else 0
+        self.block_size = kv_fmt.block_size
+        self.sink_tokens = kv_fmt.sink_tokens if self.fmt.is_quantized else 0  # fp16 storage keeps every row as it is
         self.sink: torch.Tensor | None = None  # [B, H, sink_tokens, D]: the first tokens, unquantized
         self.quantized: QuantizedTensor | None = None  # [B, H, S_q, ...] codes + scales (block-wise: scales [B, H, blocks, D])
         self.open: torch.Tensor | None = None  # [B, H, S_o, D] in the model dtype (unquantized open block)
@@ -130,16 +119,16 @@ class TensorStore:
             return
         open_len = 0 if self.open is None else self.open.shape[SEQ_AXIS]
         if open_len == self.block_size:  # the open block is full: seal it before new tokens arrive
-            block = self.open
-            if self.quantized is None and self.sink_tokens:  # a sequence's first block keeps its sink rows
-                self.sink = block[:, :, : self.sink_tokens]
-                block = without_sink(block, self.sink_tokens, SEQ_AXIS)
+            sealed = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS] // self.block_size
+            block, sink = sealing(self.open, sealed, self.sink_tokens, SEQ_AXIS)  # a first block keeps its sink rows
+            if sink is not None:
+                self.sink = sink
             self._write_quantized(block)
             self.open, open_len = None, 0
         if open_len + x.shape[SEQ_AXIS] > self.block_size:
             raise TrtkvError(
                 f"a chunk of {x.shape[SEQ_AXIS]} tokens after {len(self)} cached ones crosses a sealed-block boundary (blocks of {self.block_size})",
-                "feed the model chunks that end at block boundaries (trtkv.kv_cache.block_chunks)",
+                "feed the model chunks that end at block boundaries (trtkv.cache_layout.block_chunks)",
             )
         if self.fmt.is_quantized:  # the engine's open block is fp16: attention and sealing see fp16 values
             x = x.to(torch.float16).to(x.dtype)
@@ -189,7 +178,7 @@ class TensorStore:
             total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero) if t is not None)
         if self.block_size and len(self):  # the open block is a fixed fp16 reservation per sequence
             ref = self.open if self.open is not None else self.quantized.codes
-            total += ref.shape[0] * ref.shape[1] * (self.block_size + self.sink_tokens) * self.head_dim * 2
+            total += ref.shape[0] * self.kv_fmt.tail_bytes(ref.shape[1], self.head_dim)
         return total
 
 
@@ -201,8 +190,8 @@ class QuantizedKVLayer(DynamicLayer):
     def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None):
         super().__init__()
         self.fmt = fmt
-        self.k_store = TensorStore(fmt.k, None if params is None else params.k, fmt.block_size, fmt.sink_tokens)
-        self.v_store = TensorStore(fmt.v, None if params is None else params.v, fmt.block_size, fmt.sink_tokens)
+        self.k_store = TensorStore(fmt, "k", None if params is None else params.k)
+        self.v_store = TensorStore(fmt, "v", None if params is None else params.v)
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -230,8 +219,8 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         fmt = self.fmt
         k, v = self.k_store, self.v_store
-        self.k_store = TensorStore(fmt.k, k.params, fmt.block_size, fmt.sink_tokens)
-        self.v_store = TensorStore(fmt.v, v.params, fmt.block_size, fmt.sink_tokens)
+        self.k_store = TensorStore(fmt, "k", k.params)
+        self.v_store = TensorStore(fmt, "v", v.params)
         self.cumulative_length = 0
         self.keys = self.values = None
         self.is_initialized = False

@@ -170,14 +170,15 @@ class EngineManifest(BaseModel):
 def pool_spec(layout, which: str) -> PoolSpec:
     """The manifest's description of one pool, read from a ``PagedKVLayout``."""
     t = layout.tensor_format(which)
-    kind = "none" if not t.is_dynamic else ("per_block" if t.is_block_wise else "per_token")
+    shape = layout.scale_shape(which)  # None, [NB, H, D] per block and channel, or [NB, H, bs, groups] per token
+    kind = "none" if shape is None else ("per_block" if t.is_block_wise else "per_token")
     return PoolSpec(
         tensor_format=t.short(),
         data_dtype=str(layout.data_dtype(which)).removeprefix("torch."),
         packed_dim=layout.packed_dim(which),
         scale=kind,
-        groups=t.groups(layout.head_dim),
-        zero=t.is_dynamic and not t.symmetric,
+        groups=shape[-1] if kind == "per_token" else 0,
+        zero=layout.zero_shape(which) is not None,
     )
 
 

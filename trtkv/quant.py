@@ -81,7 +81,10 @@ def per_channel(t: torch.Tensor, num_kv_heads: int, head_dim: int, what: str = "
 
 
 def _per_head(t: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
-    """Reshape a [H] or [H, D] constant to broadcast against a tensor whose head axis is ``head_axis``."""
+    """Reshape a [], [H] or [H, D] constant to broadcast against a tensor whose head axis is ``head_axis``.
+
+    Not ``per_channel``: the reference math keeps float64 constants float64 (the float64 references), and a
+    per-head clip must broadcast against channel groups ``[..., G, g]``, which an ``[H, D]`` expansion cannot."""
     t = t.float() if t.dtype != torch.float64 else t
     if t.dim() == 0:
         return t
@@ -99,8 +102,7 @@ def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams |
             raise TrtkvError("this KV format smooths channels but no smoothing factors were given", "run `trtkv calibrate` and pass --calibration")
         x = x / _per_head(params.smooth, x.dim(), head_axis).to(x.dtype)
     if fmt.hadamard:
-        if x.shape[-1] % 2:  # every block would be 1x1: a silent no-op
-            raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {x.shape[-1]}", "drop the hadamard transform for this model")
+        fmt.check_head_dim(x.shape[-1])  # an odd head_dim would make every block 1x1: a silent no-op
         x = x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
     return x
 
@@ -133,8 +135,8 @@ def _dynamic_clip(params: TensorParams | None, ndim: int, head_axis: int) -> tor
 
 
 def _round_codes(y: torch.Tensor, fmt: TensorFormat, lo: float, hi: float) -> torch.Tensor:
-    if fmt.dtype == "fp8_e4m3":
-        return y.clamp(lo, hi)  # rounding happens in the fp8 cast (round to nearest even)
+    if not fmt.traits.is_int:
+        return y.clamp(lo, hi)  # fp8: rounding happens in the encoding cast (round to nearest even)
     return torch.round(y).clamp(lo, hi)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from trtkv.cache_layout import chunk_length
 from trtkv.errors import TrtkvError
 from trtkv.runtime.block_manager import BlockManager
 from trtkv.runtime.sequence import Sequence, SequenceStatus
@@ -134,8 +135,8 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
-        room = self.block_size - seq.num_cached % self.block_size
-        return Chunk(seq, seq.num_cached, min(seq.num_pending, room, self.max_step_tokens, budget))
+        limit = min(self.max_step_tokens, budget)
+        return Chunk(seq, seq.num_cached, chunk_length(seq.num_cached, seq.num_pending, self.block_size, limit))
 
     def _needs_block(self, chunk: Chunk) -> bool:
         end = chunk.start + chunk.length

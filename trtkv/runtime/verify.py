@@ -1,6 +1,6 @@
 """A minimal static-batch driver over an engine: prefill in block-aligned chunks, then greedy decode.
 
-Used by the build checks, the tests and bench/build_engine.py to run an engine the way the runtime does
+Used by the engine tests (tests/test_build_engine.py) to run an engine the way the runtime does
 (step -> ``cache.write_new_rows``), without the runtime's scheduler: every sequence owns slot ``i`` and
 gets pool blocks from a simple free list, allocated before the step that may seal into them.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from trtkv.cache_layout import chunk_length
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch
 
@@ -46,8 +47,7 @@ class StaticBatch:
             rows = {}
             for i, p in enumerate(prompts):
                 if pos[i] < len(p):
-                    end = min(len(p), (self.lens[i] // self.bs + 1) * self.bs - self.lens[i] + pos[i])
-                    rows[i] = p[pos[i] : end]
+                    rows[i] = p[pos[i] : pos[i] + chunk_length(self.lens[i], len(p) - pos[i], self.bs)]
             logits = self.step(engine, rows)
             for j, i in enumerate(sorted(rows)):
                 pos[i] += len(rows[i])
