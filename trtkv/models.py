@@ -68,8 +68,8 @@ class ModelInfo(BaseModel):
     """The model record: identity, geometry, RoPE, norm, eos, read once from the config (or GGUF metadata).
 
     The calibration artifact's ``ModelIdentity``, the engine manifest's ``ModelSpec`` and the builder's
-    ``ModelWeights`` derive from it, so a field is declared and read in one place. Fields after
-    ``head_dim`` have defaults so that files written before they existed still load.
+    ``ModelWeights`` derive from it, so a field is declared and read in one place. All but the identity and
+    KV geometry have defaults, so that recipe.json / manifest.json files written before a field existed still load.
     """
 
     model_config = ConfigDict(frozen=True, protected_namespaces=())
