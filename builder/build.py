@@ -82,16 +82,16 @@ class Stages:
             raise RuntimeError(f"simulated failure after stage {name} ({FAIL_ENV})")
 
 
-def _check_params(fmt, params, num_layers: int, cal_path) -> None:
-    """Every static scale / smoothing factor the format needs is in the calibration, for every layer."""
+def _check_params(fmt, params, num_layers: int, cal_path, requested) -> None:
+    """Every static scale / smoothing factor the format needs is in the calibration, for every layer (``requested``: the --kv format)."""
     for i, lp in enumerate(params):
         for which, t in (("k", fmt.k), ("v", fmt.v)):
             p = getattr(lp, which)
             other = lp.v if which == "k" else lp.k
             if t.is_static and p.scale is None and not (fmt.shared_kv_scale and other.scale is not None):
-                raise TrtkvError(f"calibration {cal_path} lacks the static {which.upper()} scale of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {fmt.name.split('@')[0]}")
+                raise TrtkvError(f"calibration {cal_path} lacks the static {which.upper()} scale of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {requested.name}")
             if t.smooth and p.smooth is None:
-                raise TrtkvError(f"calibration {cal_path} lacks the {which.upper()} smoothing factors of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {fmt.name.split('@')[0]}")
+                raise TrtkvError(f"calibration {cal_path} lacks the {which.upper()} smoothing factors of layer {i} that {fmt.spec()} needs", f"rerun trtkv calibrate with --kv {requested.name}")
 
 
 def build_engine(
@@ -138,9 +138,9 @@ def build_engine(
     trt = import_tensorrt(backend) if backend != "onnxruntime" else None
     if max_batch < 1 or max_seq_len < 1:
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
-    base_fmt = get_format(kv)
+    base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
     bs = block_size or base_fmt.block_size or 64
-    fmt = base_fmt.with_block_size(bs)
+    base_fmt.with_block_size(bs)  # validates --block-size before the model loads
     att = get_backend(attention)
     if attention == "plugin" and backend == "tensorrt-rtx":
         raise TrtkvError(
@@ -154,7 +154,7 @@ def build_engine(
 
         loaded = load_model(model, device="cpu", dtype="float32")
     info = loaded.info
-    [base_fmt], notes = fit_formats([kv if isinstance(kv, str) else base_fmt], info.head_dim)  # presets fit any head_dim
+    [base_fmt], notes = fit_formats([base_fmt], info.head_dim)  # presets fit any head_dim
     fmt = base_fmt.with_block_size(bs)
     if console:
         for note in notes:
@@ -162,7 +162,7 @@ def build_engine(
     reasons = att.reasons(fmt, info.head_dim, bs)
     if reasons:
         raise TrtkvError(f"{attention} attention cannot build {fmt.spec()}: {'; '.join(reasons)}", "choose another --block-size / --kv, or the other --attention")
-    max_pos = int(loaded.model.config.get_text_config(decoder=True).max_position_embeddings)
+    max_pos = info.max_position_embeddings
     if max_seq_len > max_pos:
         raise TrtkvError(f"--max-seq-len {max_seq_len} is beyond {info.name}'s {max_pos} positions", f"pass --max-seq-len {max_pos} or less")
     layout1 = PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 1, 1)  # validates group sizes, int4 head dim
@@ -177,7 +177,7 @@ def build_engine(
         from trtkv.artifacts import LayerParams  # noqa: PLC0415
 
         params = [LayerParams() for _ in range(info.num_layers)]
-    _check_params(fmt, params, info.num_layers, calibration)
+    _check_params(fmt, params, info.num_layers, calibration, base_fmt)
 
     max_blocks = -(-max_seq_len // bs)
     limits = Limits(
@@ -239,7 +239,7 @@ def _export(tmp: Path, loaded, layout, params, att, dtype):
     from trtkv.builder.weights import extract_weights  # noqa: PLC0415
     from trtkv.manifest import ONNX_DATA_FILE, ONNX_FILE  # noqa: PLC0415
 
-    w = extract_weights(loaded.model)
+    w = extract_weights(loaded.model, loaded.info)
     proto, inputs, outputs = build_step_network(w, layout, params, att, dtype)
     onnx.save_model(proto, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=ONNX_DATA_FILE, size_threshold=1024)
     return inputs, outputs
@@ -289,13 +289,7 @@ def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inpu
     from trtkv.manifest import CalibrationRef, EngineManifest, ModelSpec, pool_spec  # noqa: PLC0415
 
     info = loaded.info
-    cfg = loaded.model.config.get_text_config(decoder=True)
     L = info.num_layers
-    gen = getattr(loaded.model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
-    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    rope = getattr(cfg, "rope_parameters", None) or {}
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     versions = {k: _version(k) for k in ("onnx", "onnxruntime", "torch", "transformers")}
     if trt is not None:
@@ -311,16 +305,8 @@ def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inpu
     return EngineManifest(
         trtkv_version=__version__,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        model=ModelSpec(
-            name=info.name, source=info.source, sha256=info.sha256, architecture=info.architecture,
-            num_layers=L, num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-            hidden_size=info.hidden_size, vocab_size=info.vocab_size, max_position_embeddings=int(cfg.max_position_embeddings),
-            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0) or 10000.0)),
-            rms_norm_eps=float(cfg.rms_norm_eps), tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            eos_token_ids=eos_ids, bos_token_id=getattr(cfg, "bos_token_id", None),
-        ),
+        model=ModelSpec.model_validate(info.model_dump()),
         kv_format=fmt,
-        kv_spec=fmt.spec(),
         backend=backend,
         attention=attention,
         dtype=dtype,

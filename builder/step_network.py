@@ -63,7 +63,7 @@ def build_step_network(
     """The ONNX step network of model ``w`` over ``layout``'s paged cache; returns (model, inputs, outputs)."""
     g = Graph("trtkv_step", custom_domains={"trtkv": 1} if attention.name == "plugin" else None)
     cdt, npd = DTYPE[dtype], NP_DTYPE[dtype]
-    L, nh, H, D, hid = w.num_layers, w.num_heads, w.num_kv_heads, w.head_dim, w.hidden_size
+    L, nh, H, D, hid = w.info.num_layers, w.info.num_heads, w.info.num_kv_heads, w.info.head_dim, w.info.hidden_size
     bs = layout.block_size
     i64 = TensorProto.INT64
 
@@ -147,7 +147,7 @@ def build_step_network(
     def rms_norm(x, weight):  # in float32 like transformers' LlamaRMSNorm
         xf = x if cdt == TensorProto.FLOAT else g.cast(x, TensorProto.FLOAT)
         var = g.op("ReduceMean", g.mul(xf, xf), g.i64(-1), keepdims=1)
-        y = g.div(xf, g.op("Sqrt", g.add(var, g.scalar(w.rms_norm_eps, np.float32))))
+        y = g.div(xf, g.op("Sqrt", g.add(var, g.scalar(w.info.rms_norm_eps, np.float32))))
         if cdt != TensorProto.FLOAT:
             y = g.cast(y, cdt)
         return g.mul(y, g.const(weight.astype(npd), "norm_w"))
@@ -196,7 +196,7 @@ def build_step_network(
     g.op("Concat", *new_k, outputs=["new_k"], axis=0)
     g.op("Concat", *new_v, outputs=["new_v"], axis=0)
     out_specs = [
-        TensorSpec(name="logits", shape=["batch", w.vocab_size], dtype="float32"),
+        TensorSpec(name="logits", shape=["batch", w.info.vocab_size], dtype="float32"),
         TensorSpec(name="new_k", shape=[L, "batch", "new_tokens", H, D], dtype="float16"),
         TensorSpec(name="new_v", shape=[L, "batch", "new_tokens", H, D], dtype="float16"),
     ]

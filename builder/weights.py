@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
+from trtkv.models import ModelInfo
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq (and attention_scaling) fixed at load
 
@@ -34,24 +35,15 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_theta: float
+    """The model record (geometry, RoPE base, eps, eos) plus the numpy weights and RoPE constants the graph bakes in."""
+
+    info: ModelInfo
     inv_freq: np.ndarray  # [D/2] float32, rope scaling applied
     attention_scaling: float
     embed: np.ndarray  # [V, hidden]
     lm_head: np.ndarray | None  # [V, hidden]; None when tied to embed
     final_norm: np.ndarray
     layers: list[LayerWeights] = field(default_factory=list)
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
 
     @property
     def tied(self) -> bool:
@@ -66,18 +58,16 @@ def _t(w: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(_np(w).T)
 
 
-def extract_weights(model) -> ModelWeights:
-    """Numpy float32 weights and the RoPE constants of a transformers LLaMA-family causal LM."""
+def extract_weights(model, info: ModelInfo) -> ModelWeights:
+    """Numpy float32 weights and the RoPE constants of a transformers LLaMA-family causal LM (``info``: its record)."""
     cfg = model.config.get_text_config(decoder=True)
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    arch = info.architecture
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in STATIC_ROPE_TYPES:
         raise TrtkvError(f"RoPE scaling {rope_type!r} changes with the sequence length and is not supported by the step network", f"use a model with RoPE type one of {STATIC_ROPE_TYPES}")
     base = model.model
     rot = base.rotary_emb
-    nh = cfg.num_attention_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
     layers = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
@@ -94,28 +84,13 @@ def extract_weights(model) -> ModelWeights:
             raise TrtkvError(f"{arch}: biases on o_proj / MLP are not supported", "use a Llama, Mistral or Qwen2 model")
     embed = base.embed_tokens.weight
     head = model.lm_head.weight
-    tied = head.data_ptr() == embed.data_ptr() or bool(getattr(cfg, "tie_word_embeddings", False))
-    eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
-    eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
-    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else getattr(cfg, "rope_theta", 10000.0))
+    tied = head.data_ptr() == embed.data_ptr() or info.tie_word_embeddings
     return ModelWeights(
-        architecture=arch,
-        num_layers=len(layers),
-        num_heads=nh,
-        num_kv_heads=cfg.num_key_value_heads or nh,
-        head_dim=D,
-        hidden_size=cfg.hidden_size,
-        vocab_size=embed.shape[0],
-        rms_norm_eps=float(cfg.rms_norm_eps),
-        max_position_embeddings=int(cfg.max_position_embeddings),
-        rope_theta=theta,
+        info=info,
         inv_freq=rot.inv_freq.detach().to("cpu", torch.float32).numpy().copy(),
         attention_scaling=float(getattr(rot, "attention_scaling", 1.0)),
         embed=_np(embed),
         lm_head=None if tied else _np(head),
         final_norm=_np(base.norm.weight),
         layers=layers,
-        eos_token_ids=eos_ids,
-        bos_token_id=getattr(cfg, "bos_token_id", None),
     )

@@ -185,29 +185,27 @@ def _calibration_windows(cal: Any, tokenizer: Any, q_windows: int | None) -> tor
 # --------------------------------------------------------------------------- TensorRT-LLM
 
 
-def _rope(cfg: Any) -> tuple[float, dict | None]:
-    """(rotary_base, rotary_scaling) from a transformers config (v5 ``rope_parameters`` or v4 fields)."""
+def _rope_scaling(cfg: Any) -> dict | None:
+    """rotary_scaling from a transformers config (v5 ``rope_parameters`` or v4 fields); the base is the record's."""
     rp = dict(getattr(cfg, "rope_parameters", None) or {})
-    base = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     scaling = getattr(cfg, "rope_scaling", None) if not rp else None
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rp and rope_type != "default":
         scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
         scaling.setdefault("type", rope_type)
-    return base, (dict(scaling) if scaling else None)
+    return dict(scaling) if scaling else None
 
 
 def trtllm_config(cfg: Any, info: Any, fmt: KVFormat, tp_size: int, dtype: str) -> dict:
     """The TensorRT-LLM ``config.json`` of a LLaMA-family model (field names: docs/interop.md)."""
     from trtkv.calibration.export import TRTLLM_ALGO  # noqa: PLC0415
 
-    base, scaling = _rope(cfg)
     return {
         "architecture": info.architecture,
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": info.vocab_size,
-        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "max_position_embeddings": info.max_position_embeddings,
         "hidden_size": info.hidden_size,
         "num_hidden_layers": info.num_layers,
         "num_attention_heads": info.num_heads,
@@ -215,13 +213,13 @@ def trtllm_config(cfg: Any, info: Any, fmt: KVFormat, tp_size: int, dtype: str) 
         "head_size": info.head_dim,
         "intermediate_size": cfg.intermediate_size,
         "hidden_act": cfg.hidden_act,
-        "norm_epsilon": float(cfg.rms_norm_eps),
+        "norm_epsilon": info.rms_norm_eps,
         "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": base,
-        "rotary_scaling": scaling,
+        "rotary_base": info.rope_theta,
+        "rotary_scaling": _rope_scaling(cfg),
         "attn_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "tie_word_embeddings": info.tie_word_embeddings,
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -174,7 +173,7 @@ def run_calibration(
     recipe = CalibrationRecipe(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         trtkv_version=__version__,
-        model=ModelIdentity.of(asdict(loaded.info)),
+        model=ModelIdentity.of(loaded.info),
         dataset=describe_dataset(dataset, text_field),
         samples=int(windows.shape[0]),
         seq_len=seq_len,

@@ -24,6 +24,7 @@ from trtkv.runtime.verify import StaticBatch, greedy_decode
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import greedy_generate, model_logits
 from trtkv.manifest import load_manifest
+from trtkv.models import ModelInfo
 from trtkv.runtime.backends import OnnxRuntimeEngine
 from trtkv.runtime.kv_pool import PagedKVCache
 
@@ -87,6 +88,16 @@ def test_manifest_is_complete_and_validated(tmp_path, tiny_dir, tiny_loaded):
     k_data = m.input("k_data")
     assert k_data.dtype == "int8" and k_data.storage_dtype == "uint8" and k_data.shape[-1] == m.model.head_dim // 2
     assert m.bytes_per_token == pytest.approx(m.bytes_per_block / TINY_BLOCK)
+    # the manifest's model is the record the builder read; eos ids and RoPE base as transformers reports them
+    assert ModelInfo.model_validate(m.model.model_dump()) == tiny_loaded.info
+    assert list(m.model.eos_token_ids) == [tiny_loaded.model.generation_config.eos_token_id] == [2]
+    assert m.model.rope_theta == tiny_loaded.model.config.rope_parameters["rope_theta"]
+    # a manifest written before the record's later fields existed still loads, with the same facts
+    raw = json.loads((out / "manifest.json").read_text())
+    for key in ("rope_layout", "param_bytes", "num_params"):
+        del raw["model"][key]
+    (out / "manifest.json").write_text(json.dumps(raw))
+    assert load_manifest(out).model.model_dump(exclude={"param_bytes", "num_params"}) == m.model.model_dump(exclude={"param_bytes", "num_params"})
     # a truncated file is caught
     data = out / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:-10])

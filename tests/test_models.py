@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -162,7 +161,9 @@ def test_builtin_model_info_from_metadata():
     assert info.name == "smollm2-135m" and info.source == str(resolve_model("smollm2-135m"))
     assert 130e6 < info.num_params < 140e6 and info.param_bytes == 4 * info.num_params
     assert model_info("smollm2-135m", dtype="float16").param_bytes == 2 * info.num_params
-    json.dumps(dataclasses.asdict(info))
+    assert (info.rope_theta, info.rms_norm_eps, info.max_position_embeddings) == (100000.0, pytest.approx(1e-5), 8192)
+    assert (info.eos_token_ids, info.bos_token_id, info.tie_word_embeddings) == ((2,), 1, True)
+    assert type(info).model_validate_json(info.model_dump_json()) == info  # the record round-trips through JSON
 
 
 @pytest.mark.model
@@ -321,3 +322,15 @@ def test_tiny_model_can_be_copied_and_still_loads(tiny_model, tmp_path):
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(_logits(load_model(str(moved), device="cpu").model, ids), _logits(ref, ids))
     assert os.path.isabs(model_info(str(moved)).source)
+
+
+def test_model_record_reads_rope_theta_eos_and_norm_as_transformers_does(tiny_model):
+    """The record is the one home of rope_theta / eos ids / eps: config-only and loaded reads agree with transformers."""
+    d, ref = tiny_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, eos_token_id=[3, 7],
+                        bos_token_id=5, rms_norm_eps=1e-5, max_position_embeddings=128)
+    info = model_info(str(d))
+    assert ref.config.rope_parameters["rope_theta"] == info.rope_theta == 50000.0
+    assert info.eos_token_ids == tuple(ref.generation_config.eos_token_id) == (3, 7)
+    assert (info.bos_token_id, info.rms_norm_eps, info.max_position_embeddings) == (5, 1e-5, 128)
+    assert not info.tie_word_embeddings
+    assert load_model(str(d), device="cpu").info == info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +190,33 @@ def test_client_wait_ready_times_out_with_a_clear_error():
 
     with pytest.raises(TrtkvError, match="was not ready within 1 s"):
         wait_ready(f"http://127.0.0.1:{free_port()}", 1)
+
+
+def test_serving_defaults_have_one_home(tmp_path):
+    """RuntimeConfig's defaults are what RepoOptions, the generated config, the CLI options and the python model use."""
+    import inspect
+
+    from trtkv.runtime.config import RuntimeConfig
+    from trtkv.triton_repo import cli
+
+    want = RuntimeConfig()
+    opts = RepoOptions()
+    assert (opts.max_seqs, opts.max_batched_tokens) == (want.max_seqs, want.max_batched_tokens)
+    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, "cpu"))
+    cfg = parse_config(tmp_path / "c.pbtxt")
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert (int(params["max_seqs"]), int(params["max_batched_tokens"])) == (want.max_seqs, want.max_batched_tokens)
+    app = __import__("typer").Typer()
+    cli.register(app, lambda f: f)
+    checked = []
+    for command in app.registered_commands:
+        sig = inspect.signature(command.callback)
+        if "max_seqs" in sig.parameters:
+            assert sig.parameters["max_seqs"].default == want.max_seqs, command.callback.__name__
+            assert sig.parameters["max_batched_tokens"].default == want.max_batched_tokens, command.callback.__name__
+            checked.append(command.callback.__name__)
+    assert {"triton_repo", "serve"} <= set(checked)
+    # the python model imports triton_python_backend_utils (only inside the server): check its source instead
+    src = (Path(cli.__file__).parent / "python_model.py").read_text()
+    assert 'num("max_seqs", int) or RuntimeConfig.max_seqs' in src
+    assert 'num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens' in src

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.config import RuntimeConfig
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -41,26 +42,16 @@ def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend,
     )
 
 
-def _pool_summary(engine_dir: Path, opts) -> str:
-    """What the server's block manager will allocate (same arithmetic, computed here for the banner)."""
+def _pool_summary(m, opts) -> str:
+    """What the server's block manager will allocate for manifest ``m`` (the server's own ``plan_budget``, for the banner)."""
     import torch
 
-    from trtkv.manifest import load_manifest
-    from trtkv.runtime.block_manager import CacheBudget
-    from trtkv.runtime.llm_engine import RuntimeConfig, resolve_kv_budget
+    from trtkv.runtime.llm_engine import plan_budget
 
-    m = load_manifest(engine_dir)
     if opts.kv_memory_gib is None and torch.cuda.is_available():
         return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
     cfg = RuntimeConfig(kv_memory_gib=opts.kv_memory_gib, max_seqs=opts.max_seqs)
-    b = CacheBudget.plan(
-        resolve_kv_budget(cfg, torch.device("cpu")),
-        bytes_per_block=m.bytes_per_block,
-        bytes_per_slot=m.tail_bytes_per_slot,
-        block_size=m.limits.block_size,
-        num_slots=opts.max_seqs if m.backend == "onnxruntime" else min(opts.max_seqs, m.limits.max_batch, m.limits.max_num_slots),
-    )
-    return f"KV format {m.kv_spec}: {b.describe()}"
+    return f"KV format {m.kv_spec}: {plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
 
 
 def register(app: typer.Typer, handle_errors) -> None:
@@ -71,8 +62,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         out: Annotated[Path, typer.Option("--out", "-o", help="model repository to write")] = Path("trtkv-out/triton_repo"),
         kv_memory: KvMemoryOpt = None,
         kv_fraction: KvFractionOpt = None,
-        max_seqs: MaxSeqsOpt = 64,
-        max_batched_tokens: BatchedTokensOpt = 512,
+        max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
+        max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
         backend: BackendOpt = "auto",
         instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")] = "auto",
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")] = False,
@@ -118,8 +109,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         metrics_port: Annotated[int, typer.Option("--metrics-port")] = 8002,
         kv_memory: KvMemoryOpt = None,
         kv_fraction: KvFractionOpt = None,
-        max_seqs: MaxSeqsOpt = 64,
-        max_batched_tokens: BatchedTokensOpt = 512,
+        max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
+        max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
         backend: BackendOpt = "auto",
         instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu")] = "auto",
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
@@ -133,10 +124,10 @@ def register(app: typer.Typer, handle_errors) -> None:
         from trtkv.triton_repo.repository import write_repository
         from trtkv.triton_repo.server import TritonServer, find_tritonserver
 
-        load_manifest(engine_dir)
+        manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
         opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
-        summary = _pool_summary(engine_dir, opts)
+        summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
         server = TritonServer(path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve())
         stop = {"sig": None}

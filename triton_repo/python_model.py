@@ -109,8 +109,8 @@ class TritonPythonModel:
         config = RuntimeConfig(
             kv_memory_gib=num("kv_memory_gib", float),
             kv_memory_fraction=num("kv_memory_fraction", float),
-            max_seqs=num("max_seqs", int) or 64,
-            max_batched_tokens=num("max_batched_tokens", int) or 512,
+            max_seqs=num("max_seqs", int) or RuntimeConfig.max_seqs,
+            max_batched_tokens=num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens,
             backend=params.get("backend") or "auto",
             device=params.get("device") or "auto",
         )

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.interface import INPUTS, OUTPUTS, Tensor
 
 LLM_MODEL = "trtkv_llm"
@@ -38,8 +39,8 @@ class RepoOptions:
 
     kv_memory_gib: float | None = None  # None: the manifest's / backend's default
     kv_memory_fraction: float | None = None  # of free device memory (GPU only)
-    max_seqs: int = 64
-    max_batched_tokens: int = 512
+    max_seqs: int = RuntimeConfig.max_seqs
+    max_batched_tokens: int = RuntimeConfig.max_batched_tokens
     backend: str = "auto"
     instance_kind: str = "auto"  # auto | cpu | gpu
     max_batch_size: int = 64

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from trtkv import __version__
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, get_format
+from trtkv.models import ModelInfo
 from trtkv.quant import TensorParams
 
 SCHEMA_VERSION = 1
@@ -53,30 +54,18 @@ class LayerParams:
     v: TensorParams = field(default_factory=TensorParams)
 
 
-class ModelIdentity(BaseModel):
-    """The ``ModelInfo`` fields of the calibrated model (extra fields are kept)."""
+class ModelIdentity(ModelInfo):
+    """The model record of the calibrated model, as recipe.json stores it (extra fields are kept)."""
 
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
-
-    name: str
-    source: str = ""
-    sha256: str
-    architecture: str = ""
-    num_layers: int
-    num_heads: int = 0
-    num_kv_heads: int
-    head_dim: int
+    model_config = ConfigDict(extra="allow", frozen=False)
 
     @classmethod
     def of(cls, info: Any) -> "ModelIdentity":
-        """From a ``trtkv.models.ModelInfo`` (or any dataclass / mapping with the same fields)."""
+        """From a ``trtkv.models.ModelInfo`` (or a mapping with the same fields)."""
         if isinstance(info, ModelIdentity):
             return info
-        data = asdict(info) if is_dataclass(info) else dict(info)
+        data = info.model_dump() if isinstance(info, BaseModel) else asdict(info) if is_dataclass(info) else dict(info)
         return cls.model_validate(data)
-
-    def shape(self) -> str:
-        return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim {self.head_dim}"
 
 
 class LayerChoice(BaseModel):

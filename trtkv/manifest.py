@@ -23,10 +23,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat
+from trtkv.models import ModelInfo
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -37,6 +38,12 @@ KV_PARAMS_FILE = "kv_params.safetensors"
 KV_PARAMS_PREFIX = "kv"  # keys kv.layers.{i}.{k|v}.{field} (trtkv.artifacts.params_to_tensors with format name "kv")
 TOKENIZER_DIR = "tokenizer"
 PLANS_DIR = "plans"
+SHAPE_FREE_BACKENDS = ("onnxruntime", "torch")  # engines that take any batch, pool and slot count
+
+
+def accepts_any_shape(backend: str) -> bool:
+    """ONNX Runtime (and the torch reference) run any batch / pool size; TensorRT plans only their profile's ``limits``."""
+    return backend in SHAPE_FREE_BACKENDS
 
 Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt"]
 Attention = Literal["native", "plugin"]
@@ -68,27 +75,10 @@ class PoolSpec(BaseModel):
     zero: bool = False
 
 
-class ModelSpec(BaseModel):
-    """Identity and geometry of the model inside the engine (ModelInfo fields plus what the graph used)."""
+class ModelSpec(ModelInfo):
+    """The model record inside the engine (manifest.json's ``model``); the graph was built from these fields."""
 
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
-
-    name: str
-    source: str = ""
-    sha256: str
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    eos_token_ids: list[int] = []
-    bos_token_id: int | None = None
+    model_config = ConfigDict(extra="allow")
 
 
 class Limits(BaseModel):
@@ -101,7 +91,7 @@ class Limits(BaseModel):
     block_size: int = Field(ge=1)
     max_blocks_per_seq: int = Field(ge=1)  # ceil(max_seq_len / block_size): block_tables' second dim at most
     max_new_tokens_per_step: int = Field(ge=1)  # = block_size: a step never crosses a block boundary
-    max_num_blocks: int = Field(ge=1)  # pool blocks (TensorRT profile max; ONNX Runtime takes any)
+    max_num_blocks: int = Field(ge=1)  # pool blocks (TensorRT profile max; see accepts_any_shape)
     max_num_slots: int = Field(ge=1)  # open-block slots (TensorRT profile max)
 
 
@@ -131,8 +121,7 @@ class EngineManifest(BaseModel):
     trtkv_version: str
     created: str
     model: ModelSpec
-    kv_format: KVFormat  # with the engine's block size (fmt.with_block_size)
-    kv_spec: str
+    kv_format: KVFormat  # with the engine's block size (fmt.with_block_size): the one serialized definition
     backend: Backend
     attention: Attention
     dtype: ComputeDtype  # compute and weight dtype of the network
@@ -151,6 +140,20 @@ class EngineManifest(BaseModel):
     plans: list[PlanFile] = []
     build: dict[str, Any] = {}  # versions, host, seconds per stage
     runtime_needs: dict[str, str] = {}  # backend -> what it needs at run time
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_fields(cls, data: Any) -> Any:
+        """``kv_spec`` in manifest.json is for people; it is derived from ``kv_format``, never read back."""
+        if isinstance(data, dict) and "kv_spec" in data:
+            data = {k: v for k, v in data.items() if k != "kv_spec"}
+        return data
+
+    @computed_field
+    @property
+    def kv_spec(self) -> str:
+        """The format as users write it (``--kv``), written to manifest.json beside the definition."""
+        return self.kv_format.spec()
 
     # ------------------------------------------------------------------ helpers
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from trtkv.errors import TrtkvError
 
@@ -58,26 +59,43 @@ _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
+
 _HOW_TO_SPECIFY = "pass a Hugging Face model directory, a .gguf file, or the builtin alias 'smollm2-135m'"
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the rest of trtkv needs to know about a model; JSON-serializable via ``dataclasses.asdict``."""
+class ModelInfo(BaseModel):
+    """The model record: identity, geometry, RoPE, norm, eos, read once from the config (or GGUF metadata).
+
+    The calibration artifact's ``ModelIdentity``, the engine manifest's ``ModelSpec`` and the builder's
+    ``ModelWeights`` derive from it, so a field is declared and read in one place. All but the identity and
+    KV geometry have defaults, so that recipe.json / manifest.json files written before a field existed still load.
+    """
+
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
 
     name: str  # alias or path as given
-    source: str  # resolved absolute path
+    source: str = ""  # resolved absolute path
     sha256: str  # of the gguf file, or of the safetensors files (sha256 of the sorted, concatenated hex digests)
-    architecture: str  # e.g. "LlamaForCausalLM"
+    architecture: str = ""  # e.g. "LlamaForCausalLM"
     num_layers: int
-    num_heads: int
+    num_heads: int = 0
     num_kv_heads: int
     head_dim: int
-    hidden_size: int
-    vocab_size: int
-    rope_layout: str  # "rotate_half": channel i pairs with i + head_dim/2
-    param_bytes: int  # bytes of the weights at the loaded dtype (tied weights counted once)
+    hidden_size: int = 0
+    vocab_size: int = 0
+    rope_layout: str = "rotate_half"  # channel i pairs with i + head_dim/2
+    param_bytes: int = 0  # bytes of the weights at the loaded dtype (tied weights counted once)
     num_params: int = 0  # number of weights (tied weights counted once)
+    max_position_embeddings: int = 0
+    rope_theta: float = DEFAULT_ROPE_THETA
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()  # generation_config's, else config's
+    bos_token_id: int | None = None
+
+    def shape(self) -> str:
+        return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim {self.head_dim}"
 
 
 @dataclass
@@ -216,10 +234,11 @@ def _gguf_metadata(path: Path) -> dict:
         raise TrtkvError("reading .gguf files needs the gguf package", "pip install gguf") from None
     try:
         reader = gguf.GGUFReader(str(path))
-        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         n_tokens = len(tokens.data) if tokens is not None else None
         n_params = sum(int(t.n_elements) for t in reader.tensors)
+        tied = not any(t.name == "output.weight" for t in reader.tensors)
     except TrtkvError:
         raise
     except Exception as e:  # corrupt or truncated file: gguf raises ValueError/IndexError/struct errors
@@ -227,7 +246,7 @@ def _gguf_metadata(path: Path) -> dict:
             f"'{path}' is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})",
             "check that the download is complete, or pass a Hugging Face model directory",
         ) from None
-    return {"fields": fields, "n_tokens": n_tokens, "n_params": n_params}
+    return {"fields": fields, "n_tokens": n_tokens, "n_params": n_params, "tied": tied}
 
 
 def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
@@ -253,8 +272,12 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
     return ModelInfo(
         name=name, source=str(path), sha256=_sha256_file(path), architecture=arch,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        hidden_size=hidden, vocab_size=int(vocab), rope_layout="rotate_half",
-        param_bytes=n * _dtype_bytes(dtype), num_params=n,
+        hidden_size=hidden, vocab_size=int(vocab), param_bytes=n * _dtype_bytes(dtype), num_params=n,
+        max_position_embeddings=int(f.get(f"{arch_key}.context_length", 0)),
+        rope_theta=float(f.get(f"{arch_key}.rope.freq_base", DEFAULT_ROPE_THETA)),
+        rms_norm_eps=float(f.get(f"{arch_key}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings=meta["tied"], eos_token_ids=_token_ids(f.get("tokenizer.ggml.eos_token_id")),
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
     )
 
 
@@ -271,7 +294,19 @@ def _safetensors_numel(path: Path) -> int:
         ) from None
 
 
-def _config_fields(cfg: dict, where: str) -> dict:
+def _token_ids(v: Any) -> tuple[int, ...]:
+    """An eos id as configs write it (None, an int or a list) as a tuple."""
+    return () if v is None else (int(v),) if isinstance(v, int) else tuple(int(e) for e in v)
+
+
+def rope_theta(cfg: dict) -> float:
+    """RoPE base of a config dict: transformers v5 ``rope_parameters`` (or ``rope_scaling``), else v4 ``rope_theta``."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(rp.get("rope_theta", cfg.get("rope_theta") or DEFAULT_ROPE_THETA))
+
+
+def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
+    """The record's fields from a config dict; ``eos``: generation_config's eos id when there is one."""
     arch = (cfg.get("architectures") or [None])[0] or _MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None and cfg.get("model_type"):
         arch = cfg["model_type"]
@@ -287,6 +322,12 @@ def _config_fields(cfg: dict, where: str) -> dict:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             hidden_size=hidden,
             vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+            rope_theta=rope_theta(cfg),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=_token_ids(eos if eos is not None else cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
         )
     except KeyError as e:
         raise TrtkvError(f"{where} lacks the field {e.args[0]}", "fix config.json or re-save the model") from None
@@ -299,10 +340,12 @@ def _dir_info(name: str, path: Path, dtype: str) -> ModelInfo:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise TrtkvError(f"cannot read '{cfg_path}' ({e})", "fix config.json or re-save the model") from None
-    fields = _config_fields(cfg, f"'{cfg_path}'")
+    gen_path = path / "generation_config.json"
+    eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
+    fields = _config_fields(cfg, f"'{cfg_path}'", eos)
     n = sum(_safetensors_numel(f) for f in _safetensors_files(path))
     return ModelInfo(
-        name=name, source=str(path), sha256=_dir_sha256(path), rope_layout="rotate_half",
+        name=name, source=str(path), sha256=_dir_sha256(path),
         param_bytes=n * _dtype_bytes(dtype), num_params=n, **fields,
     )
 
@@ -444,10 +487,11 @@ def _info_from_model(base: ModelInfo, model: torch.nn.Module) -> ModelInfo:
     cfg = model.config.to_dict()
     if not cfg.get("architectures"):
         cfg["architectures"] = [type(model).__name__]
-    fields = _config_fields(cfg, f"model '{base.name}'")
+    gen = getattr(model, "generation_config", None)
+    fields = _config_fields(cfg, f"model '{base.name}'", getattr(gen, "eos_token_id", None))
     params = list(model.parameters())  # tied weights appear once
     return ModelInfo(
-        name=base.name, source=base.source, sha256=base.sha256, rope_layout="rotate_half",
+        name=base.name, source=base.source, sha256=base.sha256,
         param_bytes=sum(p.numel() * p.element_size() for p in params), num_params=sum(p.numel() for p in params),
         **fields,
     )

@@ -54,13 +54,15 @@ class OnnxRuntimeEngine(Engine):
 
     name = "onnxruntime"
 
-    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, providers: list[str] | None = None, spinning: bool = True):
+    def __init__(self, engine_dir: str | Path, *, threads: int | None = None, providers: list[str] | None = None, spinning: bool = True,
+                 manifest: EngineManifest | None = None):
         """``spinning=False`` stops ONNX Runtime's idle threads from spin-waiting after a step, which otherwise
-        starves torch work (sealing, a torch engine) that runs right after it on the same cores."""
+        starves torch work (sealing, a torch engine) that runs right after it on the same cores.
+        ``manifest``: the directory's, when the caller has loaded it already."""
         import onnxruntime as ort  # noqa: PLC0415
 
         self.dir = Path(engine_dir)
-        self.manifest = load_manifest(self.dir)
+        self.manifest = manifest or load_manifest(self.dir)
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = threads
@@ -91,9 +93,9 @@ class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never exec
 
     name = "tensorrt"
 
-    def __init__(self, engine_dir: str | Path, device: int = 0):
+    def __init__(self, engine_dir: str | Path, device: int = 0, manifest: EngineManifest | None = None):
         self.dir = Path(engine_dir)
-        self.manifest = load_manifest(self.dir)
+        self.manifest = manifest or load_manifest(self.dir)
         from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
 
         trt = import_tensorrt(self.manifest.backend if self.manifest.backend != "onnxruntime" else "tensorrt")
@@ -183,13 +185,14 @@ class TorchReferenceEngine(Engine):
         return StepOutput(logits, new_k, new_v)
 
 
-def open_engine(engine_dir: str | Path, backend: str = "auto", **kw) -> Engine:
-    """The engine of ``engine_dir`` for ``backend`` (``auto``: TensorRT when the manifest has a plan and a GPU is present)."""
-    m = load_manifest(engine_dir)
+def open_engine(engine_dir: str | Path, backend: str = "auto", manifest: EngineManifest | None = None, **kw) -> Engine:
+    """The engine of ``engine_dir`` for ``backend`` (``auto``: TensorRT when the manifest has a plan and a GPU is present);
+    ``manifest``: the directory's, when the caller has loaded it already (loaded once per process)."""
+    m = manifest or load_manifest(engine_dir)
     if backend == "auto":
         backend = "tensorrt" if (m.plans and torch.cuda.is_available()) else "onnxruntime"
     if backend == "onnxruntime":
-        return OnnxRuntimeEngine(engine_dir, **kw)
+        return OnnxRuntimeEngine(engine_dir, manifest=m, **kw)
     if backend in ("tensorrt", "tensorrt-rtx"):
-        return TensorRTEngine(engine_dir, **kw)  # pragma: no cover - GPU only
+        return TensorRTEngine(engine_dir, manifest=m, **kw)  # pragma: no cover - GPU only
     raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime or tensorrt")

@@ -22,7 +22,7 @@ import torch
 from trtkv.artifacts import LayerParams, tensors_to_params
 from trtkv.cache_layout import KVPool, PagedKVLayout, seal_open_block
 from trtkv.errors import TrtkvError
-from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest
+from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.runtime.step import StepBatch, StepOutput
 
 POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
@@ -63,11 +63,11 @@ class PagedKVCache:
                     self.tensors[f"{which}_{field}"] = torch.zeros((num_layers, *t.shape), dtype=t.dtype, device=device)
 
     @classmethod
-    def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu") -> "PagedKVCache":
-        """A cache for the engine in ``engine_dir`` (its layout and baked KV constants)."""
+    def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None) -> "PagedKVCache":
+        """A cache for the engine in ``engine_dir`` (its layout and baked KV constants); ``backend``: the one that runs it (default: the manifest's)."""
         lim = manifest.limits
         if num_blocks > lim.max_num_blocks or num_slots > lim.max_num_slots:
-            if manifest.backend != "onnxruntime":
+            if not accepts_any_shape(backend or manifest.backend):
                 raise TrtkvError(
                     f"{num_blocks} blocks / {num_slots} slots exceed the engine's limits ({lim.max_num_blocks} / {lim.max_num_slots})",
                     "use a smaller pool or rebuild with a larger --max-batch / --max-seq-len",

@@ -21,23 +21,15 @@ from typing import Callable, Iterable
 import torch
 
 from trtkv.errors import TrtkvError
+from trtkv.manifest import accepts_any_shape
 from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.runtime.sampler import Sampler, make_generator
 from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
 from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 
 DEFAULT_CPU_KV_GIB = 1.0
 DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory that is free once the engine is loaded
-
-
-@dataclass
-class RuntimeConfig:
-    kv_memory_gib: float | None = None  # the KV budget: pool blocks + open blocks of every slot
-    kv_memory_fraction: float | None = None  # instead: this fraction of free device memory (cuda)
-    max_seqs: int = 64  # sequence slots (each costs one fp16 open block per layer and K/V)
-    max_batched_tokens: int = 512  # tokens per scheduler step (prefill chunks + decodes)
-    backend: str = "auto"  # passed to trtkv.runtime.backends
-    device: str = "auto"
 
 
 @dataclass
@@ -90,8 +82,7 @@ class LLMEngine:
         self.config = config
         self.budget = budget
         lim = manifest.limits
-        # ONNX Runtime takes any batch; TensorRT plans only their profile's
-        self.max_batch = budget.num_slots if getattr(engine, "name", "") in ("onnxruntime", "torch") else lim.max_batch
+        self.max_batch = budget.num_slots if accepts_any_shape(getattr(engine, "name", "")) else lim.max_batch
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -117,26 +108,15 @@ class LLMEngine:
 
         config = config or RuntimeConfig()
         engine_dir = Path(engine_dir)
-        manifest = load_manifest(engine_dir)
-        engine = open_engine(engine_dir, config.backend)
+        manifest = load_manifest(engine_dir)  # the one load in this process; the engine and the cache get the object
+        engine = open_engine(engine_dir, config.backend, manifest=manifest)
         if engine.name == "onnxruntime":
             # The runtime's own torch work (sealing blocks, sampling) is small; on one thread it does not
             # wake an OpenMP pool that competes with ONNX Runtime's threads (measured: 40 ms -> 4 us per seal matmul).
             torch.set_num_threads(1)
         device = getattr(engine, "device", torch.device("cpu"))
-        lim = manifest.limits
-        budget_bytes = resolve_kv_budget(config, device)
-        num_slots = config.max_seqs if engine.name == "onnxruntime" else min(config.max_seqs, lim.max_batch, lim.max_num_slots)
-        budget = CacheBudget.plan(
-            budget_bytes,
-            bytes_per_block=manifest.bytes_per_block,
-            bytes_per_slot=manifest.tail_bytes_per_slot,
-            block_size=lim.block_size,
-            num_slots=num_slots,
-        )
-        if manifest.backend != "onnxruntime" and budget.num_blocks > lim.max_num_blocks:
-            budget = CacheBudget(budget.budget_bytes, budget.bytes_per_block, budget.bytes_per_slot, budget.block_size, num_slots, lim.max_num_blocks)
-        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device)
+        budget = plan_budget(manifest, config, device, engine.name)
+        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device, backend=engine.name)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / TOKENIZER_DIR), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -330,6 +310,23 @@ def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
         if i >= 0 and (best is None or i < best):
             best = i
     return best
+
+
+def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: str) -> CacheBudget:
+    """Slots and pool blocks of ``config``'s budget for ``manifest``'s engine run by ``backend`` (the server and the CLI banner)."""
+    lim = manifest.limits
+    any_shape = accepts_any_shape(backend)
+    num_slots = config.max_seqs if any_shape else min(config.max_seqs, lim.max_batch, lim.max_num_slots)
+    budget = CacheBudget.plan(
+        resolve_kv_budget(config, device),
+        bytes_per_block=manifest.bytes_per_block,
+        bytes_per_slot=manifest.tail_bytes_per_slot,
+        block_size=lim.block_size,
+        num_slots=num_slots,
+    )
+    if not any_shape and budget.num_blocks > lim.max_num_blocks:
+        budget = CacheBudget(budget.budget_bytes, budget.bytes_per_block, budget.bytes_per_slot, budget.block_size, num_slots, lim.max_num_blocks)
+    return budget
 
 
 def resolve_kv_budget(config: RuntimeConfig, device: torch.device) -> int:
