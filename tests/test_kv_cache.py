@@ -12,7 +12,8 @@ from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, greedy_generate, model_logits
 from trtkv.formats import get_format
 from trtkv.cache_layout import PagedKVLayout, gather_paged, seal_open_block, write_tail
-from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer, block_chunks
+from trtkv.cache_layout import block_chunks
+from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer
 from trtkv.quant import TensorParams, fake_quantize, fake_quantize_block
 
 H, D = 2, 24  # the tiny models' KV heads and head_dim

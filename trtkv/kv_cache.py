@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from trtkv.cache_layout import block_chunks, sealing  # noqa: F401  (block_chunks: re-exported, its old home)
+from trtkv.cache_layout import sealing
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, TensorFormat, get_format
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block

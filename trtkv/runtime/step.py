@@ -45,7 +45,7 @@ class StepBatch:
         if bool((self.context_lens % block_size + self.new_lens > block_size).any()):
             raise TrtkvError(
                 f"a step crosses a block boundary (block_size {block_size}, context_lens {self.context_lens.tolist()}, new_lens {self.new_lens.tolist()})",
-                "split prefills at block boundaries (trtkv.kv_cache.block_chunks)",
+                "split prefills at block boundaries (trtkv.cache_layout.block_chunks)",
             )
         sealed = self.context_lens // block_size
         if bool((sealed > self.block_tables.shape[1]).any()):
