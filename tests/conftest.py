@@ -6,7 +6,10 @@
 * ``tiny_model`` (factory): ``tiny_model(arch="mistral", with_tokenizer=False, **config)`` builds a
   small random Llama / Mistral / Qwen2 model, saves it to a fresh tmp directory and returns
   ``(directory, in_memory_model)``. Default dims are deliberately odd: 2 layers, 4 heads, 2 KV
-  heads, head_dim 24, hidden 80 (so head_dim != hidden / heads), vocab 320.
+  heads, head_dim 24, hidden 80 (so head_dim != hidden / heads), vocab 320. For tests that change
+  the directory or the model.
+* ``tiny_models`` (session cache): the same call, built once per distinct arguments for the whole
+  session; the directory and the model are shared, so treat both as read-only.
 """
 
 from __future__ import annotations
@@ -92,3 +95,19 @@ def builtin_model():
     from trtkv.models import load_model
 
     return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Session cache: ``tiny_models(arch="mistral", with_tokenizer=False, seed=0, **config) -> (dir, model)``,
+    built once per distinct arguments and shared by every module that asks (read-only)."""
+    built: dict = {}
+
+    def get(arch: str = "mistral", *, with_tokenizer: bool = False, seed: int = 0, **config):
+        key = (arch, with_tokenizer, seed, tuple(sorted(config.items())))
+        if key not in built:
+            d = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
+            built[key] = (d, build_tiny_model(d, arch, with_tokenizer=with_tokenizer, seed=seed, **config))
+        return built[key]
+
+    return get

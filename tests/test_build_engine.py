@@ -32,12 +32,8 @@ TINY_BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from conftest import build_tiny_model
-
-    d = tmp_path_factory.mktemp("tiny") / "tiny-mistral"
-    build_tiny_model(d, "mistral", with_tokenizer=True)
-    return d
+def tiny_dir(tiny_models):
+    return tiny_models("mistral", with_tokenizer=True)[0]
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +184,8 @@ def _nothing_written(parent, name="eng"):
     return not any(p.name.startswith(name) for p in parent.iterdir())
 
 
-def test_errors_calibration_of_another_model(tmp_path, tiny_dir, tiny_cal):
-    from conftest import build_tiny_model
-
-    other = tmp_path / "tiny-llama"
-    build_tiny_model(other, "llama", with_tokenizer=True)
+def test_errors_calibration_of_another_model(tmp_path, tiny_dir, tiny_cal, tiny_models):
+    other, _ = tiny_models("llama", with_tokenizer=True)
     res = _cli("--model", other, "--calibration", tiny_cal, "--kv", "fp8", "--out", tmp_path / "eng", "--backend", "onnxruntime", "--max-seq-len", "64")
     _assert_one_line_error(res, str(tiny_dir), str(other), "calibrate")
     assert _nothing_written(tmp_path)

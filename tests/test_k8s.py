@@ -106,14 +106,12 @@ def test_bad_options_are_one_clear_error(opts, match):
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    from conftest import build_tiny_model
-
+def tiny_engine(tmp_path_factory, tiny_models):
     from trtkv.builder.build import build_engine
 
-    root = tmp_path_factory.mktemp("k8s")
-    build_tiny_model(root / "model", "llama", with_tokenizer=True)
-    return build_engine(str(root / "model"), None, "fp16", root / "engine", backend="onnxruntime", block_size=16, max_seq_len=64, max_batch=2)
+    model_dir, _ = tiny_models("llama", with_tokenizer=True)
+    out = tmp_path_factory.mktemp("k8s") / "engine"
+    return build_engine(str(model_dir), None, "fp16", out, backend="onnxruntime", block_size=16, max_seq_len=64, max_batch=2)
 
 
 def test_cli_writes_a_movable_repository_and_valid_manifests(tiny_engine, tmp_path):

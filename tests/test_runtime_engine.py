@@ -45,10 +45,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 3
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from conftest import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+def model(tiny_models):
+    return tiny_models("llama")[1]
 
 
 def greedy(n):
