@@ -1,4 +1,4 @@
-"""The TensorRT plugin contract (plugins/contract.py), the registration glue without TensorRT
+"""The TensorRT plugin contract (plugins/contract/), the registration glue without TensorRT
 (plugins/trt_plugins.py, driven through a stand-in ``tensorrt.plugin``), and bench/gpu_check.py --dry-run."""
 
 from __future__ import annotations
