@@ -42,7 +42,7 @@ two nodes, ``PagedDecodePartition`` (partial softmax states per context partitio
 emits both.
 """
 
-from .attrs import FORMAT_ATTRS, Attrs, attrs_for, validate_attrs
+from .attrs import FORMAT_ATTRS, Attrs, as_tensor_format, attrs_for, validate_attrs
 from .kernel_abi import (BINDINGS, LOG2E, SHARED_MEM_DEFAULT_LIMIT, TRITON_PTR, Binding, KernelSignature, Launch,
                          kernel_signature, launch, ptx_entry_params, ptx_reqntid, ptx_to_trt_abi)
 from .limits import LIMITS, KernelLimits
@@ -55,7 +55,7 @@ from .symbolic import (INT_OPS, SYM_OPS, Sym, SymOps, decode_grids, decode_parti
                        prefill_grid, seal_grid, sym_shape, value)
 
 __all__ = [
-    "FORMAT_ATTRS", "Attrs", "attrs_for", "validate_attrs",
+    "FORMAT_ATTRS", "Attrs", "as_tensor_format", "attrs_for", "validate_attrs",
     "BINDINGS", "LOG2E", "SHARED_MEM_DEFAULT_LIMIT", "TRITON_PTR", "Binding", "KernelSignature", "Launch",
     "kernel_signature", "launch", "ptx_entry_params", "ptx_reqntid", "ptx_to_trt_abi",
     "LIMITS", "KernelLimits",

@@ -15,6 +15,11 @@ from .specs import FIX, PARSER_ATTRS, OpSpec, get_op
 FORMAT_ATTRS = {"tensor_format": "x", "k_format": "k", "v_format": "v"}
 
 
+def as_tensor_format(spec: str | TensorFormat) -> TensorFormat:
+    """The one string -> TensorFormat step for Python callers that may hold a spec string (custom-op arguments)."""
+    return spec if isinstance(spec, TensorFormat) else parse_tensor_spec(spec)
+
+
 class Attrs(dict):
     """Validated attributes of one op instance (a dict in the op's declared attribute order).
 

@@ -131,35 +131,35 @@ def _pool(which: str) -> tuple[OpTensor, ...]:
     W = which.upper()
     return (
         OpTensor(f"{which}_data", 4, f"codes:{which}", "pool", "[num_blocks, kv_heads, block_size, packed_dim]",
-                   f"{W} pool codes: sealed blocks (read-only)"),
+                 f"{W} pool codes: sealed blocks (read-only)"),
         OpTensor(f"{which}_scale", _scale_rank(which), "float16", "pool", _SCALE_SHAPE.format(n="num_blocks"),
-                   f"{W} pool dynamic scales", _dyn(which)),
+                 f"{W} pool dynamic scales", _dyn(which)),
         OpTensor(f"{which}_zero", _scale_rank(which), "float16", "pool", _SCALE_SHAPE.format(n="num_blocks"),
-                   f"{W} pool zero-points (asymmetric)", _asym(which)),
+                 f"{W} pool zero-points (asymmetric)", _asym(which)),
     )
 
 
 def _tails() -> tuple[OpTensor, ...]:
     return tuple(
         OpTensor(f"{w}_tail", 4, "float16", "tail", "[num_slots, kv_heads, block_size + sink_tokens, head_dim]",
-                   f"{w.upper()} open blocks (fp16, model channel space); slot s holds its sequence's newest "
-                   "context_len % block_size rows at offsets 0 .., other open-block rows may hold anything; rows "
-                   "block_size .. hold the sequence's first sink_tokens tokens, read instead of the pool's once "
-                   "context_len >= block_size")
+                 f"{w.upper()} open blocks (fp16, model channel space); slot s holds its sequence's newest "
+                 "context_len % block_size rows at offsets 0 .., other open-block rows may hold anything; rows "
+                 "block_size .. hold the sequence's first sink_tokens tokens, read instead of the pool's once "
+                 "context_len >= block_size")
         for w in ("k", "v"))
 
 
 def _new(rows: str) -> tuple[OpTensor, ...]:
     return tuple(
         OpTensor(f"{w}_new", 3, "float16", "new-rows", f"[{rows}, kv_heads, head_dim]",
-                   f"this step's {w.upper()} rows (fp16, model channel space: K after RoPE), the values the open "
-                   "block will hold")
+                 f"this step's {w.upper()} rows (fp16, model channel space: K after RoPE), the values the open "
+                 "block will hold")
         for w in ("k", "v"))
 
 
 def _const(name: str, which: str, what: str, needed) -> OpTensor:
     return OpTensor(name, 2, "float32", "constant", "[kv_heads, head_dim]",
-                      f"{which.upper()} {what}, expanded to [kv_heads, head_dim]", needed)
+                    f"{which.upper()} {what}, expanded to [kv_heads, head_dim]", needed)
 
 
 _HAD_DOC = "normalized Hadamard matrix (trtkv.quant.hadamard_matrix)"
@@ -192,19 +192,19 @@ SEAL = OpSpec(
         "codes / scales / zero-points, which the runtime stores at the blocks it allocated (pure: no pool input).",
     inputs=(
         OpTensor("rows", 4, "float16", "activation", "[blocks, kv_heads, block_size, head_dim]",
-                   "the open blocks to seal, model channel space (the kernel applies smoothing / Hadamard)"),
+                 "the open blocks to seal, model channel space (the kernel applies smoothing / Hadamard)"),
         _const("static_scale", "", "static scale", _static("x")),
         _const("smooth", "", "smoothing divisors", _smooth("x")),
         OpTensor("clip", 1, "float32", "constant", "[kv_heads]",
-                   "dynamic range multiplier in (0, 1] (ones when not calibrated)", _clip("x")),
+                 "dynamic range multiplier in (0, 1] (ones when not calibrated)", _clip("x")),
         OpTensor("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("x")),
     ),
     outputs=(
         OpTensor("codes", 4, "codes", "output", "[blocks, kv_heads, block_size, packed_dim]", "quantized codes"),
         OpTensor("scale", _scale_rank("x"), "float16", "output", _SCALE_SHAPE.format(n="blocks"),
-                   "dynamic scales", _dyn("x")),
+                 "dynamic scales", _dyn("x")),
         OpTensor("zero", _scale_rank("x"), "float16", "output", _SCALE_SHAPE.format(n="blocks"),
-                   "zero-points", _asym("x")),
+                 "zero-points", _asym("x")),
     ),
     attrs=(
         AttrSpec("tensor_format", str, "the tensor format spec (TensorFormat.short())"),
@@ -233,6 +233,15 @@ def _cache_inputs(rows: str) -> tuple[OpTensor, ...]:
     )
 
 
+def _partials(m_doc: str, l_doc: str, acc_doc: str) -> tuple[OpTensor, ...]:
+    """Split-K partial states: PagedDecodePartition's outputs are PagedDecodeReduce's first inputs."""
+    return (
+        OpTensor("part_m", 3, "float32", "partial", "[batch, q_heads, partitions]", m_doc),
+        OpTensor("part_l", 3, "float32", "partial", "[batch, q_heads, partitions]", l_doc),
+        OpTensor("part_acc", 4, "float32", "partial", "[batch, q_heads, partitions, head_dim]", acc_doc),
+    )
+
+
 DECODE_PARTITION = OpSpec(
     name="PagedDecodePartition",
     doc="Split-K decode attention, stage 1: partial softmax states of one new token per sequence (position "
@@ -241,12 +250,8 @@ DECODE_PARTITION = OpSpec(
         OpTensor("q", 3, "float16", "activation", "[batch, q_heads, head_dim]", "queries (model channel space)"),
         *_cache_inputs("batch"),
     ),
-    outputs=(
-        OpTensor("part_m", 3, "float32", "partial", "[batch, q_heads, partitions]", "running max (log2 domain)"),
-        OpTensor("part_l", 3, "float32", "partial", "[batch, q_heads, partitions]", "softmax denominators"),
-        OpTensor("part_acc", 4, "float32", "partial", "[batch, q_heads, partitions, head_dim]",
-                   "unnormalized outputs (V's stored channel space)"),
-    ),
+    outputs=_partials("running max (log2 domain)", "softmax denominators",
+                      "unnormalized outputs (V's stored channel space)"),
     attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SINK, _A_SCALE, _A_PART, _A_PREC),
 )
 
@@ -255,10 +260,7 @@ DECODE_REDUCE = OpSpec(
     doc="Split-K decode attention, stage 2: merge the partitions (log-sum-exp), normalize, undo V's "
         "static scale / Hadamard / smoothing.",
     inputs=(
-        OpTensor("part_m", 3, "float32", "partial", "[batch, q_heads, partitions]", "PagedDecodePartition output"),
-        OpTensor("part_l", 3, "float32", "partial", "[batch, q_heads, partitions]", "PagedDecodePartition output"),
-        OpTensor("part_acc", 4, "float32", "partial", "[batch, q_heads, partitions, head_dim]",
-                   "PagedDecodePartition output"),
+        *_partials(*["PagedDecodePartition output"] * 3),
         OpTensor("context_lens", 1, "int32", "lengths", "[batch]", "as given to PagedDecodePartition"),
         *_v_transform_consts(),
         OpTensor("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("v")),
@@ -274,9 +276,9 @@ PREFILL = OpSpec(
     inputs=(
         OpTensor("q", 3, "float16", "activation", "[tokens, q_heads, head_dim]", "packed queries of all sequences"),
         OpTensor("cu_seqlens", 1, "int32", "offsets", "[batch + 1]",
-                   "sequence b's queries and new rows are rows cu_seqlens[b] .. cu_seqlens[b+1]-1, at positions "
-                   "context_len .. (padded [B, T] form: cu_seqlens = arange(B + 1) * T; padding rows come last in "
-                   "each sequence and no valid query sees them)"),
+                 "sequence b's queries and new rows are rows cu_seqlens[b] .. cu_seqlens[b+1]-1, at positions "
+                 "context_len .. (padded [B, T] form: cu_seqlens = arange(B + 1) * T; padding rows come last in "
+                 "each sequence and no valid query sees them)"),
         *_cache_inputs("tokens"),
     ),
     outputs=(OpTensor("out", 3, "float16", "output", "[tokens, q_heads, head_dim]", "attention output"),),
