@@ -471,6 +471,47 @@ def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
 
 
 @triton.jit
+def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
+                  k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                  k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+                  had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
+                  K_BCH: tl.constexpr, K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
+                  V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
+                  V_BCH: tl.constexpr, V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, OPEN_N: tl.constexpr, HAD_CHUNK: tl.constexpr):
+    """Softmax state of ROWS query rows over keys [kv_start, kv_end) of sequence b: the sink rows, the sealed
+    blocks, then the open block and new rows from ``new_row0`` (one code for decode partitions and prefill)."""
+    sealed_end = (ctx // block_size) * block_size
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.full([ROWS], 0.0, tl.float32)
+    acc_lo = tl.full([ROWS, HEAD_DIM // 2], 0.0, tl.float32)
+    acc_hi = tl.full([ROWS, HEAD_DIM // 2], 0.0, tl.float32)
+    bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
+    sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
+    m_i, l_i, acc_lo, acc_hi = _attend_open(
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sink_end),
+        0, sink_end, tail_row0 + block_size, new_row0, kvh, num_kv_heads,
+        k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+        had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
+    m_i, l_i, acc_lo, acc_hi = _attend_sealed(
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sink_end), tl.minimum(kv_end, sealed_end),
+        bt_row, kvh, num_kv_heads, block_size,
+        k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+        HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
+        BLOCK_N, PREC)
+    m_i, l_i, acc_lo, acc_hi = _attend_open(
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
+        sealed_end, ctx - sealed_end, tail_row0, new_row0, kvh, num_kv_heads,
+        k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
+        had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def _join_halves(lo, hi, M: tl.constexpr, HEAD_DIM: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), [M, HEAD_DIM])
 
@@ -549,7 +590,6 @@ def paged_decode_partition_kernel(
     kv_start = part * PARTITION
     if kv_start < total:
         kv_end = tl.minimum(kv_start + PARTITION, total)
-        sealed_end = (ctx // block_size) * block_size
         ratio = num_heads // num_kv_heads
         hh = tl.arange(0, BLOCK_H)
         hmask = hh < ratio
@@ -558,30 +598,13 @@ def paged_decode_partition_kernel(
         q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
                                  had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = tl.full([BLOCK_H], 0, tl.int32) + ctx
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-        acc_lo = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
-        acc_hi = tl.full([BLOCK_H, HEAD_DIM // 2], 0.0, tl.float32)
-        bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
-        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
-        tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
-        sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
-        m_i, l_i, acc_lo, acc_hi = _attend_open(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sink_end),
-            0, sink_end, tail_row0 + block_size, b, kvh, num_kv_heads,
-            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
-        m_i, l_i, acc_lo, acc_hi = _attend_sealed(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sink_end), tl.minimum(kv_end, sealed_end),
-            bt_row, kvh, num_kv_heads, block_size,
+        m_i, l_i, acc_lo, acc_hi = _attend_cache(
+            q_lo, q_hi, qpos, kv_start, kv_end, ctx, b, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
-            BLOCK_N, PREC)
-        m_i, l_i, acc_lo, acc_hi = _attend_open(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
-            sealed_end, ctx - sealed_end, tail_row0, b, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
+            had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+            BLOCK_H, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
+            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
@@ -687,7 +710,6 @@ def paged_prefill_kernel(
     m0 = pid_m * BLOCK_M
     if m0 < num_new:
         ctx = tl.load(context_lens_ptr + b)
-        sealed_end = (ctx // block_size) * block_size
         ratio = num_heads // num_kv_heads
         M: tl.constexpr = BLOCK_M * BLOCK_H
         r = tl.arange(0, M)
@@ -699,30 +721,13 @@ def paged_prefill_kernel(
                                  M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = ctx + tok
         kv_end = ctx + tl.minimum(num_new, m0 + BLOCK_M)
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.full([M], 0.0, tl.float32)
-        acc_lo = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
-        acc_hi = tl.full([M, HEAD_DIM // 2], 0.0, tl.float32)
-        bt_row = block_table_ptr + b.to(tl.int64) * max_blocks
-        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
-        tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
-        sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
-        m_i, l_i, acc_lo, acc_hi = _attend_open(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, 0, sink_end,
-            0, sink_end, tail_row0 + block_size, q_begin, kvh, num_kv_heads,
-            k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
-        m_i, l_i, acc_lo, acc_hi = _attend_sealed(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sink_end, sealed_end,
-            bt_row, kvh, num_kv_heads, block_size,
+        m_i, l_i, acc_lo, acc_hi = _attend_cache(
+            q_lo, q_hi, qpos, 0, kv_end, ctx, q_begin, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
-            HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
-            BLOCK_N, PREC)
-        m_i, l_i, acc_lo, acc_hi = _attend_open(
-            q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, sealed_end, kv_end,
-            sealed_end, ctx - sealed_end, tail_row0, q_begin, kvh, num_kv_heads,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
-            had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
+            had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+            M, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
+            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
         _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -742,9 +747,7 @@ def format_constexprs(spec) -> dict:
     """A TensorFormat (or its short spec string) -> the constexprs of its storage: DTYPE / STATIC / SYM / GS /
     BCH / SMOOTH / HAD and the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
     CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4)."""
-    from trtkv.formats import TensorFormat, parse_tensor_spec
-
-    fmt = spec if isinstance(spec, TensorFormat) else parse_tensor_spec(spec)
+    fmt = _C.as_tensor_format(spec)
     tr = fmt.traits
     sym = bool(fmt.symmetric or fmt.is_static)
     return {
@@ -758,7 +761,7 @@ def format_constexprs(spec) -> dict:
         "QMIN": float(tr.sym_min),
         "QMAX": float(tr.sym_max),
         "QMAX_ASYM": float(tr.asym_max),
-        "CODE_OFFSET": int(-tr.sym_min) if (sym and tr.codes_per_byte > 1) else 0,
+        "CODE_OFFSET": tr.offset(sym),
     }
 
 

@@ -22,9 +22,10 @@ Attention of new token ``t`` of sequence ``b`` (position ``context_lens[b] + t``
 ``k_new / v_new`` 0 .. t (rounded to fp16; decode: row b, prefill: rows ``cu[b] ..``). Nothing is written:
 the runtime stores the new rows in the open block afterwards and seals it when it is full.
 
-Formats are ``TensorFormat.short()`` spec strings (``"int4:bchannel:asym"``). Static scales may be ``[]``,
-``[kv_heads]`` or ``[kv_heads, head_dim]``; smoothing factors ``[kv_heads, head_dim]``; ``clip`` ``[]`` or
-``[kv_heads]``.
+The custom ops take formats as ``TensorFormat.short()`` spec strings (``"int4:bchannel:asym"``: a torch op schema
+carries no objects), the launchers ``TensorFormat`` objects (a string is parsed once, ``contract.as_tensor_format``).
+Static scales may be ``[]``, ``[kv_heads]`` or ``[kv_heads, head_dim]``; smoothing factors ``[kv_heads, head_dim]``;
+``clip`` ``[]`` or ``[kv_heads]``.
 
 Dispatch: CUDA tensors run the compiled Triton kernels. CPU tensors run the same kernels under the
 Triton interpreter when ``TRITON_INTERPRET=1`` is set in the environment at call time, else the torch
@@ -42,15 +43,16 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from trtkv.cache_layout import KVPool, PagedKVLayout, store_blocks
 from trtkv.errors import TrtkvError
-from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat, parse_tensor_spec
-from trtkv.quant import TensorParams, hadamard_matrix
+from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat
+from trtkv.quant import TensorParams, hadamard_matrix, per_channel
 
 from . import contract as C
 from . import reference as _ref
@@ -81,30 +83,15 @@ def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _fmt(spec: str | TensorFormat) -> TensorFormat:
-    return spec if isinstance(spec, TensorFormat) else parse_tensor_spec(spec)
-
-
-def _spec(spec: str | TensorFormat) -> str:
-    return spec.short() if isinstance(spec, TensorFormat) else spec
-
-
 def _dummy(device, dtype=torch.float32) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=device)
 
 
 def _per_channel(t: torch.Tensor | None, kv_heads: int, head_dim: int, device, what: str) -> torch.Tensor:
-    """[] / [H] / [H, D] constant -> contiguous [H, D] float32 (the kernels' single layout)."""
+    """``quant.per_channel`` on ``device``; a format that needs the constant gets an error when it is missing."""
     if t is None:
         raise TrtkvError(f"this KV format needs {what}", "pass the calibrated tensors (run `trtkv calibrate`)")
-    t = t.to(device=device, dtype=torch.float32)
-    if t.dim() == 0:
-        t = t.expand(kv_heads, head_dim)
-    elif t.dim() == 1:
-        t = t.view(kv_heads, 1).expand(kv_heads, head_dim)
-    if tuple(t.shape) != (kv_heads, head_dim):
-        raise TrtkvError(f"{what} has shape {tuple(t.shape)}, expected [], [{kv_heads}] or [{kv_heads}, {head_dim}]")
-    return t.contiguous()
+    return per_channel(t.to(device=device, dtype=torch.float32), kv_heads, head_dim, what)
 
 
 def _precision(precision: str, interpret: bool, gpu_default: str) -> str:
@@ -116,6 +103,7 @@ def _precision(precision: str, interpret: bool, gpu_default: str) -> str:
 
 
 def _check_pool(fmt: TensorFormat, data, scale, zero, head_dim: int, what: str) -> None:
+    fmt.check_head_dim(head_dim)
     packed = head_dim // fmt.traits.codes_per_byte
     if data.dim() != 4 or data.shape[-1] != packed:
         raise TrtkvError(f"{what} data has shape {tuple(data.shape)}, expected [blocks, kv_heads, block_size, {packed}]")
@@ -123,14 +111,11 @@ def _check_pool(fmt: TensorFormat, data, scale, zero, head_dim: int, what: str) 
     if data.dtype != want:
         raise TrtkvError(f"{what} data dtype {data.dtype} does not match format {fmt.short()} (want {want})")
     if fmt.is_dynamic:
-        nb, kvh, bs = data.shape[:3]
-        shape = (nb, kvh, head_dim) if fmt.is_block_wise else (nb, kvh, bs, fmt.groups(head_dim))
+        shape = fmt.scale_shape(tuple(data.shape[:1]), data.shape[1], data.shape[2], head_dim)
         if scale is None or tuple(scale.shape) != shape or scale.dtype != torch.float16:
             raise TrtkvError(f"{what} needs an fp16 scale pool of shape {shape}")
         if not fmt.symmetric and (zero is None or zero.shape != scale.shape or zero.dtype != torch.float16):
             raise TrtkvError(f"{what} needs an fp16 zero-point pool of shape {shape}")
-    if fmt.dtype == "int4" and head_dim % 2:
-        raise TrtkvError("int4 needs an even head_dim")
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -168,7 +153,7 @@ def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret:
     format has none): ``reference.seal_ref`` bit for bit."""
     kern = _kernels()
     interpret = (not rows.is_cuda) if interpret is None else interpret
-    tf = _fmt(fmt)
+    tf = C.as_tensor_format(fmt)
     if rows.dim() != 4:
         raise TrtkvError(f"seal rows have shape {tuple(rows.shape)}, expected [blocks, kv_heads, block_size, head_dim]")
     n, kvh, bs, head_dim = rows.shape
@@ -200,16 +185,35 @@ def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret:
 def launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None,
                      interpret: bool | None = None) -> None:
     """``launch_seal`` stored at pool blocks ``blocks`` [n] of the pool tensors (in place)."""
-    tf = _fmt(fmt)
+    tf = C.as_tensor_format(fmt)
     _check_pool(tf, data, scale, zero, rows.shape[-1], "pool")
     if data.shape[2] != rows.shape[2]:
         raise TrtkvError(f"seal rows hold blocks of {rows.shape[2]} tokens, the pool {data.shape[2]}")
     store_blocks(data, scale, zero, blocks, *launch_seal(rows, tf, static_scale, smooth, clip, interpret))
 
 
-def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, k_fmt, v_fmt,
-                  k_static_scale, k_smooth, v_static_scale, v_smooth, new_rows: int):
-    kf, vf = _fmt(k_fmt), _fmt(v_fmt)
+@dataclass(frozen=True)
+class _Attn:
+    """What both attention launchers prepare the same way: formats, geometry and the kernels' cache tensors."""
+
+    kern: Any
+    interpret: bool
+    kf: TensorFormat
+    vf: TensorFormat
+    kvh: int
+    block_size: int
+    sink: int
+    tensors: dict  # kernel parameter -> tensor: pools, tails, new rows, constants, block table, lengths, slots
+
+
+def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
+                  context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth,
+                  interpret: bool | None) -> _Attn:
+    """Checks every argument against q (decode: one new row per sequence, prefill: one per query row)."""
+    kern = _kernels()
+    interpret = (not q.is_cuda) if interpret is None else interpret
+    new_rows = q.shape[0]
+    kf, vf = C.as_tensor_format(k_fmt), C.as_tensor_format(v_fmt)
     head_dim = q.shape[-1]
     check_head_dim(head_dim)
     kvh, bs = k_data.shape[1], k_data.shape[2]
@@ -248,8 +252,10 @@ def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v
         v_static_ptr=_per_channel(v_static_scale, kvh, head_dim, dev, "a V static scale") if vf.is_static else f32,
         v_smooth_ptr=_per_channel(v_smooth, kvh, head_dim, dev, "V smoothing factors") if vf.smooth else f32,
         had_ptr=hadamard_matrix(head_dim, torch.float32, dev).contiguous() if had else f32,
+        block_table_ptr=block_table.to(torch.int32).contiguous(),
+        context_lens_ptr=context_lens.to(torch.int32).contiguous(), slot_ids_ptr=slot_ids.to(torch.int32).contiguous(),
     )
-    return kf, vf, tensors, sink
+    return _Attn(kern, interpret, kf, vf, kvh, bs, sink, tensors)
 
 
 def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
@@ -257,18 +263,15 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
                         v_static_scale=None, v_smooth=None, sm_scale=None, partition_size: int = DEFAULT_PARTITION,
                         precision: str = "auto", interpret: bool | None = None) -> torch.Tensor:
     """Split-K decode attention of one new token per sequence: q [batch, heads, head_dim] -> same (q's dtype)."""
-    kern = _kernels()
-    interpret = (not q.is_cuda) if interpret is None else interpret
     batch, heads, head_dim = q.shape
-    kf, vf, t, sink = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
-                                    k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, batch)
-    kvh, block_size = k_data.shape[1], k_data.shape[2]
+    A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
+                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
+    kern, interpret, kvh, block_size, t = A.kern, A.interpret, A.kvh, A.block_size, A.tensors
     problem = C.LIMITS.partition_problem(partition_size)
     if problem:
         raise TrtkvError(f"partition_size {partition_size} {problem}")
-    block_table = block_table.to(torch.int32).contiguous()
     max_blocks = block_table.shape[1]
-    cfg = kern.decode_config(kf, vf, head_dim, heads // kvh, partition_size,
+    cfg = kern.decode_config(A.kf, A.vf, head_dim, heads // kvh, partition_size,
                              _precision(precision, interpret, DECODE_PRECISION), interpret)
     grid_p, grid_r = C.decode_grids(batch, kvh, max_blocks, block_size, partition_size)
     nparts = grid_p[2]
@@ -282,13 +285,12 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     kmod = kern.load_kernels(interpret)
     kmod.paged_decode_partition_kernel[grid_p](
-        q_ptr=q.contiguous(), **t, block_table_ptr=block_table, context_lens_ptr=context_lens.to(torch.int32).contiguous(),
-        slot_ids_ptr=slot_ids.to(torch.int32).contiguous(), part_m_ptr=part_m, part_l_ptr=part_l,
+        q_ptr=q.contiguous(), **t, part_m_ptr=part_m, part_l_ptr=part_l,
         part_acc_ptr=part_acc, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh,
-        block_size=block_size, sink_tokens=sink, max_blocks=max_blocks, num_partitions=nparts,
+        block_size=block_size, sink_tokens=A.sink, max_blocks=max_blocks, num_partitions=nparts,
         **cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
     kmod.paged_decode_reduce_kernel[grid_r](
-        part_m, part_l, part_acc, context_lens.to(torch.int32).contiguous(), t["v_static_ptr"], t["v_smooth_ptr"],
+        part_m, part_l, part_acc, t["context_lens_ptr"], t["v_static_ptr"], t["v_smooth_ptr"],
         t["had_ptr"], out, heads, kvh, nparts, **cfg["reduce"]["constexprs"], num_warps=cfg["reduce"]["num_warps"])
     return out
 
@@ -298,12 +300,10 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
                          v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q: int | None = None,
                          precision: str = "auto", interpret: bool | None = None) -> torch.Tensor:
     """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype)."""
-    kern = _kernels()
-    interpret = (not q.is_cuda) if interpret is None else interpret
     total_q, heads, head_dim = q.shape
-    kf, vf, t, sink = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
-                                    k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, total_q)
-    kvh, block_size = k_data.shape[1], k_data.shape[2]
+    A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
+                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
+    kern, interpret, kvh, block_size, t = A.kern, A.interpret, A.kvh, A.block_size, A.tensors
     batch = context_lens.shape[0]
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     out = torch.zeros_like(q)
@@ -311,17 +311,15 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
         return out
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync; pass it to avoid
-    cfg = kern.prefill_config(kf, vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
+    cfg = kern.prefill_config(A.kf, A.vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
                               interpret)
     grid = C.prefill_grid(max(max_seqlen_q, 1), kvh, batch, cfg["constexprs"]["BLOCK_M"])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    block_table = block_table.to(torch.int32).contiguous()
     kmod = kern.load_kernels(interpret)
     kmod.paged_prefill_kernel[grid](
-        q_ptr=q.contiguous(), cu_seqlens_q_ptr=cu_seqlens_q, **t, block_table_ptr=block_table,
-        context_lens_ptr=context_lens.to(torch.int32).contiguous(), slot_ids_ptr=slot_ids.to(torch.int32).contiguous(),
+        q_ptr=q.contiguous(), cu_seqlens_q_ptr=cu_seqlens_q, **t,
         out_ptr=out, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=block_size,
-        sink_tokens=sink, max_blocks=block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
+        sink_tokens=A.sink, max_blocks=block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
     return out
 
 

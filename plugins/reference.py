@@ -21,12 +21,11 @@ from typing import Any
 import torch
 
 from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, store_blocks
-from trtkv.formats import KVFormat, TensorFormat, parse_tensor_spec
-from trtkv.quant import TensorParams
+from trtkv.formats import KVFormat, TensorFormat
+from trtkv.quant import TensorParams, per_channel
 
-
-def as_tensor_format(spec: str | TensorFormat) -> TensorFormat:
-    return spec if isinstance(spec, TensorFormat) else parse_tensor_spec(spec)
+from . import contract as C
+from .contract import as_tensor_format
 
 
 def layout_for(k_fmt: TensorFormat, v_fmt: TensorFormat, data: torch.Tensor, head_dim: int,
@@ -36,11 +35,6 @@ def layout_for(k_fmt: TensorFormat, v_fmt: TensorFormat, data: torch.Tensor, hea
     fmt = KVFormat(name="kernel", k=k_fmt, v=v_fmt, block_size=bs, sink_tokens=sink_tokens)
     return PagedKVLayout(fmt=fmt, num_kv_heads=kvh, head_dim=head_dim, block_size=bs, num_blocks=nb,
                          num_slots=num_slots)
-
-
-def make_params(static_scale: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
-                clip: torch.Tensor | None = None) -> TensorParams:
-    return TensorParams(scale=static_scale, smooth=smooth, clip=clip)
 
 
 def seal_ref(
@@ -57,7 +51,7 @@ def seal_ref(
     layout = PagedKVLayout(KVFormat(name="seal", k=tf, v=TensorFormat(dtype="fp16"), block_size=bs), kvh, d, bs, n)
     pool = layout.allocate("k")
     if n:
-        seal_blocks(layout, "k", pool, rows, torch.arange(n), make_params(static_scale, smooth, clip))
+        seal_blocks(layout, "k", pool, rows, torch.arange(n), TensorParams(static_scale, smooth, clip))
     return pool.data, pool.scale, pool.zero
 
 
@@ -133,7 +127,7 @@ def paged_attention_ref(
 
 
 def _expand(t: torch.Tensor | None, kvh: int, d: int) -> torch.Tensor | None:
-    return None if t is None else t.float().expand(kvh, d)
+    return None if t is None else per_channel(t, kvh, d)
 
 
 def run_op(op: str, attrs: dict[str, Any], tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
@@ -144,8 +138,6 @@ def run_op(op: str, attrs: dict[str, Any], tensors: dict[str, torch.Tensor | Non
     contract's partition count, the rest empty: ``l = 0``), so that ``PagedDecodeReduce`` -- which merges
     whatever partitions it is given -- returns the attention output; the pair equals ``paged_attention_ref``.
     """
-    from . import contract as C
-
     spec = C.get_op(op)
     a = C.validate_attrs(spec, dict(attrs))
     t = {x.name: (tensors.get(x.name) if x.used(a) else None) for x in spec.inputs}
@@ -163,11 +155,11 @@ def run_op(op: str, attrs: dict[str, Any], tensors: dict[str, torch.Tensor | Non
         w = torch.exp2(m - mm)
         den = (l * w).sum(-1)
         o = (acc * w[..., None]).sum(-2) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-        vf = as_tensor_format(a["v_format"])
+        vf = a.tensor_format("v")
         vp = TensorParams(scale=_expand(t["v_static"], kvh, D), smooth=_expand(t["v_smooth"], kvh, D))
         o = _stored_to_model(o, vf, vp, kvh)
         return [o.to(torch.float16)]
-    kf, vf = as_tensor_format(a["k_format"]), as_tensor_format(a["v_format"])
+    kf, vf = a.tensor_format("k"), a.tensor_format("v")
     kp = TensorParams(scale=_expand(t["k_static"], kvh, D), smooth=_expand(t["k_smooth"], kvh, D))
     vp = TensorParams(scale=_expand(t["v_static"], kvh, D), smooth=_expand(t["v_smooth"], kvh, D))
     pools = {w: KVPool(t[f"{w}_data"], t[f"{w}_scale"], t[f"{w}_zero"], t[f"{w}_tail"]) for w in "kv"}

@@ -93,15 +93,15 @@ def kernel_config(op: C.OpSpec, attrs: C.Attrs, interpret: bool = False) -> dict
 
     b = C.BINDINGS[op.name]
     if b.config == "seal":
-        return K.seal_config(attrs["tensor_format"], attrs["head_dim"], attrs["block_size"])
+        return K.seal_config(attrs.tensor_format("x"), attrs["head_dim"], attrs["block_size"])
     ratio = attrs["num_q_heads"] // attrs["num_kv_heads"]
     if b.config.startswith("decode."):
         prec = attrs.get("precision", "ieee")
-        cfg = K.decode_config(attrs.get("k_format", attrs["v_format"]), attrs["v_format"], attrs["head_dim"], ratio,
+        cfg = K.decode_config(attrs.formats.get("k", attrs.tensor_format("v")), attrs.tensor_format("v"), attrs["head_dim"], ratio,
                               attrs["partition_size"], prec, interpret=interpret)
         return cfg[b.config.split(".")[1]]
     if b.config == "prefill":
-        return K.prefill_config(attrs["k_format"], attrs["v_format"], attrs["head_dim"], ratio, attrs["precision"],
+        return K.prefill_config(attrs.tensor_format("k"), attrs.tensor_format("v"), attrs["head_dim"], ratio, attrs["precision"],
                                 interpret=interpret)
     raise AssertionError(b.config)
 

@@ -36,14 +36,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, seal_blocks, write_tail  # noqa: E402
+from trtkv.cache_layout import PagedKVLayout, seal_blocks  # noqa: E402
 from trtkv.errors import TrtkvError  # noqa: E402
-from trtkv.formats import DTYPES, KVFormat, TensorFormat, get_format, parse_tensor_spec  # noqa: E402
+from trtkv.formats import KVFormat, TensorFormat, get_format, parse_tensor_spec  # noqa: E402
 from trtkv.plugins import contract as C  # noqa: E402
 from trtkv.plugins import kernels as K  # noqa: E402
 from trtkv.plugins import ops  # noqa: E402
 from trtkv.plugins import reference as R  # noqa: E402
-from trtkv.quant import TensorParams, hadamard_matrix, unpack_int4  # noqa: E402
+from trtkv.plugins.cases import PagedCase, case_params  # noqa: E402
+from trtkv.quant import hadamard_matrix, unpack_int4  # noqa: E402
 
 ATTN_RTOL = 2e-5
 
@@ -53,126 +54,28 @@ ATTN_RTOL = 2e-5
 # ------------------------------------------------------------------------------------------------
 
 
-def _params(tf: TensorFormat, kvh: int, d: int, gen: torch.Generator) -> TensorParams:
-    p = TensorParams()
-    if tf.is_static:
-        qmax = DTYPES[tf.dtype].sym_max
-        if tf.granularity == "per_tensor":
-            p.scale = torch.tensor(3.5 / qmax)
-        elif tf.granularity == "per_head":
-            p.scale = (torch.rand(kvh, generator=gen) + 2.5) / qmax
-        else:
-            p.scale = (torch.rand(kvh, d, generator=gen) + 2.5) / qmax
-    if tf.smooth:
-        p.smooth = torch.rand(kvh, d, generator=gen) * 1.5 + 0.25
-    return p
-
-
 def _ctxs(bs: int) -> list[int]:
     """Tails of 0, 1 and bs-1 rows; contexts that are exact multiples of the block size; an empty cache."""
     return [0, 1, bs - 1, bs, bs + 1, 3 * bs, 2 * bs + bs - 1, 2 * bs + 5]
 
 
-class Case:
-    """Sealed blocks + open blocks of random K / V for sequences of the given cached lengths, and this
-    step's new rows (``new`` per sequence; decode: 1 each)."""
+def _case(fmt: KVFormat | str, head_dim: int, ratio: int, ctxs, new=None, kvh: int = 2, seed: int = 0,
+         garbage: bool = True) -> PagedCase:
+    """The shared paged case (``trtkv.plugins.cases``), sealed by the reference, ``ratio`` query heads per KV head."""
+    return PagedCase(fmt, ctxs, new, heads_q=kvh * ratio, kv_heads=kvh, head_dim=head_dim, seed=seed, garbage=garbage)
 
-    def __init__(self, fmt: KVFormat | str, head_dim: int, ratio: int, ctxs, new=None, kvh: int = 2,
-                 block_size: int | None = None, seed: int = 0, garbage: bool = True):
-        fmt = get_format(fmt) if isinstance(fmt, str) else fmt
-        bs = block_size or fmt.block_size or 16
-        gen = torch.Generator().manual_seed(seed)
-        self.gen, self.ctxs, self.bs = gen, list(ctxs), bs
-        self.new = [1] * len(self.ctxs) if new is None else list(new)
-        assert all(c % bs + n <= bs for c, n in zip(self.ctxs, self.new)), "a step never crosses a block boundary"
-        B = len(self.ctxs)
-        self.kvh, self.heads, self.d = kvh, kvh * ratio, head_dim
-        max_blocks = max(c // bs for c in self.ctxs) + 2  # spare entries past the sealed blocks
-        num_blocks = B * max_blocks + 3
-        self.layout = PagedKVLayout(fmt, kvh, head_dim, bs, num_blocks, num_slots=B + 2)
-        self.fmt = self.layout.fmt
-        perm = torch.randperm(num_blocks, generator=gen)[: B * max_blocks]
-        self.block_table = perm.view(B, max_blocks).to(torch.int32)  # permuted, non-contiguous blocks
-        self.slot_ids = torch.randperm(B + 2, generator=gen)[:B].to(torch.int32)
-        self.context_lens = torch.tensor(self.ctxs, dtype=torch.int32)
-        self.kp = _params(self.fmt.k, kvh, head_dim, gen)
-        self.vp = _params(self.fmt.v, kvh, head_dim, gen)
-        if self.fmt.k.is_dynamic:
-            self.kp.clip = torch.tensor([1.0, 0.9] * kvh)[:kvh]
-        self.k_pool, self.v_pool = self.layout.allocate("k"), self.layout.allocate("v")
-        ch = torch.rand(kvh, head_dim, generator=gen) * 2 + 0.2  # channel outliers, like real keys
-        for b, ctx in enumerate(self.ctxs):
-            sealed = ctx // bs
-            for which, pool, p, sc in (("k", self.k_pool, self.kp, ch), ("v", self.v_pool, self.vp, 1.0)):
-                if sealed:
-                    rows = (torch.randn(sealed, kvh, bs, head_dim, generator=gen) * (sc if which == "v" else
-                            sc[None, :, None, :])).half()
-                    seal_blocks(self.layout, which, pool, rows, self.block_table[b, :sealed], p)
-                if ctx % bs:
-                    write_tail(pool, int(self.slot_ids[b]), torch.randn(ctx % bs, kvh, head_dim, generator=gen).half(), 0, bs)
-                if sealed and self.layout.sink_tokens:  # the sink rows: outliers, as attention sinks are
-                    sink = torch.randn(kvh, self.layout.sink_tokens, head_dim, generator=gen) * 4
-                    pool.tail[int(self.slot_ids[b]), :, bs:] = sink.half()
-        total = sum(self.new)
-        self.cu = torch.tensor([0] + torch.tensor(self.new).cumsum(0).tolist(), dtype=torch.int32)
-        self.k_new = torch.randn(total, kvh, head_dim, generator=gen).half()
-        self.v_new = torch.randn(total, kvh, head_dim, generator=gen).half()
-        if garbage:
-            self.garbage()
 
-    def garbage(self):
-        """NaN / inf / random bytes everywhere attention must not read."""
-        bs, gen = self.bs, self.gen
-        live_blocks = {int(self.block_table[b, i]) for b, c in enumerate(self.ctxs) for i in range(c // bs)}
-        dead = torch.tensor([i not in live_blocks for i in range(self.layout.num_blocks)])
-        for pool in (self.k_pool, self.v_pool):
-            data = pool.data
-            if data.dtype == torch.float16:
-                junk = (torch.randn(data.shape, generator=gen) * 1e4).half()
-                junk[..., 0] = float("nan")
-            else:
-                junk = torch.randint(0, 256, data.shape, generator=gen, dtype=torch.int32).to(torch.uint8).view(data.dtype)
-            data[dead] = junk[dead]
-            sink = self.layout.sink_tokens
-            for b, c in enumerate(self.ctxs):  # pool rows a sequence reads from its sink rows instead
-                if c >= bs and sink:
-                    first = int(self.block_table[b, 0])
-                    data[first, :, :sink] = junk[first, :, :sink]
-            for t in (pool.scale, pool.zero):
-                if t is not None:
-                    j = torch.full(t.shape, float("nan"), dtype=torch.float16)
-                    j[..., ::2] = float("inf")
-                    t[dead] = j[dead]
-            tail = pool.tail
-            used = torch.zeros(tail.shape[0], tail.shape[2], dtype=torch.bool)
-            for b, c in enumerate(self.ctxs):
-                used[int(self.slot_ids[b]), : c % bs] = True
-                used[int(self.slot_ids[b]), bs:] = c >= bs  # sink rows: read once a block is sealed
-            j = torch.full(tail.shape, float("nan"), dtype=torch.float16)
-            j[..., 1::2] = float("inf")
-            m = ~used[:, None, :, None].expand_as(tail)
-            tail[m] = j[m]
-        bt = self.block_table.clone()
-        for b, c in enumerate(self.ctxs):
-            bt[b, c // bs:] = 10**6  # entries past the sealed blocks may hold anything, even invalid indices
-        self.block_table = bt
+def _as_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [n, kv_heads, block_size, head_dim] as rows [n * block_size, kv_heads, head_dim]."""
+    return blocks.float().transpose(1, 2).reshape(-1, blocks.shape[1], blocks.shape[3])
 
-    def args(self):
-        k, v = self.k_pool, self.v_pool
-        return (k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.tail, v.tail, self.k_new, self.v_new,
-                self.block_table, self.context_lens, self.slot_ids, self.fmt.k.short(), self.fmt.v.short(),
-                self.kp.scale, self.kp.smooth, self.vp.scale, self.vp.smooth)
 
-    def decode(self, q, **kw):
-        return ops.launch_paged_decode(q, *self.args(), interpret=True, **kw)
+def _decode(case: PagedCase, q, **kw):
+    return ops.launch_paged_decode(q, *case.attn_args(), interpret=True, **kw)
 
-    def prefill(self, q, **kw):
-        return ops.launch_paged_prefill(q, self.cu, *self.args(), interpret=True, **kw)
 
-    def reference(self, q, prefill=False, sm_scale=None):
-        return R.paged_attention_ref(q, self.cu if prefill else None, self.k_pool, self.v_pool, self.k_new,
-                                     self.v_new, self.block_table, self.context_lens, self.slot_ids, self.fmt.k,
-                                     self.fmt.v, self.kp, self.vp, sm_scale)
+def _prefill(case: PagedCase, q, **kw):
+    return ops.launch_paged_prefill(q, case.cu, *case.attn_args(prefill=True), interpret=True, **kw)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -206,7 +109,7 @@ def test_interpreter_copy_is_independent_of_import_order():
 def test_reference_attention_equals_a_naive_loop():
     """The float64 reference itself, against per-position loops over the cache contract (sealed blocks
     dequantized by hand from codes and scales, tail rows, new rows)."""
-    case = Case("k=int8:bchannel:sym,v=int8:token:asym,block=16", 64, 2, [21, 3], new=[2, 1], seed=1)
+    case = _case("k=int8:bchannel:sym,v=int8:token:asym,block=16", 64, 2, [21, 3], new=[2, 1], seed=1)
     q = torch.randn(3, case.heads, 64, generator=case.gen)
     ref = case.reference(q, prefill=True)
     for b, ctx in enumerate(case.ctxs):
@@ -269,7 +172,7 @@ def test_seal_matches_seal_blocks_bit_for_bit(spec, d, bs, dtype, kvh):
     rows[1, 0, :, : d // 2] = 7.0  # constant channels over the block: asymmetric range 0
     rows[1, -1, 4, : d // 2] = -3.0
     tf = parse_tensor_spec(spec)
-    p = _params(tf, kvh, d, gen)
+    p = case_params(tf, "v", _as_rows(rows), gen)
     if tf.is_dynamic:
         p.clip = torch.tensor([1.0, 0.83, 0.95])[:kvh]  # per-head range multiplier
     ref = R.seal_ref(rows, tf, p.scale, p.smooth, p.clip)
@@ -350,7 +253,7 @@ def test_seal_hadamard_within_summation_order_tolerance(spec, d):
     gen = torch.Generator().manual_seed(d)
     rows = torch.randn(4, 2, 16, d, generator=gen).half()
     tf = parse_tensor_spec(spec)
-    p = _params(tf, 2, d, gen)
+    p = case_params(tf, "v", _as_rows(rows), gen)
     ref = R.seal_ref(rows, tf, p.scale, p.smooth)
     out = ops.launch_seal(rows, tf, p.scale, p.smooth, interpret=True)
     if tf.dtype == "int4":
@@ -397,12 +300,12 @@ DECODE_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
 @pytest.mark.parametrize("fmt,d,ratio,part,kvh", DECODE_CASES, ids=[f"{f}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in DECODE_CASES])
 def test_decode_matches_float64_reference(fmt, d, ratio, part, kvh):
     f = get_format(fmt)
-    case = Case(f, d, ratio, _ctxs(f.block_size or 16), kvh=kvh, seed=d + ratio)
+    case = _case(f, d, ratio, _ctxs(f.block_size or 16), kvh=kvh, seed=d + ratio)
     q = torch.randn(len(case.ctxs), case.heads, d, generator=case.gen).half()
     ref = case.reference(q.float())
-    out32 = case.decode(q.float(), partition_size=part)  # fp32: the kernel's own error, not fp16 output rounding
+    out32 = _decode(case, q.float(), partition_size=part)  # fp32: the kernel's own error, not fp16 output rounding
     assert _rel_err(out32, ref) < ATTN_RTOL
-    out = case.decode(q, partition_size=part)
+    out = _decode(case, q, partition_size=part)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert _rel_err(out, ref.half()) < 2e-3  # fp16 output rounding only
     assert torch.isfinite(out32).all()
@@ -411,29 +314,29 @@ def test_decode_matches_float64_reference(fmt, d, ratio, part, kvh):
 def test_decode_ignores_garbage_bit_for_bit():
     """NaN / inf / random bytes in unused pool blocks, tail rows past the context and block-table entries
     past the sealed blocks leave the output unchanged to the bit."""
-    case = Case("int4", 64, 3, _ctxs(64), seed=11, garbage=False)
+    case = _case("int4", 64, 3, _ctxs(64), seed=11, garbage=False)
     q = torch.randn(len(case.ctxs), case.heads, 64, generator=case.gen)
-    clean = case.decode(q, partition_size=64)
+    clean = _decode(case, q, partition_size=64)
     case.garbage()
     assert torch.isnan(case.k_pool.tail).any() and torch.isinf(case.k_pool.scale).any()
-    dirty = case.decode(q, partition_size=64)
+    dirty = _decode(case, q, partition_size=64)
     assert torch.equal(clean, dirty) and torch.isfinite(dirty).all()
 
 
 def test_decode_partition_size_does_not_change_the_result_beyond_rounding():
-    case = Case("int8", 128, 8, [257, 600, 63], seed=2)
+    case = _case("int8", 128, 8, [257, 600, 63], seed=2)
     q = torch.randn(3, case.heads, 128, generator=case.gen)
     ref = case.reference(q)
     for part in (16, 128, 512):
-        assert _rel_err(case.decode(q, partition_size=part), ref) < ATTN_RTOL
+        assert _rel_err(_decode(case, q, partition_size=part), ref) < ATTN_RTOL
 
 
 def test_decode_sm_scale_and_bf16_query():
-    case = Case("int4-g32", 64, 1, [40, 9], seed=4)
+    case = _case("int4-g32", 64, 1, [40, 9], seed=4)
     q = torch.randn(2, case.heads, 64, generator=case.gen)
     ref = case.reference(q, sm_scale=0.3)
-    assert _rel_err(case.decode(q, sm_scale=0.3), ref) < ATTN_RTOL
-    out = case.decode(q.bfloat16(), sm_scale=0.3)
+    assert _rel_err(_decode(case, q, sm_scale=0.3), ref) < ATTN_RTOL
+    out = _decode(case, q.bfloat16(), sm_scale=0.3)
     assert out.dtype == torch.bfloat16
     assert _rel_err(out, case.reference(q.bfloat16().float(), sm_scale=0.3)) < 1e-2  # bf16 output rounding
 
@@ -441,7 +344,7 @@ def test_decode_sm_scale_and_bf16_query():
 def test_decode_gpu_tile_config_and_tf32_precision_flag():
     """The GPU constexprs (BLOCK_N=32 at head_dim 128, BLOCK_H=16) through the interpreter; the interpreter
     evaluates fp32 dots exactly whatever input_precision says, so this checks the tile logic, not tf32."""
-    case = Case("int4", 128, 4, [70, 5, 128], seed=8)
+    case = _case("int4", 128, 4, [70, 5, 128], seed=8)
     q = torch.randn(3, case.heads, 128, generator=case.gen)
     cfg = K.decode_config(case.fmt.k, case.fmt.v, 128, 4, 64, "tf32x3", interpret=False)
     assert cfg["partition"]["constexprs"]["BLOCK_N"] == 32
@@ -483,23 +386,23 @@ def test_prefill_matches_float64_reference(fmt, d, ratio, kvh):
     bs = f.block_size or 16
     ctxs = [0, 0, 1, bs - 1, bs, 2 * bs + 5, 3 * bs]
     new = [bs, 3, bs - 1, 1, bs, bs - 5, 2]  # a whole first block, a short prompt, fill to the boundary, chunks
-    case = Case(f, d, ratio, ctxs, new=new, kvh=kvh, seed=d * ratio)
+    case = _case(f, d, ratio, ctxs, new=new, kvh=kvh, seed=d * ratio)
     q = torch.randn(int(case.cu[-1]), case.heads, d, generator=case.gen)
-    out = case.prefill(q)
+    out = _prefill(case, q)
     ref = case.reference(q, prefill=True)
     assert _rel_err(out, ref) < ATTN_RTOL
     # decode is prefill with one new token: the first new token of each sequence through the decode kernel
-    first = Case(f, d, ratio, ctxs, new=[1] * len(ctxs), kvh=kvh, seed=d * ratio, garbage=False)
-    assert _rel_err(first.decode(q[case.cu[:-1].long()], partition_size=64), first.reference(q[case.cu[:-1].long()])) < ATTN_RTOL
+    first = _case(f, d, ratio, ctxs, new=[1] * len(ctxs), kvh=kvh, seed=d * ratio, garbage=False)
+    assert _rel_err(_decode(first, q[case.cu[:-1].long()], partition_size=64), first.reference(q[case.cu[:-1].long()])) < ATTN_RTOL
 
 
 def test_prefill_garbage_bit_for_bit_and_padding_rows():
     ctxs, new = [30, 0, 64, 17], [2, 16, 7, 0]
-    case = Case("int4-g32", 64, 3, ctxs, new=new, seed=9, garbage=False)
+    case = _case("int4-g32", 64, 3, ctxs, new=new, seed=9, garbage=False)
     q = torch.randn(int(case.cu[-1]), case.heads, 64, generator=case.gen)
-    clean = case.prefill(q, max_seqlen_q=16)
+    clean = _prefill(case, q, max_seqlen_q=16)
     case.garbage()
-    dirty = case.prefill(q, max_seqlen_q=int(case.cu[-1]))  # an upper bound is fine: extra programs exit
+    dirty = _prefill(case, q, max_seqlen_q=int(case.cu[-1]))  # an upper bound is fine: extra programs exit
     assert torch.equal(clean, dirty)
     assert _rel_err(dirty, case.reference(q, prefill=True)) < ATTN_RTOL
     # padded [B, T] form: rows past new_lens come last and no valid query sees them
@@ -511,7 +414,7 @@ def test_prefill_garbage_bit_for_bit_and_padding_rows():
     kp = torch.randn(len(ctxs) * T, case.kvh, 64, generator=case.gen).half()
     vp = torch.randn(len(ctxs) * T, case.kvh, 64, generator=case.gen).half()
     qp[dest], kp[dest], vp[dest] = q[idx], case.k_new[idx], case.v_new[idx]
-    a = list(case.args())
+    a = list(case.attn_args(prefill=True))
     a[8], a[9] = kp, vp
     out = ops.launch_paged_prefill(qp, padded_cu, *a, interpret=True)
     assert _rel_err(out[dest], dirty[idx]) < ATTN_RTOL
@@ -523,15 +426,10 @@ def test_prefill_garbage_bit_for_bit_and_padding_rows():
 
 
 def test_run_op_references_follow_the_contract():
-    case = Case("int4", 64, 3, _ctxs(64)[:4], seed=13)
+    case = _case("int4", 64, 3, _ctxs(64)[:4], seed=13)
     a = C.attrs_for("PagedDecodePartition", case.fmt, num_q_heads=case.heads, num_kv_heads=case.kvh, head_dim=64,
                     partition_size=64)
-    hd = lambda x: None if x is None else x.float().expand(case.kvh, 64)  # noqa: E731
-    t = dict(q=torch.randn(4, case.heads, 64, generator=case.gen).half(), block_tables=case.block_table,
-             context_lens=case.context_lens, slot_ids=case.slot_ids, k_new=case.k_new, v_new=case.v_new,
-             hadamard=hadamard_matrix(64))
-    for w, pool in (("k", case.k_pool), ("v", case.v_pool)):
-        t.update({f"{w}_data": pool.data, f"{w}_scale": pool.scale, f"{w}_zero": pool.zero, f"{w}_tail": pool.tail})
+    t = case.contract_tensors(False, torch.randn(4, case.heads, 64, generator=case.gen).half())
     parts = R.run_op("PagedDecodePartition", a, t)
     assert [tuple(p.shape) for p in parts] == C.output_shapes("PagedDecodePartition", a, [
         tuple(t[x.name].shape) if x.name in t and t[x.name] is not None else C.placeholder_shape(x, a)
@@ -541,7 +439,7 @@ def test_run_op_references_follow_the_contract():
                                                     context_lens=case.context_lens, hadamard=hadamard_matrix(64)))
     assert _rel_err(out, case.reference(t["q"].float())) < 1e-3  # fp16 output
     # the decode kernels on the same contract tensors
-    assert _rel_err(case.decode(t["q"].float(), partition_size=64), case.reference(t["q"].float())) < ATTN_RTOL
+    assert _rel_err(_decode(case, t["q"].float(), partition_size=64), case.reference(t["q"].float())) < ATTN_RTOL
     sa = C.attrs_for("PagedKVSeal", case.fmt, num_q_heads=3, num_kv_heads=2, head_dim=64)
     rows = torch.randn(2, 2, 64, 64, generator=case.gen).half()
     got = R.run_op("PagedKVSeal", sa, dict(rows=rows))
@@ -555,20 +453,20 @@ def test_run_op_references_follow_the_contract():
 
 
 def test_custom_ops_dispatch_reference_and_interpreter(monkeypatch):
-    case = Case("int4", 64, 3, [20, 0, 130], seed=21)
+    case = _case("int4", 64, 3, [20, 0, 130], seed=21)
     q = torch.randn(3, case.heads, 64, generator=case.gen)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ref_path = torch.ops.trtkv.paged_decode_attention(q, *case.args())
+    ref_path = torch.ops.trtkv.paged_decode_attention(q, *case.op_args())
     assert torch.equal(ref_path, case.reference(q))  # CPU without TRITON_INTERPRET: the torch reference
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kern_path = torch.ops.trtkv.paged_decode_attention(q, *case.args(), partition_size=32)
+    kern_path = torch.ops.trtkv.paged_decode_attention(q, *case.op_args(), partition_size=32)
     assert _rel_err(kern_path, ref_path) < ATTN_RTOL
 
-    pc = Case("int4", 64, 3, [20, 0, 130], new=[4, 9, 2], seed=22)
+    pc = _case("int4", 64, 3, [20, 0, 130], new=[4, 9, 2], seed=22)
     qp = torch.randn(15, pc.heads, 64, generator=pc.gen)
-    a = torch.ops.trtkv.paged_prefill_attention(qp, pc.cu, *pc.args())
+    a = torch.ops.trtkv.paged_prefill_attention(qp, pc.cu, *pc.op_args(prefill=True))
     monkeypatch.delenv("TRITON_INTERPRET")
-    b = torch.ops.trtkv.paged_prefill_attention(qp, pc.cu, *pc.args())
+    b = torch.ops.trtkv.paged_prefill_attention(qp, pc.cu, *pc.op_args(prefill=True))
     assert _rel_err(a, b) < ATTN_RTOL
 
 
@@ -596,13 +494,13 @@ def test_seal_kv_wrapper_through_custom_op(monkeypatch, interpret):
 
 def test_fake_impls_and_opcheck(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    case = Case("int8", 64, 2, [9, 70], seed=31, garbage=False)
+    case = _case("int8", 64, 2, [9, 70], seed=31, garbage=False)
     q = torch.randn(2, case.heads, 64, generator=case.gen)
-    torch.library.opcheck(torch.ops.trtkv.paged_decode_attention.default, (q, *case.args()),
+    torch.library.opcheck(torch.ops.trtkv.paged_decode_attention.default, (q, *case.op_args()),
                           test_utils=("test_schema", "test_faketensor"))
-    pc = Case("int8", 64, 2, [9, 70], new=[2, 1], seed=31, garbage=False)
+    pc = _case("int8", 64, 2, [9, 70], new=[2, 1], seed=31, garbage=False)
     qp = torch.randn(3, pc.heads, 64, generator=pc.gen)
-    torch.library.opcheck(torch.ops.trtkv.paged_prefill_attention.default, (qp, pc.cu, *pc.args()),
+    torch.library.opcheck(torch.ops.trtkv.paged_prefill_attention.default, (qp, pc.cu, *pc.op_args(prefill=True)),
                           test_utils=("test_schema", "test_faketensor"))
     k = case.k_pool
     torch.library.opcheck(torch.ops.trtkv.seal_blocks.default,
@@ -611,9 +509,9 @@ def test_fake_impls_and_opcheck(monkeypatch):
 
 
 def test_validation_errors():
-    case = Case("int8", 64, 1, [5], seed=0, garbage=False)
+    case = _case("int8", 64, 1, [5], seed=0, garbage=False)
     q = torch.randn(1, 2, 64)
-    a = list(case.args())
+    a = list(case.attn_args())
     bad = list(a)
     bad[0] = a[0].view(torch.uint8)
     with pytest.raises(TrtkvError, match="does not match format"):  # pool dtype does not match the format

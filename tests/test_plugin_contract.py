@@ -1,4 +1,4 @@
-"""The TensorRT plugin contract (plugins/contract.py), the registration glue without TensorRT
+"""The TensorRT plugin contract (plugins/contract/), the registration glue without TensorRT
 (plugins/trt_plugins.py, driven through a stand-in ``tensorrt.plugin``), and bench/gpu_check.py --dry-run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout
+from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.formats import ELEM_TYPES, PRESETS, get_format
 from trtkv.plugins import contract as C
@@ -372,66 +372,14 @@ def _trt_order_launch(op: str, a, tensors: dict) -> list:
 
 
 def _contract_case(fmt_name: str, new: list[int] | None, *, hq=4, hkv=2, d=64, ctxs=(37, 5, 16, 47), seed=3):
-    """Contract tensors of one attention op on the sealed-block cache and its float64 reference output.
+    """Contract tensors of one attention op on the shared paged case (``trtkv.plugins.cases``: garbage
+    wherever attention must not read) and its float64 reference output. ``new`` None: decode."""
+    from trtkv.plugins.cases import PagedCase
 
-    Sealed blocks are written by ``seal_blocks``, open blocks by ``write_tail``, sink rows at random; unused pool blocks, tail rows
-    past each context and block-table entries past the sealed blocks hold NaN / garbage. ``new`` None:
-    decode (one new row per sequence)."""
-    from trtkv.cache_layout import seal_blocks, write_tail
-    from trtkv.plugins import reference as R
-    from trtkv.quant import hadamard_matrix
-
-    f = get_format(fmt_name)
-    bs = f.block_size or 16
-    f = f.with_block_size(bs)
-    g = torch.Generator().manual_seed(seed)
-    B = len(ctxs)
-    n = [1] * B if new is None else list(new)
-    assert all(c % bs + k <= bs for c, k in zip(ctxs, n))
-    sealed = [c // bs for c in ctxs]
-    layout = PagedKVLayout(f, hkv, d, bs, sum(sealed) + 3, num_slots=B + 1)
-    perm = torch.randperm(layout.num_blocks, generator=g)
-    bt = torch.full((B, max(sealed) + 1), 10**6, dtype=torch.int32)  # garbage past the sealed blocks
-    i = 0
-    for b, nb in enumerate(sealed):
-        bt[b, :nb] = perm[i:i + nb]
-        i += nb
-    slots = torch.randperm(B + 1, generator=g)[:B].to(torch.int32)
-    cl = torch.tensor(ctxs, dtype=torch.int32)
-    cu = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)
-    params, pools = {}, {}
-    for which in ("k", "v"):
-        tf = f.k if which == "k" else f.v
-        p = TensorParams(scale=torch.tensor(0.04) if tf.is_static else None,
-                         smooth=(torch.rand(hkv, d, generator=g) * 1.5 + 0.5) if tf.smooth else None)
-        pool = layout.allocate(which)
-        pool.data.view(torch.uint8).fill_(0x7F)  # garbage codes everywhere ...
-        pool.tail.fill_(float("nan"))  # ... NaN in every tail row until written
-        for t in (pool.scale, pool.zero):
-            if t is not None:
-                t.fill_(float("nan"))
-        for b, c in enumerate(ctxs):
-            if sealed[b]:
-                seal_blocks(layout, which, pool, torch.randn(sealed[b], hkv, bs, d, generator=g).half(),
-                            bt[b, :sealed[b]], p)
-            if c % bs:
-                write_tail(pool, int(slots[b]), torch.randn(c % bs, hkv, d, generator=g).half(), 0, bs)
-            if sealed[b] and layout.sink_tokens:  # sink rows, read instead of the first block's first rows
-                pool.tail[int(slots[b]), :, bs:] = (torch.randn(hkv, layout.sink_tokens, d, generator=g) * 3).half()
-        params[which], pools[which] = p, pool
-    rows = int(cu[-1]) if new is not None else B
-    k_new = torch.randn(rows, hkv, d, generator=g).half()
-    v_new = torch.randn(rows, hkv, d, generator=g).half()
-    q = torch.randn(rows, hq, d, generator=g).half()
-    ref = R.paged_attention_ref(q.float(), None if new is None else cu, pools["k"], pools["v"], k_new, v_new, bt, cl,
-                                slots, f.k, f.v, params["k"], params["v"])
-    hd = lambda x: None if x is None else x.float().expand(hkv, d).contiguous()  # noqa: E731
-    t = dict(q=q, cu_seqlens=cu, block_tables=bt, context_lens=cl, slot_ids=slots, k_new=k_new, v_new=v_new,
-             hadamard=hadamard_matrix(d, torch.float32))
-    for w in "kv":
-        t.update({f"{w}_data": pools[w].data, f"{w}_scale": pools[w].scale, f"{w}_zero": pools[w].zero,
-                  f"{w}_tail": pools[w].tail, f"{w}_static": hd(params[w].scale), f"{w}_smooth": params[w].smooth})
-    return t, ref
+    case = PagedCase(fmt_name, ctxs, new, heads_q=hq, kv_heads=hkv, head_dim=d, seed=seed)
+    prefill = new is not None
+    return case.contract_tensors(prefill), case.reference(case.q_pre.float() if prefill else case.q_dec.float(),
+                                                          prefill)
 
 
 CONTRACT_FORMATS = ["int4", "k=int8:tensor:sym,v=int4:g32:asym:smooth:hadamard",
