@@ -104,7 +104,7 @@ def _precision(precision: str, interpret: bool, gpu_default: str) -> str:
 
 def _check_pool(fmt: TensorFormat, data, scale, zero, head_dim: int, what: str) -> None:
     fmt.check_head_dim(head_dim)
-    packed = head_dim // fmt.traits.codes_per_byte
+    packed = fmt.packed_dim(head_dim)
     if data.dim() != 4 or data.shape[-1] != packed:
         raise TrtkvError(f"{what} data has shape {tuple(data.shape)}, expected [blocks, kv_heads, block_size, {packed}]")
     want = fmt.storage.torch

@@ -77,7 +77,7 @@ class PagedKVLayout:
 
     def packed_dim(self, which: Which) -> int:
         """Storage elements per token and head: head_dim, or head_dim/2 for packed int4."""
-        return self.head_dim // self.tensor_format(which).traits.codes_per_byte
+        return self.tensor_format(which).packed_dim(self.head_dim)
 
     def data_dtype(self, which: Which) -> torch.dtype:
         return storage_dtype(self.tensor_format(which))

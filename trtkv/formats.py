@@ -226,6 +226,10 @@ class TensorFormat(BaseModel):
         if head_dim % 2 and self.hadamard:
             raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {head_dim}", "drop the hadamard transform for this model")
 
+    def packed_dim(self, head_dim):
+        """Storage elements per token and head in a pool: head_dim, or head_dim / 2 for two codes per byte (int4)."""
+        return head_dim // self.traits.codes_per_byte
+
     def scale_shape(self, lead: tuple, num_kv_heads, block_size, head_dim: int) -> tuple | None:
         """Shape of this format's dynamic scale (and zero-point) tensor after the ``lead`` axes, or None when it
         has none: per sealed block and channel ``[*lead, kv_heads, head_dim]``, per token (group)

@@ -68,7 +68,7 @@ def output_shapes(op: OpSpec | str, attrs: Attrs, shapes: Sequence[Sequence[Any]
     if name == "PagedKVSeal":
         f = attrs.tensor_format("x")
         n, H, bs, D = s["rows"][0], attrs["num_kv_heads"], attrs["block_size"], attrs["head_dim"]
-        packed = D // f.traits.codes_per_byte
+        packed = f.packed_dim(D)
         out = [(n, H, bs, packed)]
         for t in op.outputs[1:]:
             out.append(f.scale_shape((n,), H, bs, D) if t.used(attrs) else placeholder_shape(t, attrs))
@@ -120,7 +120,7 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
         if shape is None and t.role == "pool":
             f = attrs.tensor_format(t.name[0])
             if t.name.endswith("data"):
-                shape = (num_blocks, H, bs, D // f.traits.codes_per_byte)
+                shape = (num_blocks, H, bs, f.packed_dim(D))
             else:
                 shape = f.scale_shape((num_blocks,), H, bs, D)
         assert shape is not None, t.name
