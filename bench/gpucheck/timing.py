@@ -271,7 +271,7 @@ def decode_timing(log: Log, device, dry: bool, copy_bw: float, budget_s: float =
                         log(f"prepared decode unavailable ({type(exc).__name__}: {str(exc)[:200]}); timing "
                             "ops.launch_paged_decode eagerly (includes Python launch overhead)")
                         mode = "ops-eager"
-                        fn = (lambda prec=prec: ops.launch_paged_decode(q, *args, precision=prec))
+                        fn = (lambda prec=prec, q=q, args=args: ops.launch_paged_decode(q, *args, precision=prec))
                         t = timer(fn) if dry else _time_cuda(fn, use_graph=False)
                     rows.append(dict(impl=f"paged-{fmt_name}", precision=prec, mode=mode, ctx=ctx, batch=B,
                                      us=t * 1e6, bytes_read=read, gbs=read / t / 1e9, bw_frac=read / t / copy_bw,
