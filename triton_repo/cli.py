@@ -85,7 +85,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         load_manifest(engine_dir)
         opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
         path = write_repository(engine_dir, out, opts, force=force)
-        console.print(f"model repository written to [bold]{path}[/] (models: ensemble, trtkv_llm)")
+        console.print(f"model repository written to [bold]{path}[/] (model: ensemble)")
 
     @app.command()
     @handle_errors

@@ -5,7 +5,7 @@
 loop thread sends the responses: one per token-step with ``stream=true`` (the new text), otherwise
 one with the whole text, the last flagged COMPLETE_FINAL. Pool usage is exported as custom metrics
 (``trtkv_kv_blocks{state=used|free}``, ``trtkv_kv_slots``, ``trtkv_sequences{state=running|waiting}``,
-``trtkv_kv_pool_info``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``, ``trtkv_requests{state=finished|rejected}``,
+``trtkv_kv_pool_info``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``, ``trtkv_requests{state=finished|rejected|cancelled}``,
 ``trtkv_generated_tokens``) labelled with the KV format.
 """
 
@@ -59,7 +59,7 @@ class _Metrics:
         blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
         slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
         seqs = fam("trtkv_sequences", "sequences in the trtkv scheduler by state")
-        requests = fam("trtkv_requests", "requests finished or rejected since start")
+        requests = fam("trtkv_requests", "requests finished, rejected or cancelled since start")
         info = fam("trtkv_kv_pool_info", "KV pool geometry: bytes per block, bytes per slot, tokens per block, budget")
         self.g = {
             "blocks_used": blocks.Metric(labels={**lab, "state": "used"}),
@@ -76,6 +76,7 @@ class _Metrics:
             "peak_running": fam("trtkv_peak_running_sequences", "most sequences running at once since start").Metric(labels=lab),
             "finished": requests.Metric(labels={**lab, "state": "finished"}),
             "rejected": requests.Metric(labels={**lab, "state": "rejected"}),
+            "aborted": requests.Metric(labels={**lab, "state": "cancelled"}),
             "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
         }
         self._last = 0.0
@@ -85,11 +86,12 @@ class _Metrics:
         """Push at most every METRIC_INTERVAL_S, and always once the engine drains, so a scrape
         after the last response sees the final counters instead of a value up to one interval old."""
         now = time.monotonic()
-        drained = s["running"] == 0 and s["waiting"] == 0 and s["finished"] != self._pushed_finished
+        ended = (s["finished"], s["aborted"])
+        drained = s["running"] == 0 and s["waiting"] == 0 and ended != self._pushed_finished
         if not (force or drained) and now - self._last < METRIC_INTERVAL_S:
             return
         self._last = now
-        self._pushed_finished = s["finished"]
+        self._pushed_finished = ended
         s = {**s, "slots_free": s["slots_total"] - s["slots_used"]}
         for key, metric in self.g.items():
             metric.set(float(s[key]))

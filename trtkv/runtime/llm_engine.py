@@ -103,7 +103,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "peak_running": 0}
+        self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
 
     # ------------------------------------------------------------------ construction
@@ -182,6 +182,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
+        self.stats_counters["aborted"] += 1
         return True
 
     def has_work(self) -> bool:

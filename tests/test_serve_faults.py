@@ -1,0 +1,204 @@
+"""Serving under faults (issue 15), against a real tritonserver (nvidia-pytriton's 2.51, python backend, CPU).
+
+One tiny random-weight int4 engine and one shared server for the faults that leave it serving
+(disconnects, cancels, bad input); the faults that end a server (stub kill, SIGTERM) start their own.
+Every loop is bounded in count and time; traffic only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytriton")
+pytest.importorskip("tritonclient")
+
+from trtkv.triton_repo.client import generate  # noqa: E402
+from trtkv.triton_repo.repository import RepoOptions, write_repository  # noqa: E402
+from trtkv.triton_repo.server import TritonServer, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.server]
+
+PROMPT = "Once upon a time, in a small village,"
+LONG = 400  # max_tokens of a request the tests cut short (the engine's context is 512)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    from conftest import build_tiny_model
+
+    from trtkv.builder.build import build_engine
+    from trtkv.models import load_model
+
+    root = tmp_path_factory.mktemp("faults")
+    build_tiny_model(root / "model", "llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     max_position_embeddings=512)  # fmt: skip
+    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
+    return build_engine(str(root / "model"), kv="int4", out=root / "engine-int4", backend="onnxruntime", block_size=16, max_batch=8, max_seq_len=512, loaded=loaded)
+
+
+def start(engine: Path, tmp: Path, **opts) -> TritonServer:
+    repo = write_repository(engine, tmp / "repo", RepoOptions(instance_kind="cpu", **opts), force=True)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp / "tritonserver.log")
+    return server.start(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    s = start(engine, tmp_path_factory.mktemp("shared"), kv_memory_gib=0.01, max_seqs=8)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def metric(server: TritonServer, name: str, **labels) -> float:
+    return max(server.metric_values(name, **labels), default=float("nan"))
+
+
+def wait_idle(server: TritonServer, timeout: float = 10.0) -> float:
+    """Seconds until no sequence runs or waits and no pool block is used (pytest.fail after ``timeout``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if (
+            metric(server, "trtkv_sequences", state="running") == 0
+            and metric(server, "trtkv_sequences", state="waiting") == 0
+            and metric(server, "trtkv_kv_blocks", state="used") == 0
+        ):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    pytest.fail(f"the runtime still holds sequences / blocks {timeout} s later")
+
+
+def post(server: TritonServer, path: str, body: dict, timeout: float = 60) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 30) -> tuple[http.client.HTTPConnection, list[dict]]:
+    """Start ``generate_stream`` on ``ensemble`` and read ``events`` SSE events; the connection stays open."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    got: list[dict] = []
+    while len(got) < events:
+        line = resp.readline()
+        assert line, f"stream ended after {len(got)} events"
+        if line.startswith(b"data:"):
+            got.append(json.loads(line[5:]))
+    return conn, got
+
+
+def generated_tokens(server: TritonServer) -> float:
+    return metric(server, "trtkv_generated_tokens")
+
+
+def cancelled(server: TritonServer) -> float:
+    return metric(server, "trtkv_requests", state="cancelled")
+
+
+def assert_aborted_within_a_few_steps(server: TritonServer, cancelled_before: float, tokens_before: float, seen: int) -> None:
+    """The runtime counted the request cancelled, holds no sequence or block, and stopped soon after ``seen`` tokens."""
+    got = server.wait_for_metric("trtkv_requests", cancelled_before + 1, timeout=10, state="cancelled")
+    assert got >= cancelled_before + 1, "the runtime never aborted the request"
+    wait_idle(server)
+    produced = generated_tokens(server) - tokens_before
+    assert produced < seen + LONG / 4, f"{produced} tokens generated after the client left at {seen}"
+
+
+# ---------------------------------------------------------------- 1. disconnect and cancel through `ensemble`
+
+
+def test_http_disconnect_through_ensemble_aborts_and_frees_blocks(server):
+    wait_idle(server)
+    before, n_cancelled = generated_tokens(server), cancelled(server)
+    conn, events = open_stream(server, {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}, events=3)
+    assert all("error" not in e for e in events)
+    conn.sock.close()  # the client goes away mid-stream (curl -m 1)
+    conn.close()
+    assert_aborted_within_a_few_steps(server, n_cancelled, before, seen=3)
+    assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_grpc_cancel_through_ensemble_aborts_and_frees_blocks(server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    wait_idle(server)
+    before, n_cancelled = generated_tokens(server), cancelled(server)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+
+    def inp(name, value, dtype, np_dtype):
+        t = grpcclient.InferInput(name, [1, 1], dtype)
+        t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
+        return t
+
+    try:
+        inputs = [
+            inp("text_input", PROMPT.encode(), "BYTES", object),
+            inp("max_tokens", LONG, "INT32", np.int32),
+            inp("min_tokens", LONG, "INT32", np.int32),
+            inp("stream", True, "BOOL", bool),
+        ]
+        client.async_stream_infer("ensemble", inputs)
+        for _ in range(3):
+            _, error = results.get(timeout=30)
+            assert error is None, error
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert_aborted_within_a_few_steps(server, n_cancelled, before, seen=3)
+
+
+# ---------------------------------------------------------------- 3. missing required inputs
+
+
+@pytest.mark.parametrize(
+    "body,missing",
+    [
+        ({"max_tokens": 8, "temperature": 0.5}, "text_input"),
+        ({"text_input": "hi", "temperature": 0.5}, "max_tokens"),
+        ({"max_tokens": 8, "stream": True}, "text_input"),
+    ],
+)
+def test_http_missing_required_input_is_400_naming_it(server, body, missing):
+    status, text = post(server, "/v2/models/ensemble/generate", body)
+    assert status == 400 and missing in text, (status, text)
+
+
+@pytest.mark.parametrize("given,missing", [(("max_tokens", "stream"), "text_input"), (("text_input", "stream"), "max_tokens")])
+def test_grpc_missing_required_input_is_invalid_argument_naming_it(server, given, missing):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    values = {"text_input": (b"hi", "BYTES", object), "max_tokens": (8, "INT32", np.int32), "stream": (True, "BOOL", bool)}
+    inputs = []
+    for name in given:
+        v, dtype, np_dtype = values[name]
+        t = grpcclient.InferInput(name, [1, 1], dtype)
+        t.set_data_from_numpy(np.array([[v]], dtype=np_dtype))
+        inputs.append(t)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        result, error = results.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None, f"an empty OK: {result.get_response() if result else None}"
+    assert missing in str(error) and ("INVALID_ARG" in str(error) or "StatusCode.INVALID_ARGUMENT" in str(error) or "[400]" in str(error) or "missing" in str(error)), str(error)
