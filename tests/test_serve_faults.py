@@ -202,3 +202,43 @@ def test_grpc_missing_required_input_is_invalid_argument_naming_it(server, given
         client.close()
     assert error is not None, f"an empty OK: {result.get_response() if result else None}"
     assert missing in str(error) and ("INVALID_ARG" in str(error) or "StatusCode.INVALID_ARGUMENT" in str(error) or "[400]" in str(error) or "missing" in str(error)), str(error)
+
+
+# ---------------------------------------------------------------- 4. preemption through the server
+
+
+@pytest.mark.slow
+def test_small_pool_preemption_changes_no_output(engine, tmp_path):
+    """4 slots and 8 int4 blocks of 16 tokens for 8 concurrent 40-token greedy streams: the runtime
+    preempts, and every output (text and log-probabilities) equals the same request served alone."""
+    import threading
+
+    from trtkv.manifest import load_manifest
+
+    m = load_manifest(engine)
+    budget = (4 * m.tail_bytes_per_slot + 8.5 * m.bytes_per_block) / 1024**3
+    s = start(engine, tmp_path, kv_memory_gib=budget, max_seqs=4)
+    try:
+        prompts = [f"{PROMPT} #{i}" for i in range(8)]
+        body = {"max_tokens": 40, "min_tokens": 40, "return_log_probs": True, "exclude_input_in_output": True}
+        together: dict[int, dict] = {}
+        errors: list[str] = []
+
+        def run(i):
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": prompts[i], **body}, timeout=120)
+            (together.__setitem__(i, json.loads(text)) if status == 200 else errors.append(text))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert not errors and len(together) == 8, errors
+        assert metric(s, "trtkv_preemptions") >= 1, "the pool was not small enough to preempt"
+        for i, p in enumerate(prompts):
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": p, **body})
+            alone = json.loads(text)
+            assert status == 200 and together[i]["text_output"] == alone["text_output"], i
+            assert together[i]["output_log_probs"] == alone["output_log_probs"], i
+    finally:
+        s.stop()

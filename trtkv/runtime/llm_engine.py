@@ -25,6 +25,7 @@ from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
 from trtkv.runtime.sampler import Sampler, make_generator
 from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
 from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from trtkv.runtime.swap import Swapper
 
 DEFAULT_CPU_KV_GIB = 1.0
 DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory that is free once the engine is loaded
@@ -100,6 +101,7 @@ class LLMEngine:
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
         )
+        self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
