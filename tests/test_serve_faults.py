@@ -242,3 +242,157 @@ def test_small_pool_preemption_changes_no_output(engine, tmp_path):
             assert together[i]["output_log_probs"] == alone["output_log_probs"], i
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------- `trtkv serve` as a process: stub kill and SIGTERM
+
+
+class Serve:
+    """``trtkv serve`` in a subprocess on free ports; stdout and stderr collected by reader threads."""
+
+    def __init__(self, engine: Path, tmp: Path, *args: str):
+        import subprocess
+        import sys
+        import threading
+
+        self.ports = [free_port() for _ in range(3)]
+        cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engine), "--repo", str(tmp / "repo"), "--kv-memory", "0.01", "--max-seqs", "4",
+               "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda st=stream, sk=sink: [sk.append(line) for line in st], daemon=True).start()
+        self.http_port = self.ports[0]
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.out + self.err):
+            assert self.proc.poll() is None or time.monotonic() < deadline, f"serve exited: {''.join(self.out + self.err)}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s: {''.join(self.out + self.err)}"
+            time.sleep(0.1)
+
+    def tritonserver_pid(self) -> int:
+        from trtkv.triton_repo.server import child_pids
+
+        (pid,) = child_pids(self.proc.pid)
+        return pid
+
+    def stub_pid(self) -> int:
+        from trtkv.triton_repo.server import STUB_NAME, _cmdline, child_pids
+
+        (pid,) = [p for p in child_pids(self.tritonserver_pid()) if STUB_NAME in _cmdline(p)]
+        return pid
+
+    def shm_prefix(self) -> str:
+        from trtkv.triton_repo.server import _cmdline
+
+        return _cmdline(self.tritonserver_pid()).split("shm-region-prefix-name=", 1)[1].split()[0]
+
+    def ready(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=2)
+            conn.request("GET", "/v2/health/ready")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def open_stream_resp(port: int, body: dict, events: int, timeout: float = 20):
+    """``generate_stream`` on ``ensemble`` at ``port``; the response after ``events`` SSE events have been read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    got = []
+    while len(got) < events:
+        line = resp.readline()
+        assert line, f"stream ended after {len(got)} events"
+        if line.startswith(b"data:"):
+            got.append(json.loads(line[5:]))
+    return resp, got
+
+
+def rest_of_stream(resp) -> tuple[str, list[dict]]:
+    """Read a stream to its end: ("end", events) when the server ended it properly (HTTP's last chunk),
+    ("error", events) when the last event is an error, ("cut", events) when the connection broke
+    mid-stream (curl: "transfer closed with outstanding read data"), ("hang", []) after the socket timeout."""
+
+    def parse(data: bytes) -> list[dict]:
+        return [json.loads(line[5:]) for line in data.splitlines() if line.startswith(b"data:")]
+
+    try:
+        events = parse(resp.read())
+    except http.client.IncompleteRead as exc:
+        return "cut", parse(exc.partial)
+    except TimeoutError:
+        return "hang", []
+    return ("error" if events and "error" in events[-1] else "end"), events
+
+
+@pytest.mark.slow
+def test_killed_model_process_fails_readiness_errors_clients_restarts_then_exits_3(engine, tmp_path):
+    import os
+    import signal
+
+    s = Serve(engine, tmp_path, "--restarts", "1")
+    try:
+        s.wait_for("Ctrl-C")
+        resp, _ = open_stream_resp(s.http_port, {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}, events=3)
+        os.kill(s.stub_pid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        how, rest = rest_of_stream(resp)
+        assert how in ("cut", "error") and time.monotonic() - t0 < 10, (how, len(rest), rest[-2:], time.monotonic() - t0)  # an error, not a stream left hanging
+        deadline = time.monotonic() + 5
+        while s.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not s.ready(), "a dead model still reports ready"
+        s.wait_for("ready again", timeout=120)
+        assert any("died" in line for line in s.err) and any("restarting" in line for line in s.err)
+        assert generate(f"http://127.0.0.1:{s.http_port}", "again", 3)["text_output"].startswith("again")
+        os.kill(s.stub_pid(), signal.SIGKILL)  # no restarts left
+        assert s.proc.wait(60) == 3
+        assert any("no restarts left" in line for line in s.err)
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace", ["30", "0"])
+def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(engine, tmp_path, grace):
+    """SIGTERM with a stream and a plain request in flight: within --grace both finish (exit 0); with
+    --grace 0 both get an explicit error (exit 4). Never a silent cut; the shared memory is removed."""
+    import signal
+    import threading
+
+    s = Serve(engine, tmp_path, "--grace", grace)
+    try:
+        s.wait_for("Ctrl-C")
+        prefix = s.shm_prefix()
+        assert list(Path("/dev/shm").glob(prefix + "*")), "no shared memory to check"
+        assert all(p.stat().st_mode & 0o077 == 0 for p in Path("/dev/shm").glob(prefix + "*")), "shared memory readable by others"
+        body = {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}
+        plain: dict = {}
+        t = threading.Thread(target=lambda: plain.update(zip(("status", "text"), post(s, "/v2/models/ensemble/generate", body))))
+        t.start()
+        resp, first = open_stream_resp(s.http_port, body, events=3)
+        s.proc.send_signal(signal.SIGTERM)
+        how, rest = rest_of_stream(resp)
+        t.join(60)
+        rc = s.proc.wait(90)
+        if grace == "0":
+            assert how == "error" and "shutting down" in rest[-1]["error"], (how, rest[-1:])
+            assert plain["status"] >= 400 and "shutting down" in plain["text"], plain
+            assert rc == 4 and any("failed" in line for line in s.out), (rc, s.out)
+        else:
+            assert how == "end" and len(first) + len(rest) == LONG, (how, len(first) + len(rest))
+            assert plain["status"] == 200 and "text_output" in plain["text"], plain
+            assert rc == 0 and any("drained" in line for line in s.out), (rc, s.out, s.err)
+        assert not list(Path("/dev/shm").glob(prefix + "*")), "shared memory left behind"
+    finally:
+        s.close()

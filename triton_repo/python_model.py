@@ -12,6 +12,7 @@ one with the whole text, the last flagged COMPLETE_FINAL. Pool usage is exported
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -22,8 +23,10 @@ import triton_python_backend_utils as pb_utils  # provided by the python backend
 
 from trtkv.errors import TrtkvError
 from trtkv.triton_repo.inputs import ParsedRequest, parse_request
+from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV
 
 METRIC_INTERVAL_S = 0.25
+DEFAULT_DRAIN_GRACE_S = 10.0  # without `trtkv serve --grace` (e.g. the repository in NVIDIA's container)
 
 
 def _error(message: str, invalid_arg: bool = True):
@@ -97,6 +100,49 @@ class _Metrics:
             metric.set(float(s[key]))
 
 
+class _Drain:
+    """A drain requested by ``trtkv serve`` (SIGTERM): it writes the grace period into $TRTKV_DRAIN_FILE.
+    Polled from the loop thread: once the file appears, no request is admitted; the requests in flight
+    finish, or are failed with an error when the grace period ends; the outcome goes into FILE.done
+    ("drained" or "failed N") and the log, and then serve stops tritonserver, whose models are idle."""
+
+    POLL_S = 0.1
+
+    def __init__(self, loop, logger):
+        self.loop = loop
+        self.logger = logger
+        self.path = os.environ.get(DRAIN_FILE_ENV) or None
+        self.deadline: float | None = None
+        self.done = False
+        self._next_poll = 0.0
+
+    def poll(self) -> None:
+        if self.path is None or self.done:
+            return
+        now = time.monotonic()
+        if self.deadline is None:
+            if now < self._next_poll:
+                return
+            self._next_poll = now + self.POLL_S
+            try:
+                grace = float(Path(self.path).read_text().strip() or 0)
+            except (OSError, ValueError):
+                return
+            self.loop.stop_admitting()
+            self.deadline = now + grace
+            self.logger.log_info(f"trtkv: shutdown: draining, {self.loop.in_flight} requests in flight get {grace:g} s")
+        if self.loop.in_flight and now < self.deadline:
+            return
+        failed = self.loop.fail_in_flight("the server is shutting down: the request did not finish within the grace period") if self.loop.in_flight else 0
+        outcome = f"failed {failed}" if failed else "drained"
+        if failed:
+            self.logger.log_warn(f"trtkv: shutdown: {failed} requests still running after the grace period were failed with an error")
+        else:
+            self.logger.log_info("trtkv: shutdown: drained, every request in flight finished")
+        Path(self.path + ".done").write_text(outcome)
+        self.done = True
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from trtkv.runtime.engine_loop import EngineLoop
@@ -127,9 +173,13 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - metrics are optional (older backends)
             self.logger.log_warn(f"trtkv: custom metrics unavailable: {exc}")
         self._lock = threading.Lock()
+        self._drain = None
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._drain = _Drain(self.loop, self.logger)
 
     def _on_step(self, stats: dict) -> None:
+        if self._drain is not None:
+            self._drain.poll()
         if self.metrics is not None:
             try:
                 self.metrics.update(stats)
@@ -182,8 +232,16 @@ class TritonPythonModel:
         return on_output
 
     def finalize(self):
+        """Shutdown (SIGTERM, unload): admit nothing new, let requests in flight finish within the grace
+        period, fail the rest with an error response; one log line says which."""
         loop = getattr(self, "loop", None)
         if loop is not None:
+            grace = float(os.environ.get(DRAIN_GRACE_ENV) or DEFAULT_DRAIN_GRACE_S)
+            left = loop.drain(grace)
+            if left:
+                self.logger.log_warn(f"trtkv: shutdown: {left} requests still running after the {grace:g} s grace period were failed with an error")
+            else:
+                self.logger.log_info("trtkv: shutdown: drained, every request in flight finished")
             loop.stop()
 
 
