@@ -108,3 +108,33 @@ def test_aborting_a_swapped_out_sequence_drops_its_host_copy(model, tokenizer):
     while llm.has_work():
         llm.step()
     assert llm.block_manager.num_free_blocks == 7 and not llm.scheduler.swapper.saved
+
+
+# ---------------------------------------------------------------- 5. bad words are token sequences
+
+
+def test_bad_word_with_leading_space_does_not_ban_the_bare_space(model, tokenizer):
+    from trtkv.runtime.llm_engine import bad_word_bans
+    from trtkv.runtime.sequence import Sequence
+
+    llm = make_llm(model, tokenizer)
+    space, *rest = tokenizer.encode(" zzq", add_special_tokens=False)  # [" ", "z", "z", "q"] in the tiny BPE
+    assert tokenizer.decode([space]) == " " and len(rest) == 3
+    seqs = llm.bad_word_sequences([" zzq"])
+    assert seqs == [[space, *rest]]
+    seq = llm.add_request([5, 6, 7], SamplingParams(max_tokens=4, bad_words=[" zzq"]))
+    req = llm.requests[seq.request_id]
+    assert space not in req.banned and bad_word_bans(seq, req.bad_seqs) == []
+    # the word's last token is banned exactly when the tokens before it were just generated
+    assert bad_word_bans(Sequence([5, space, rest[0], rest[1]], SamplingParams()), seqs) == [rest[2]]
+    assert bad_word_bans(Sequence([5, space, rest[0]], SamplingParams()), seqs) == []
+    assert bad_word_bans(Sequence([space, rest[0], rest[1], 5], SamplingParams()), seqs) == []
+
+
+def test_single_token_bad_word_is_never_generated(model, tokenizer):
+    free = make_llm(model, tokenizer).generate([PROMPTS[0]], greedy(16))[0].new_token_ids
+    token = next(t for t in free if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t])  # a whole-token word
+    word = tokenizer.decode([token])
+    assert [token] in make_llm(model, tokenizer).bad_word_sequences([word])
+    out = make_llm(model, tokenizer).generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word]))[0]
+    assert token not in out.new_token_ids
