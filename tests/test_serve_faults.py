@@ -204,6 +204,34 @@ def test_grpc_missing_required_input_is_invalid_argument_naming_it(server, given
     assert missing in str(error) and ("INVALID_ARG" in str(error) or "StatusCode.INVALID_ARGUMENT" in str(error) or "[400]" in str(error) or "missing" in str(error)), str(error)
 
 
+# ---------------------------------------------------------------- 7. smaller ones
+
+
+@pytest.mark.parametrize("extra", [{"foo": 1}, {"ignore_eos": True}, {"lora_task_id": 3}])
+def test_http_undeclared_input_is_400_naming_it_and_counted_rejected(server, extra):
+    rejected = metric(server, "trtkv_requests", state="rejected")
+    status, text = post(server, "/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 3, **extra})
+    (name,) = extra
+    assert status == 400 and name in text and "unknown input" in text, (status, text)
+    assert server.wait_for_metric("trtkv_requests", rejected + 1, timeout=5, state="rejected") >= rejected + 1
+    assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_error_hints_keep_square_brackets(capsys):
+    import typer
+
+    from trtkv.cli_options import handle_errors
+    from trtkv.errors import TrtkvError
+
+    @handle_errors
+    def fail():
+        raise TrtkvError("no tritonserver found", "install the serve extra (pip install 'trtkv[serve]')")
+
+    with pytest.raises(typer.Exit):
+        fail()
+    assert "pip install 'trtkv[serve]'" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 4. preemption through the server
 
 

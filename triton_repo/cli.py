@@ -137,6 +137,11 @@ def register(app: typer.Typer, handle_errors) -> None:
         def on_signal(signum, _frame):
             stop["sig"] = signum
 
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            err_console.print(
+                f"[bold yellow]warning:[/] --host {host} exposes the server (inference, metrics, no authentication) to the network",
+                highlight=False,
+            )
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             err_console.print(f"starting {binary.path} on {path} ...", highlight=False)
@@ -145,6 +150,8 @@ def register(app: typer.Typer, handle_errors) -> None:
             console.print(f"[bold green]ready[/] in {time.monotonic() - t0:.1f} s — {summary}", highlight=False)
             console.print(f"  HTTP     {server.http_url}  (generate: /v2/models/ensemble/generate, generate_stream)", highlight=False)
             console.print(f"  gRPC     {server.client_host}:{grpc_port}", highlight=False)
+            if server.client_host != host:
+                console.print(f"  bound to {host} (all interfaces): reachable from other hosts at this machine's addresses, same ports", highlight=False)
             console.print(f"  metrics  {server.metrics_url}  (trtkv_kv_blocks, trtkv_sequences, nv_inference_*)", highlight=False)
             console.print(f"  log      {server.log_file}", highlight=False)
             console.print(

@@ -191,7 +191,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(lambda name, r=request: _get(r, name))
+                parsed = self._parse(request)
                 rid = request.request_id() or uuid.uuid4().hex
                 rid = f"{rid}-{uuid.uuid4().hex[:8]}"
                 self.loop.submit(parsed.prompt, parsed.params, rid, self._callback(sender, parsed))
@@ -203,6 +203,16 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
         return None
+
+    def _parse(self, request) -> ParsedRequest:
+        """Inputs -> ParsedRequest; a refused request is counted in ``trtkv_requests{state="rejected"}`` like a pool refusal."""
+        try:
+            check_parameters(request.parameters())
+            return parse_request(lambda name, r=request: _get(r, name))
+        except TrtkvError:
+            with self.engine._reject_lock:
+                self.engine.stats_counters["rejected"] += 1
+            raise
 
     def _callback(self, sender, req: ParsedRequest):
         FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -243,6 +253,24 @@ class TritonPythonModel:
             else:
                 self.logger.log_info("trtkv: shutdown: drained, every request in flight finished")
             loop.stop()
+
+
+PASSED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout")  # Triton's own request fields
+
+
+def check_parameters(text: str | None) -> None:
+    """Refuse request parameters: the HTTP generate endpoints turn every JSON key that is not a declared
+    input (``ignore_eos``, ``lora_task_id``, a typo) into one, which would otherwise be ignored silently."""
+    try:
+        params = json.loads(text or "{}")
+    except ValueError:
+        return
+    unknown = sorted(k for k in params if not k.startswith("triton_") and k not in PASSED_PARAMETERS)
+    if unknown:
+        raise TrtkvError(
+            f"unknown input{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: not part of the ensemble interface",
+            "leave it out (see docs/serving.md for the inputs trtkv accepts)",
+        )
 
 
 def _get(request, name: str):
