@@ -138,3 +138,39 @@ def test_single_token_bad_word_is_never_generated(model, tokenizer):
     assert [token] in make_llm(model, tokenizer).bad_word_sequences([word])
     out = make_llm(model, tokenizer).generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word]))[0]
     assert token not in out.new_token_ids
+
+
+# ---------------------------------------------------------------- stop words and min_tokens (mutation survivors)
+
+
+def _steps(model, tokenizer, n: int = 16) -> list[str]:
+    texts: list[str] = []
+    make_llm(model, tokenizer).generate([PROMPTS[2]], greedy(n), on_output=lambda o: texts.append(o.new_text))
+    return texts
+
+
+def test_early_stop_word_with_min_tokens_still_yields_min_tokens(model, tokenizer):
+    texts = _steps(model, tokenizer)
+    stop = next(t for t in texts if t.strip())  # appears in the first steps
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_words=[stop], min_tokens=6)
+    out = make_llm(model, tokenizer).generate([PROMPTS[2]], p)[0]
+    assert len(out.new_token_ids) >= 6
+    early = make_llm(model, tokenizer).generate([PROMPTS[2]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_words=[stop]))[0]
+    assert len(early.new_token_ids) < 6 and early.finish_reason == "stop"  # without min_tokens it does stop early
+
+
+def test_stop_word_split_across_two_steps_stops_and_is_cut(model, tokenizer):
+    texts = _steps(model, tokenizer)
+    full = "".join(texts)
+    for i in range(len(texts) - 1):
+        if texts[i] and texts[i + 1]:
+            at = len("".join(texts[: i + 1]))
+            stop = full[at - 1 : at + 1]  # last character of step i, first of step i + 1
+            if full.find(stop) == at - 1:
+                break
+    else:
+        pytest.skip("no two consecutive steps with text")
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_words=[stop])
+    out = make_llm(model, tokenizer).generate([PROMPTS[2]], p)[0]
+    assert out.finish_reason == "stop" and out.text == full[: at - 1], (stop, out.text, full)
+    assert len(out.new_token_ids) <= i + 2

@@ -217,6 +217,16 @@ def test_http_undeclared_input_is_400_naming_it_and_counted_rejected(server, ext
     assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
 
 
+def test_stream_sends_one_response_per_token_even_while_text_is_held_back(server):
+    """A step whose token ends in a partial UTF-8 character has ids but no text yet: it still gets a response."""
+    conn, events = open_stream(server, {"text_input": PROMPT, "max_tokens": 60, "min_tokens": 60}, events=60)
+    try:
+        assert any(e["text_output"] == "" for e in events), "no held-back text in this stream: the test proves nothing"
+    finally:
+        conn.close()
+    assert len(events) == 60
+
+
 def test_error_hints_keep_square_brackets(capsys):
     import typer
 
