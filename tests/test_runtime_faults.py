@@ -174,3 +174,28 @@ def test_stop_word_split_across_two_steps_stops_and_is_cut(model, tokenizer):
     out = make_llm(model, tokenizer).generate([PROMPTS[2]], p)[0]
     assert out.finish_reason == "stop" and out.text == full[: at - 1], (stop, out.text, full)
     assert len(out.new_token_ids) <= i + 2
+
+
+def test_multi_token_bad_word_leaves_its_first_token_free(model, tokenizer):
+    """A two-token bad word whose first token the free output uses but never completes: the output is unchanged
+    (banning the word's first token, the old rule, changes it)."""
+    llm = make_llm(model, tokenizer)
+    free = llm.generate([PROMPTS[0]], greedy(16))[0].new_token_ids
+    history = PROMPTS[0] + free
+
+    def occurs(ids):
+        return any(history[i : i + len(ids)] == ids for i in range(len(history)))
+
+    word = None
+    for first in dict.fromkeys(free):
+        for last in range(tokenizer.vocab_size):
+            text = tokenizer.decode([first, last])
+            seqs = llm.bad_word_sequences([text])
+            if [first, last] in seqs and all(len(s) > 1 and not occurs(s) for s in seqs):
+                word = text
+                break
+        if word:
+            break
+    assert word, "no usable two-token word"
+    out = make_llm(model, tokenizer).generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word]))[0]
+    assert out.new_token_ids == free, word
