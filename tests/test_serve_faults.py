@@ -420,6 +420,11 @@ def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(en
         t.start()
         resp, first = open_stream_resp(s.http_port, body, events=3)
         s.proc.send_signal(signal.SIGTERM)
+        if grace != "0":  # while draining new requests are refused (UNAVAILABLE; Triton 2.51's HTTP generate answers it with 400)
+            s.wait_for("stopping", timeout=10)
+            time.sleep(0.3)  # the model polls for the drain every 0.1 s
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": "late", "max_tokens": 3})
+            assert status in (400, 503) and "shutting down" in text, (status, text)
         how, rest = rest_of_stream(resp)
         t.join(60)
         rc = s.proc.wait(90)

@@ -22,6 +22,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by the python backend
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.engine_loop import ShuttingDown
 from trtkv.triton_repo.inputs import ParsedRequest, parse_request
 from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV
 
@@ -29,8 +30,8 @@ METRIC_INTERVAL_S = 0.25
 DEFAULT_DRAIN_GRACE_S = 10.0  # without `trtkv serve --grace` (e.g. the repository in NVIDIA's container)
 
 
-def _error(message: str, invalid_arg: bool = True):
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg else None
+def _error(message: str, invalid_arg: bool = True, code_name: str | None = None):
+    code = getattr(pb_utils.TritonError, code_name or "INVALID_ARG", None) if invalid_arg or code_name else None
     try:
         return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
     except TypeError:  # older python backends take only the message
@@ -195,6 +196,8 @@ class TritonPythonModel:
                 rid = request.request_id() or uuid.uuid4().hex
                 rid = f"{rid}-{uuid.uuid4().hex[:8]}"
                 self.loop.submit(parsed.prompt, parsed.params, rid, self._callback(sender, parsed))
+            except ShuttingDown as exc:  # draining: UNAVAILABLE (gRPC), so clients retry elsewhere; HTTP generate shows 400
+                sender.send(pb_utils.InferenceResponse(error=_error(str(exc), code_name="UNAVAILABLE")), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except TrtkvError as exc:
                 sender.send(pb_utils.InferenceResponse(error=_error(str(exc))), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as exc:  # noqa: BLE001

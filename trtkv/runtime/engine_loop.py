@@ -21,6 +21,10 @@ from trtkv.runtime.llm_engine import LLMEngine, RequestOutput
 from trtkv.runtime.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(TrtkvError):
+    """A request arrived while the loop drains (a server answers 503: retry elsewhere)."""
 Callback = Callable[[RequestOutput], "bool | None"]
 
 
@@ -39,7 +43,7 @@ class EngineLoop:
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, callback: Callback):
         """Validate and queue a request; raises ``TrtkvError`` (to send back as a 400) when it is invalid."""
         if self._draining:
-            raise TrtkvError("the server is shutting down and admits no new requests", "retry on another replica or after the restart")
+            raise ShuttingDown("the server is shutting down and admits no new requests", "retry on another replica or after the restart")
         seq = self.engine.make_sequence(prompt, params, request_id)
         self._inbox.put(("add", seq, callback))
         return seq
