@@ -336,7 +336,21 @@ class Serve:
             return False
 
     def close(self) -> None:
+        """Kill serve and, first, the tritonserver it started (its own session: it would outlive serve)."""
+        import os
+        import signal
+
+        from trtkv.triton_repo.server import _cmdline, child_pids
+
         if self.proc.poll() is None:
+            for pid in child_pids(self.proc.pid):
+                prefix = _cmdline(pid).split("shm-region-prefix-name=", 1)[-1].split()[0] if "shm-region-prefix-name=" in _cmdline(pid) else None
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                for region in Path("/dev/shm").glob(f"{prefix}*") if prefix else ():
+                    region.unlink(missing_ok=True)
             self.proc.kill()
             self.proc.wait(30)
 
