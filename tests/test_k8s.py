@@ -122,8 +122,8 @@ def test_cli_writes_a_movable_repository_and_valid_manifests(tiny_engine, tmp_pa
     res = CliRunner().invoke(app, ["triton-repo", str(tiny_engine), "--out", str(tmp_path / "repo"), "--k8s", str(tmp_path / "k8s"),
                                    "--repo-url", "s3://bucket/repo", "--replicas", "2", "--max-replicas", "3"])
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "repo/trtkv_llm/1/engine/manifest.json").is_file()  # the engine travels inside the repository
-    assert "KIND_GPU" in (tmp_path / "repo/trtkv_llm/config.pbtxt").read_text()  # the replicas' GPUs, not this machine's
+    assert (tmp_path / "repo/ensemble/1/engine/manifest.json").is_file()  # the engine travels inside the repository
+    assert "KIND_GPU" in (tmp_path / "repo/ensemble/config.pbtxt").read_text()  # the replicas' GPUs, not this machine's
     for name in ("deployment.yaml", "service.yaml", "hpa.yaml", "prometheus-adapter.yaml"):
         validate(yaml.safe_load((tmp_path / "k8s" / name).read_text()))
     assert "FROM nvcr.io/nvidia/tritonserver" in (tmp_path / "k8s/Dockerfile").read_text()

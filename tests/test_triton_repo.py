@@ -11,7 +11,7 @@ import pytest
 from trtkv.errors import TrtkvError
 from trtkv.triton_repo.inputs import parse_request
 from trtkv.triton_repo.interface import INPUTS, OUTPUTS
-from trtkv.triton_repo.repository import RepoOptions, ensemble_config, llm_config, parse_config, write_repository
+from trtkv.triton_repo.repository import RepoOptions, llm_config, parse_config, write_repository
 
 # TensorRT-LLM's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt): the
 # inputs and outputs a client of it relies on, with their types and dims.
@@ -43,23 +43,21 @@ def _dtype_name(pb2, value: int) -> str:
     return pb2.DataType.Name(value)
 
 
-def test_ensemble_config_parses_and_matches_tensorrt_llm(tmp_path):
+def test_public_model_parses_and_matches_tensorrt_llm_ensemble(tmp_path):
+    """The public model ``ensemble`` is the python model itself (cancellation reaches it; issue 15)."""
     from trtkv.triton_repo.repository import load_model_config_pb2
 
     pb2 = load_model_config_pb2()
-    (tmp_path / "c.pbtxt").write_text(ensemble_config(64))
+    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", RepoOptions(), "cpu"))
     cfg = parse_config(tmp_path / "c.pbtxt")
-    assert cfg.name == "ensemble" and cfg.platform == "ensemble" and cfg.max_batch_size == 64
+    assert cfg.name == "ensemble" and cfg.backend == "python" and cfg.max_batch_size == 64 and not cfg.ensemble_scheduling.step
     got = {i.name: (_dtype_name(pb2, i.data_type), list(i.dims), i.optional) for i in cfg.input}
     for name, want in TRTLLM_ENSEMBLE.items():
         assert got[name] == want, name
     assert got["seed"] == ("TYPE_UINT64", [1], True) and got["min_tokens"] == ("TYPE_INT32", [1], True)
     outs = {o.name: (_dtype_name(pb2, o.data_type), list(o.dims)) for o in cfg.output}
     assert outs == TRTLLM_OUTPUTS
-    (step,) = cfg.ensemble_scheduling.step
-    assert step.model_name == "trtkv_llm"
-    assert dict(step.input_map) == {t.name: t.name for t in INPUTS}
-    assert dict(step.output_map) == {t.name: t.name for t in OUTPUTS}
+    assert [i.name for i in cfg.input] == [t.name for t in INPUTS] and [o.name for o in cfg.output] == [t.name for t in OUTPUTS]
 
 
 @pytest.mark.parametrize("kind,want", [("cpu", "KIND_CPU"), ("gpu", "KIND_GPU")])
@@ -86,17 +84,17 @@ def test_write_repository_references_or_copies_and_reuses(tmp_path):
     eng.mkdir()
     (eng / "manifest.json").write_text("{}")
     repo = write_repository(eng, tmp_path / "repo", RepoOptions(instance_kind="cpu"))
-    for rel in ("ensemble/config.pbtxt", "ensemble/1", "trtkv_llm/config.pbtxt", "trtkv_llm/1/model.py", "trtkv_repo.json"):
+    for rel in ("ensemble/config.pbtxt", "ensemble/1/model.py", "trtkv_repo.json"):
         assert (repo / rel).exists(), rel
-    assert str(eng.resolve()) in (repo / "trtkv_llm/config.pbtxt").read_text()
-    mtime = (repo / "trtkv_llm/config.pbtxt").stat().st_mtime_ns
+    assert str(eng.resolve()) in (repo / "ensemble/config.pbtxt").read_text()
+    mtime = (repo / "ensemble/config.pbtxt").stat().st_mtime_ns
     write_repository(eng, repo, RepoOptions(instance_kind="cpu"))  # unchanged: reused
-    assert (repo / "trtkv_llm/config.pbtxt").stat().st_mtime_ns == mtime
+    assert (repo / "ensemble/config.pbtxt").stat().st_mtime_ns == mtime
     write_repository(eng, repo, RepoOptions(instance_kind="cpu", max_seqs=4))  # options changed: rewritten
-    assert '"max_seqs" value: { string_value: "4" }' in (repo / "trtkv_llm/config.pbtxt").read_text()
+    assert '"max_seqs" value: { string_value: "4" }' in (repo / "ensemble/config.pbtxt").read_text()
     copied = write_repository(eng, tmp_path / "repo2", RepoOptions(instance_kind="cpu", copy_engine=True))
-    assert (copied / "trtkv_llm/1/engine/manifest.json").is_file()
-    assert 'string_value: "engine"' in (copied / "trtkv_llm/config.pbtxt").read_text()
+    assert (copied / "ensemble/1/engine/manifest.json").is_file()
+    assert 'string_value: "engine"' in (copied / "ensemble/config.pbtxt").read_text()
 
 
 def test_write_repository_refuses_foreign_folder_and_missing_engine(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -91,7 +92,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             instance_kind = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
         opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
         path = write_repository(engine_dir, out, opts, force=force)
-        console.print(f"model repository written to [bold]{path}[/] (models: ensemble, trtkv_llm)")
+        console.print(f"model repository written to [bold]{path}[/] (model: ensemble)")
         if kube is not None:
             files = write_k8s(k8s, kube)
             where = kube.repository if kube.from_object_store else f"the volume claim {kube.repository_claim} (mounted at {kube.repository})"
@@ -118,24 +119,43 @@ def register(app: typer.Typer, handle_errors) -> None:
         timeout: Annotated[float, typer.Option(help="seconds to wait for the server to become ready")] = 300.0,
         openai_port: Annotated[Optional[int], typer.Option("--openai-port", help="also serve OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models on this port (same model, same engine)")] = None,
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="the model name OpenAI clients send (default: the engine's model name)")] = None,
+        grace: Annotated[float, typer.Option("--grace", help="on Ctrl-C / SIGTERM: seconds requests in flight get to finish before they are failed")] = 10.0,
+        restarts: Annotated[int, typer.Option("--restarts", help="restart the server this many times when the model process dies, then exit 3")] = 3,
     ) -> None:
-        """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM."""
+        """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM.
+
+        Exit codes: 0 stopped and drained; 3 the model process died more than --restarts times (or the
+        server exited); 4 stopped, but requests in flight were failed after --grace or the server had to be killed."""
         from trtkv.manifest import load_manifest
         from trtkv.triton_repo.repository import write_repository
-        from trtkv.triton_repo.server import TritonServer, find_tritonserver
+        from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV, TritonServer, find_tritonserver
 
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
         opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
         summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
-        server = TritonServer(path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve())
+        if grace < 0 or restarts < 0:
+            raise TrtkvError("--grace and --restarts must be >= 0", "e.g. --grace 10 --restarts 3")
+        server = TritonServer(
+            path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve(),
+            extra_args=[f"--exit-timeout-secs={int(grace) + EXIT_MARGIN_S}"],
+        )  # fmt: skip
+        drain_file = path / f"drain-{os.getpid()}"
+        drain_file.unlink(missing_ok=True)
+        Path(f"{drain_file}.done").unlink(missing_ok=True)
+        server.extra_env = {DRAIN_GRACE_ENV: repr(float(grace)), DRAIN_FILE_ENV: str(drain_file)}
         stop = {"sig": None}
         openai_server = None
 
         def on_signal(signum, _frame):
             stop["sig"] = signum
 
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            err_console.print(
+                f"[bold yellow]warning:[/] --host {host} exposes the server (inference, metrics, no authentication) to the network",
+                highlight=False,
+            )
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             err_console.print(f"starting {binary.path} on {path} ...", highlight=False)
@@ -144,6 +164,8 @@ def register(app: typer.Typer, handle_errors) -> None:
             console.print(f"[bold green]ready[/] in {time.monotonic() - t0:.1f} s — {summary}", highlight=False)
             console.print(f"  HTTP     {server.http_url}  (generate: /v2/models/ensemble/generate, generate_stream)", highlight=False)
             console.print(f"  gRPC     {server.client_host}:{grpc_port}", highlight=False)
+            if server.client_host != host:
+                console.print(f"  bound to {host} (all interfaces): reachable from other hosts at this machine's addresses, same ports", highlight=False)
             console.print(f"  metrics  {server.metrics_url}  (trtkv_kv_blocks, trtkv_sequences, nv_inference_*)", highlight=False)
             console.print(f"  log      {server.log_file}", highlight=False)
             console.print(
@@ -155,11 +177,14 @@ def register(app: typer.Typer, handle_errors) -> None:
             if openai_port is not None:
                 from trtkv.triton_repo.openai_api import load_served, start_openai_server
 
-                served = load_served(engine_dir, server.http_url, served_model_name)
+                served = load_served(engine_dir, manifest, server.http_url, served_model_name)
                 openai_server = start_openai_server(served, host, openai_port)
                 console.print(f"  OpenAI   http://{server.client_host}:{openai_port}/v1  (model {served.name!r}: completions, chat/completions, models)", highlight=False)
             console.print("  Ctrl-C stops the server", highlight=False)
             while stop["sig"] is None:
+                if server.dead_model_pids():
+                    restarts = _restart_dead_model(server, restarts, timeout)
+                    continue
                 if server.process is None or server.process.poll() is not None:
                     from trtkv.triton_repo.server import tail
 
@@ -167,14 +192,18 @@ def register(app: typer.Typer, handle_errors) -> None:
                     err_console.print(f"[bold red]error:[/] tritonserver exited unexpectedly (code {rc}): {tail(server.log_file)}", highlight=False, soft_wrap=True)
                     raise typer.Exit(1)
                 time.sleep(0.2)
-            err_console.print("stopping tritonserver ...")
+            err_console.print(f"stopping: no new requests; requests in flight get {grace:g} s ...", highlight=False)
+            outcome = _drain(server, drain_file, grace)
         finally:
             if openai_server is not None:
                 openai_server.should_exit = True
-            rc = server.stop()
+            rc = server.stop(EXIT_MARGIN_S * 3)
             for s, h in old.items():
                 signal.signal(s, h)
-        console.print(f"stopped (tritonserver exit code {rc})")
+        code, how = _shutdown_outcome(outcome, rc)
+        console.print(f"stopped (tritonserver exit code {rc}): {how}", highlight=False)
+        if code:
+            raise typer.Exit(code)
 
     @app.command()
     @handle_errors
@@ -204,6 +233,58 @@ def register(app: typer.Typer, handle_errors) -> None:
             _generate_remote(url, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream)
         else:
             _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, kv_memory, backend)
+
+
+EXIT_MARGIN_S = 5  # tritonserver's own exit timeout is the grace plus this; serve SIGKILLs it after the grace plus twice this
+
+
+def _restart_dead_model(server, restarts: int, timeout: float) -> int:
+    """The model process died: Triton would keep answering ready and leave its streams hanging. Kill the
+    server (readiness fails, in-flight connections are closed), then start it again or exit 3. The restarts left."""
+    import typer
+
+    dead = server.dead_model_pids()
+    err_console.print(
+        f"[bold red]error:[/] the model process (python backend stub, pid {', '.join(map(str, dead))}) died; "
+        "stopping tritonserver (its requests in flight are cut)",
+        highlight=False,
+    )
+    server.stop(0)
+    if restarts <= 0:
+        err_console.print("[bold red]error:[/] no restarts left (--restarts); exiting with code 3", highlight=False)
+        raise typer.Exit(3)
+    err_console.print(f"restarting tritonserver ({restarts - 1} restarts left) ...", highlight=False)
+    t0 = time.monotonic()
+    server.start(timeout)
+    console.print(f"[bold green]ready[/] again in {time.monotonic() - t0:.1f} s after a restart", highlight=False)
+    return restarts - 1
+
+
+def _drain(server, drain_file: Path, grace: float) -> str | None:
+    """Ask the model to drain (it polls ``drain_file``) and wait for its answer: "drained", "failed N", or None."""
+    done = Path(f"{drain_file}.done")
+    drain_file.write_text(repr(float(grace)))
+    deadline = time.monotonic() + grace + EXIT_MARGIN_S
+    while time.monotonic() < deadline and server.process is not None and server.process.poll() is None and not server.dead_model_pids():
+        if done.is_file():
+            outcome = done.read_text().strip()
+            done.unlink(missing_ok=True)
+            drain_file.unlink(missing_ok=True)
+            return outcome
+        time.sleep(0.05)
+    drain_file.unlink(missing_ok=True)
+    return None
+
+
+def _shutdown_outcome(outcome: str | None, rc) -> tuple[int, str]:
+    """Exit code and sentence for a stop: 0 when every request in flight finished, 4 when some were failed or the end is unknown."""
+    if outcome == "drained" and rc is not None and rc >= 0:
+        return 0, "drained, every request in flight finished"
+    if outcome and outcome.startswith("failed"):
+        return 4, f"{outcome.split()[-1]} requests in flight did not finish within --grace and were failed with an error"
+    if rc is None or rc < 0:
+        return 4, "tritonserver did not stop in time and was killed; requests in flight were cut"
+    return 4, "the model did not confirm the drain; requests in flight may have been cut"
 
 
 def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, kv_memory, backend) -> None:

@@ -29,7 +29,7 @@ class Tensor:
 INPUTS: tuple[Tensor, ...] = (
     Tensor("text_input", "STRING", (1,), optional=False, doc="the prompt"),
     Tensor("max_tokens", "INT32", (1,), optional=False, doc="new tokens to generate (>= 1)"),
-    Tensor("bad_words", "STRING", (-1,), doc="words never generated (their first token is banned)"),
+    Tensor("bad_words", "STRING", (-1,), doc="words never completed (matched as token sequences: the last token is banned after the others)"),
     Tensor("stop_words", "STRING", (-1,), doc="generation stops when the text ends with one; it is cut from the output"),
     Tensor("exclude_input_in_output", "BOOL", (1,), doc="non-streaming: return only the new text (default: prompt + new text)"),
     Tensor("end_id", "INT32", (1,), doc="end-of-sequence token id (default: the tokenizer's)"),

@@ -3,7 +3,7 @@
 ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (the tokenizer's chat template), streaming as
 server-sent events, ``usage`` counts, ``stop``, ``seed``, ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``n=1``. It is a translation layer, not a second engine: every request goes to the
-running tritonserver's ``trtkv_llm`` model (its ``generate`` / ``generate_stream`` endpoints), so both interfaces share one KV
+running tritonserver's trtkv model (``ensemble``) (its ``generate`` / ``generate_stream`` endpoints), so both interfaces share one KV
 pool, one scheduler and one set of metrics. Errors come back in OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) with its status codes: 400 for a bad request (the model's
 own 400s included), 404 for an unknown model, 503 when Triton cannot be reached.
@@ -106,7 +106,7 @@ def _triton_body(prompt: str, req: _Common, max_tokens: int, stops: list[str]) -
 
 
 async def _generate(served: Served, body: dict) -> AsyncIterator[tuple[str, int]]:
-    """(new text, new tokens) per response of trtkv_llm (generate_stream when streaming, else one from generate);
+    """(new text, new tokens) per response of the trtkv model (generate_stream when streaming, else one from generate);
     Triton's errors become OpenAIErrors."""
     import aiohttp
 
@@ -261,12 +261,13 @@ async def _prepend(first, rest: AsyncIterator):
         yield item
 
 
-def load_served(engine_dir: Path, triton_url: str, name: str | None = None) -> Served:
+def load_served(engine_dir: Path, manifest, triton_url: str, name: str | None = None) -> Served:
+    """The served model as the front sees it, from the engine directory ``serve`` already loaded (``manifest``)."""
     from transformers import AutoTokenizer
 
-    from trtkv.manifest import TOKENIZER_DIR, load_manifest
+    from trtkv.manifest import TOKENIZER_DIR
 
-    m = load_manifest(engine_dir)
+    m = manifest
     tok = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR), local_files_only=True)
     return Served(name=name or m.model.name, tokenizer=tok, max_seq_len=m.limits.max_seq_len, triton_url=triton_url)
 

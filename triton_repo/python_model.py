@@ -5,13 +5,14 @@
 loop thread sends the responses: one per token-step with ``stream=true`` (the new text), otherwise
 one with the whole text, the last flagged COMPLETE_FINAL. Pool usage is exported as custom metrics
 (``trtkv_kv_blocks{state=used|free}``, ``trtkv_kv_slots``, ``trtkv_sequences{state=running|waiting}``,
-``trtkv_kv_pool_info``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``, ``trtkv_requests{state=finished|rejected}``,
+``trtkv_kv_pool_info``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``, ``trtkv_requests{state=finished|rejected|cancelled}``,
 ``trtkv_generated_tokens``) labelled with the KV format.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -21,13 +22,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by the python backend
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.engine_loop import ShuttingDown
 from trtkv.triton_repo.inputs import ParsedRequest, parse_request
+from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV
 
 METRIC_INTERVAL_S = 0.25
+DEFAULT_DRAIN_GRACE_S = 10.0  # without `trtkv serve --grace` (e.g. the repository in NVIDIA's container)
 
 
-def _error(message: str, invalid_arg: bool = True):
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg else None
+def _error(message: str, invalid_arg: bool = True, code_name: str | None = None):
+    code = getattr(pb_utils.TritonError, code_name or "INVALID_ARG", None) if invalid_arg or code_name else None
     try:
         return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
     except TypeError:  # older python backends take only the message
@@ -59,7 +63,7 @@ class _Metrics:
         blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
         slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
         seqs = fam("trtkv_sequences", "sequences in the trtkv scheduler by state")
-        requests = fam("trtkv_requests", "requests finished or rejected since start")
+        requests = fam("trtkv_requests", "requests finished, rejected or cancelled since start")
         info = fam("trtkv_kv_pool_info", "KV pool geometry: bytes per block, bytes per slot, tokens per block, budget")
         self.g = {
             "blocks_used": blocks.Metric(labels={**lab, "state": "used"}),
@@ -76,6 +80,7 @@ class _Metrics:
             "peak_running": fam("trtkv_peak_running_sequences", "most sequences running at once since start").Metric(labels=lab),
             "finished": requests.Metric(labels={**lab, "state": "finished"}),
             "rejected": requests.Metric(labels={**lab, "state": "rejected"}),
+            "aborted": requests.Metric(labels={**lab, "state": "cancelled"}),
             "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
         }
         self._last = 0.0
@@ -85,14 +90,58 @@ class _Metrics:
         """Push at most every METRIC_INTERVAL_S, and always once the engine drains, so a scrape
         after the last response sees the final counters instead of a value up to one interval old."""
         now = time.monotonic()
-        drained = s["running"] == 0 and s["waiting"] == 0 and s["finished"] != self._pushed_finished
+        ended = (s["finished"], s["aborted"])
+        drained = s["running"] == 0 and s["waiting"] == 0 and ended != self._pushed_finished
         if not (force or drained) and now - self._last < METRIC_INTERVAL_S:
             return
         self._last = now
-        self._pushed_finished = s["finished"]
+        self._pushed_finished = ended
         s = {**s, "slots_free": s["slots_total"] - s["slots_used"]}
         for key, metric in self.g.items():
             metric.set(float(s[key]))
+
+
+class _Drain:
+    """A drain requested by ``trtkv serve`` (SIGTERM): it writes the grace period into $TRTKV_DRAIN_FILE.
+    Polled from the loop thread: once the file appears, no request is admitted; the requests in flight
+    finish, or are failed with an error when the grace period ends; the outcome goes into FILE.done
+    ("drained" or "failed N") and the log, and then serve stops tritonserver, whose models are idle."""
+
+    POLL_S = 0.1
+
+    def __init__(self, loop, logger):
+        self.loop = loop
+        self.logger = logger
+        self.path = os.environ.get(DRAIN_FILE_ENV) or None
+        self.deadline: float | None = None
+        self.done = False
+        self._next_poll = 0.0
+
+    def poll(self) -> None:
+        if self.path is None or self.done:
+            return
+        now = time.monotonic()
+        if self.deadline is None:
+            if now < self._next_poll:
+                return
+            self._next_poll = now + self.POLL_S
+            try:
+                grace = float(Path(self.path).read_text().strip() or 0)
+            except (OSError, ValueError):
+                return
+            self.loop.stop_admitting()
+            self.deadline = now + grace
+            self.logger.log_info(f"trtkv: shutdown: draining, {self.loop.in_flight} requests in flight get {grace:g} s")
+        if self.loop.in_flight and now < self.deadline:
+            return
+        failed = self.loop.fail_in_flight("the server is shutting down: the request did not finish within the grace period") if self.loop.in_flight else 0
+        outcome = f"failed {failed}" if failed else "drained"
+        if failed:
+            self.logger.log_warn(f"trtkv: shutdown: {failed} requests still running after the grace period were failed with an error")
+        else:
+            self.logger.log_info("trtkv: shutdown: drained, every request in flight finished")
+        Path(self.path + ".done").write_text(outcome)
+        self.done = True
 
 
 class TritonPythonModel:
@@ -125,9 +174,13 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - metrics are optional (older backends)
             self.logger.log_warn(f"trtkv: custom metrics unavailable: {exc}")
         self._lock = threading.Lock()
+        self._drain = None
         self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._drain = _Drain(self.loop, self.logger)
 
     def _on_step(self, stats: dict) -> None:
+        if self._drain is not None:
+            self._drain.poll()
         if self.metrics is not None:
             try:
                 self.metrics.update(stats)
@@ -139,10 +192,12 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(lambda name, r=request: _get(r, name))
+                parsed = self._parse(request)
                 rid = request.request_id() or uuid.uuid4().hex
                 rid = f"{rid}-{uuid.uuid4().hex[:8]}"
                 self.loop.submit(parsed.prompt, parsed.params, rid, self._callback(sender, parsed))
+            except ShuttingDown as exc:  # draining: UNAVAILABLE (gRPC), so clients retry elsewhere; HTTP generate shows 400
+                sender.send(pb_utils.InferenceResponse(error=_error(str(exc), code_name="UNAVAILABLE")), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except TrtkvError as exc:
                 sender.send(pb_utils.InferenceResponse(error=_error(str(exc))), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as exc:  # noqa: BLE001
@@ -151,6 +206,16 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
         return None
+
+    def _parse(self, request) -> ParsedRequest:
+        """Inputs -> ParsedRequest; a refused request is counted in ``trtkv_requests{state="rejected"}`` like a pool refusal."""
+        try:
+            check_parameters(request.parameters())
+            return parse_request(lambda name, r=request: _get(r, name))
+        except TrtkvError:
+            with self.engine._reject_lock:
+                self.engine.stats_counters["rejected"] += 1
+            raise
 
     def _callback(self, sender, req: ParsedRequest):
         FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -180,9 +245,35 @@ class TritonPythonModel:
         return on_output
 
     def finalize(self):
+        """Shutdown (SIGTERM, unload): admit nothing new, let requests in flight finish within the grace
+        period, fail the rest with an error response; one log line says which."""
         loop = getattr(self, "loop", None)
         if loop is not None:
+            grace = float(os.environ.get(DRAIN_GRACE_ENV) or DEFAULT_DRAIN_GRACE_S)
+            left = loop.drain(grace)
+            if left:
+                self.logger.log_warn(f"trtkv: shutdown: {left} requests still running after the {grace:g} s grace period were failed with an error")
+            else:
+                self.logger.log_info("trtkv: shutdown: drained, every request in flight finished")
             loop.stop()
+
+
+PASSED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout")  # Triton's own request fields
+
+
+def check_parameters(text: str | None) -> None:
+    """Refuse request parameters: the HTTP generate endpoints turn every JSON key that is not a declared
+    input (``ignore_eos``, ``lora_task_id``, a typo) into one, which would otherwise be ignored silently."""
+    try:
+        params = json.loads(text or "{}")
+    except ValueError:
+        return
+    unknown = sorted(k for k in params if not k.startswith("triton_") and k not in PASSED_PARAMETERS)
+    if unknown:
+        raise TrtkvError(
+            f"unknown input{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: not part of the ensemble interface",
+            "leave it out (see docs/serving.md for the inputs trtkv accepts)",
+        )
 
 
 def _get(request, name: str):

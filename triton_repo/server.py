@@ -117,8 +117,11 @@ class TritonServer:
     metrics_port: int = METRICS_PORT
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
     _tmp: tempfile.TemporaryDirectory | None = None
+    shm_prefix: str = ""
+    model_pids: list[int] = field(default_factory=list)  # the python backend stubs (the model processes) once ready
 
     @property
     def client_host(self) -> str:
@@ -173,7 +176,7 @@ class TritonServer:
             if not port_free(self.host, port):
                 raise TrtkvError(f"{name} port {port} on {self.host} is in use", f"stop what is listening there or pass --{name}-port")
         binary = find_tritonserver()
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         backend_dir = None
         if binary.bundled:
             self._tmp = tempfile.TemporaryDirectory(prefix="trtkv-triton-")
@@ -181,7 +184,7 @@ class TritonServer:
             env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
             libdir = sysconfig.get_config_var("LIBDIR") or ""
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
-        shm_prefix = f"trtkv{uuid.uuid4().hex[:10]}_"
+        shm_prefix = self.shm_prefix = f"trtkv{uuid.uuid4().hex[:10]}_"
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
             self.command(binary, backend_dir, shm_prefix), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -191,7 +194,31 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        self.model_pids = [pid for pid in child_pids(self.process.pid) if STUB_NAME in _cmdline(pid)]
+        for region in Path("/dev/shm").glob(f"{shm_prefix}*"):  # the python backend makes them world-readable (0666)
+            try:
+                region.chmod(0o600)
+            except OSError:
+                pass
         return self
+
+    def dead_model_pids(self) -> list[int]:
+        """Model processes (python backend stubs) that died since the server became ready. Triton 2.51 does
+        not notice: it keeps answering ready and leaves the dead stub's streams hanging (issue 15)."""
+        return [pid for pid in self.model_pids if _proc_state(pid) in (None, "Z", "X")]
+
+    def remove_shared_memory(self) -> list[str]:
+        """Remove this server's /dev/shm regions (left behind when it is killed); the names removed."""
+        if not self.shm_prefix:
+            return []
+        removed = []
+        for p in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except OSError:
+                pass
+        return removed
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -212,12 +239,13 @@ class TritonServer:
         raise TrtkvError(f"tritonserver was not ready after {timeout:.0f} s", "check the server log (--log-file)")
 
     def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGINT, then SIGKILL after ``timeout`` s (0: at once); its shared memory is removed either way."""
         p, self.process = self.process, None
         rc = None
         if p is not None and p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGINT)
-                rc = p.wait(timeout)
+                os.killpg(p.pid, signal.SIGINT if timeout > 0 else signal.SIGKILL)
+                rc = p.wait(timeout if timeout > 0 else 10)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 rc = p.wait(5)
@@ -225,6 +253,8 @@ class TritonServer:
                 pass
         elif p is not None:
             rc = p.returncode
+        self.remove_shared_memory()
+        self.model_pids = []
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -235,6 +265,39 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+STUB_NAME = "triton_python_backend_stub"
+DRAIN_GRACE_ENV = "TRTKV_DRAIN_GRACE_S"  # seconds the model lets requests in flight finish at shutdown (`trtkv serve --grace`)
+DRAIN_FILE_ENV = "TRTKV_DRAIN_FILE"  # `trtkv serve` writes the grace (seconds) here to start a drain; the model answers in FILE.done
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _proc_state(pid: int) -> str | None:
+    """One-letter process state from /proc (R, S, Z, ...), None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def tail(path: Path | None, n: int = 600) -> str:

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from trtkv.errors import TrtkvError
 
@@ -41,7 +42,7 @@ def handle_errors(fn):
         except TrtkvError as exc:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)  # hints hold [extras]
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
@@ -50,7 +51,7 @@ def handle_errors(fn):
             if _state["debug"]:
                 raise
             err_console.print(
-                f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+                f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} (rerun with --debug for the traceback)",
                 soft_wrap=True,
                 highlight=False,
             )

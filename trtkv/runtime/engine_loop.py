@@ -12,13 +12,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from typing import Callable
 
+from trtkv.errors import TrtkvError
 from trtkv.runtime.llm_engine import LLMEngine, RequestOutput
 from trtkv.runtime.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(TrtkvError):
+    """A request arrived while the loop drains (a server answers 503: retry elsewhere)."""
 Callback = Callable[[RequestOutput], "bool | None"]
 
 
@@ -30,17 +36,43 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
         self._stop = threading.Event()
+        self._draining = False
         self._thread = threading.Thread(target=self._run, name="trtkv-engine-loop", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, callback: Callback):
         """Validate and queue a request; raises ``TrtkvError`` (to send back as a 400) when it is invalid."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and admits no new requests", "retry on another replica or after the restart")
         seq = self.engine.make_sequence(prompt, params, request_id)
         self._inbox.put(("add", seq, callback))
         return seq
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
+
+    def stop_admitting(self) -> None:
+        """From now on ``submit`` refuses requests ("the server is shutting down")."""
+        self._draining = True
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._callbacks) + self._inbox.qsize()
+
+    def fail_in_flight(self, message: str) -> int:
+        """Fail every request in flight with ``message``; call on the loop thread (e.g. from ``on_step``). How many."""
+        self._drain(block=False)
+        n = len(self._callbacks)
+        self._fail_all(message)
+        return n
+
+    def drain(self, grace: float) -> int:
+        """Admit nothing new and let the requests in flight finish for up to ``grace`` seconds; how many are left."""
+        self._draining = True
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.alive and (self._callbacks or not self._inbox.empty()):
+            time.sleep(0.05)
+        return len(self._callbacks)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

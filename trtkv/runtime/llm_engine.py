@@ -27,6 +27,7 @@ from trtkv.runtime.config import RuntimeConfig
 from trtkv.runtime.sampler import Sampler, make_generator
 from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
 from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from trtkv.runtime.swap import Swapper
 
 DEFAULT_CPU_KV_GIB = 1.0
 DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory that is free once the engine is loaded
@@ -64,10 +65,11 @@ class _Detok:
 
 
 class _Request:
-    def __init__(self, seq: Sequence, detok: _Detok, banned: list[int], end_ids: list[int], generator: torch.Generator):
+    def __init__(self, seq: Sequence, detok: _Detok, banned: list[int], end_ids: list[int], generator: torch.Generator, bad_seqs=()):
         self.seq = seq
         self.detok = detok
         self.banned = banned
+        self.bad_seqs: list[list[int]] = list(bad_seqs)  # multi-token bad words: the last token is banned after the others
         self.end_ids = end_ids
         self.generator = generator
         self.emitted_tokens = 0
@@ -91,10 +93,11 @@ class LLMEngine:
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
         )
+        self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "peak_running": 0}
+        self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
 
     # ------------------------------------------------------------------ construction
@@ -145,11 +148,14 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         p = seq.params
         end_ids = [] if p.ignore_eos else ([p.end_id] if p.end_id is not None else list(self.eos_ids))
-        banned = sorted({*p.bad_token_ids, *self._word_first_tokens(p.bad_words)})
+        bad_seqs = self.bad_word_sequences(p.bad_words)
+        banned = sorted({*p.bad_token_ids, *(s[0] for s in bad_seqs if len(s) == 1)})
         if seq.request_id in self.requests:
             raise TrtkvError(f"request id {seq.request_id!r} is already running", "use unique request ids")
         self.scheduler.add(seq)
-        self.requests[seq.request_id] = _Request(seq, _Detok(self.tokenizer, seq.prompt_ids), banned, end_ids, make_generator(p.seed))
+        self.requests[seq.request_id] = _Request(
+            seq, _Detok(self.tokenizer, seq.prompt_ids), banned, end_ids, make_generator(p.seed), [s for s in bad_seqs if len(s) > 1]
+        )
         self.stats_counters["prompt_tokens"] += len(seq.prompt_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -162,19 +168,21 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.abort(req.seq)
+        self.stats_counters["aborted"] += 1
         return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def _word_first_tokens(self, words: list[str]) -> list[int]:
-        out: set[int] = set()
+    def bad_word_sequences(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, as written and (unless it starts with a space) after a space."""
+        out: list[list[int]] = []
         for w in words:
-            for variant in (w, " " + w):
+            for variant in (w,) if w.startswith(" ") else (w, " " + w):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids:
-                    out.add(ids[0])
-        return sorted(out)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -213,7 +221,7 @@ class LLMEngine:
         reqs = [self.requests[c.seq.request_id] for c in chunks]
         banned = []
         for r in reqs:
-            ban = list(r.banned)
+            ban = list(r.banned) + bad_word_bans(r.seq, r.bad_seqs)
             if len(r.seq.output_ids) < r.seq.params.min_tokens:
                 ban += r.end_ids
             banned.append(ban)
@@ -300,6 +308,17 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.stats_counters,
         }
+
+
+def bad_word_bans(seq: Sequence, bad_seqs: list[list[int]]) -> list[int]:
+    """Last tokens of multi-token bad words whose other tokens are the sequence's latest tokens (TensorRT-LLM's
+    matching): a word is never completed, and its first tokens (e.g. a bare space) stay allowed elsewhere."""
+    out = []
+    for ids in bad_seqs:
+        n = len(ids) - 1
+        if seq.num_tokens >= n and seq.tokens(seq.num_tokens - n, seq.num_tokens) == ids[:-1]:
+            out.append(ids[-1])
+    return out
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:

@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.swapper = None  # a runtime.swap.Swapper: preempt by swapping (exact) instead of recomputing
 
     # -- requests
     def check(self, seq: Sequence) -> None:
@@ -108,6 +109,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if self.swapper is not None:
+            self.swapper.discard(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -158,8 +161,11 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free everything, requeue first; prompt + output is prefilled again."""
+        """Free the sequence's blocks and slot and requeue it first. With a swapper its cache is saved to
+        host memory and restored on admission (exact); without one, prompt + output is prefilled again."""
         self.running.remove(seq)
+        if self.swapper is not None:
+            self.swapper.swap_out(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -177,6 +183,7 @@ class Scheduler:
             self.bm.allocate_slot(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._swap_in(seq)
             chunk = self._chunk(seq, budget)
             reserved = self._reserve_block(seq, chunk, out)
             assert reserved, "admission checked the free blocks"
@@ -184,6 +191,14 @@ class Scheduler:
             budget -= chunk.length
             (out.prefill if chunk.length > 1 else out.decode).append(chunk)
         return budget
+
+    def _swap_in(self, seq: Sequence) -> None:
+        """A swapped-out sequence gets blocks for its saved sealed blocks and resumes where it stopped."""
+        if self.swapper is None or seq not in self.swapper:
+            return
+        for _ in range(self.swapper.blocks_needed(seq)):
+            self.bm.append_block(seq)
+        self.swapper.swap_in(seq)
 
     def postprocess(self, out: SchedulerOutput) -> None:
         """Mark the scheduled tokens cached (the runtime has written their K/V rows)."""

@@ -1,0 +1,455 @@
+"""Serving under faults (issue 15), against a real tritonserver (nvidia-pytriton's 2.51, python backend, CPU).
+
+One tiny random-weight int4 engine and one shared server for the faults that leave it serving
+(disconnects, cancels, bad input); the faults that end a server (stub kill, SIGTERM) start their own.
+Every loop is bounded in count and time; traffic only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytriton")
+pytest.importorskip("tritonclient")
+
+from trtkv.triton_repo.client import generate  # noqa: E402
+from trtkv.triton_repo.repository import RepoOptions, write_repository  # noqa: E402
+from trtkv.triton_repo.server import TritonServer, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.server]
+
+PROMPT = "Once upon a time, in a small village,"
+LONG = 400  # max_tokens of a request the tests cut short (the engine's context is 512)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    from conftest import build_tiny_model
+
+    from trtkv.builder.build import build_engine
+    from trtkv.models import load_model
+
+    root = tmp_path_factory.mktemp("faults")
+    build_tiny_model(root / "model", "llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     max_position_embeddings=512)  # fmt: skip
+    loaded = load_model(str(root / "model"), device="cpu", dtype="float32")
+    return build_engine(str(root / "model"), kv="int4", out=root / "engine-int4", backend="onnxruntime", block_size=16, max_batch=8, max_seq_len=512, loaded=loaded)
+
+
+def start(engine: Path, tmp: Path, **opts) -> TritonServer:
+    repo = write_repository(engine, tmp / "repo", RepoOptions(instance_kind="cpu", **opts), force=True)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp / "tritonserver.log")
+    return server.start(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    s = start(engine, tmp_path_factory.mktemp("shared"), kv_memory_gib=0.01, max_seqs=8)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def metric(server: TritonServer, name: str, **labels) -> float:
+    return max(server.metric_values(name, **labels), default=float("nan"))
+
+
+def wait_idle(server: TritonServer, timeout: float = 10.0) -> float:
+    """Seconds until no sequence runs or waits and no pool block is used (pytest.fail after ``timeout``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if (
+            metric(server, "trtkv_sequences", state="running") == 0
+            and metric(server, "trtkv_sequences", state="waiting") == 0
+            and metric(server, "trtkv_kv_blocks", state="used") == 0
+        ):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    pytest.fail(f"the runtime still holds sequences / blocks {timeout} s later")
+
+
+def post(server: TritonServer, path: str, body: dict, timeout: float = 60) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 30) -> tuple[http.client.HTTPConnection, list[dict]]:
+    """Start ``generate_stream`` on ``ensemble`` and read ``events`` SSE events; the connection stays open."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    got: list[dict] = []
+    while len(got) < events:
+        line = resp.readline()
+        assert line, f"stream ended after {len(got)} events"
+        if line.startswith(b"data:"):
+            got.append(json.loads(line[5:]))
+    return conn, got
+
+
+def generated_tokens(server: TritonServer) -> float:
+    return metric(server, "trtkv_generated_tokens")
+
+
+def cancelled(server: TritonServer) -> float:
+    return metric(server, "trtkv_requests", state="cancelled")
+
+
+def assert_aborted_within_a_few_steps(server: TritonServer, cancelled_before: float, tokens_before: float, seen: int) -> None:
+    """The runtime counted the request cancelled, holds no sequence or block, and stopped soon after ``seen`` tokens."""
+    got = server.wait_for_metric("trtkv_requests", cancelled_before + 1, timeout=10, state="cancelled")
+    assert got >= cancelled_before + 1, "the runtime never aborted the request"
+    wait_idle(server)
+    produced = generated_tokens(server) - tokens_before
+    assert produced < seen + LONG / 4, f"{produced} tokens generated after the client left at {seen}"
+
+
+# ---------------------------------------------------------------- 1. disconnect and cancel through `ensemble`
+
+
+def test_http_disconnect_through_ensemble_aborts_and_frees_blocks(server):
+    wait_idle(server)
+    before, n_cancelled = generated_tokens(server), cancelled(server)
+    conn, events = open_stream(server, {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}, events=3)
+    assert all("error" not in e for e in events)
+    conn.sock.close()  # the client goes away mid-stream (curl -m 1)
+    conn.close()
+    assert_aborted_within_a_few_steps(server, n_cancelled, before, seen=3)
+    assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_grpc_cancel_through_ensemble_aborts_and_frees_blocks(server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    wait_idle(server)
+    before, n_cancelled = generated_tokens(server), cancelled(server)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+
+    def inp(name, value, dtype, np_dtype):
+        t = grpcclient.InferInput(name, [1, 1], dtype)
+        t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
+        return t
+
+    try:
+        inputs = [
+            inp("text_input", PROMPT.encode(), "BYTES", object),
+            inp("max_tokens", LONG, "INT32", np.int32),
+            inp("min_tokens", LONG, "INT32", np.int32),
+            inp("stream", True, "BOOL", bool),
+        ]
+        client.async_stream_infer("ensemble", inputs)
+        for _ in range(3):
+            _, error = results.get(timeout=30)
+            assert error is None, error
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert_aborted_within_a_few_steps(server, n_cancelled, before, seen=3)
+
+
+# ---------------------------------------------------------------- 3. missing required inputs
+
+
+@pytest.mark.parametrize(
+    "body,missing",
+    [
+        ({"max_tokens": 8, "temperature": 0.5}, "text_input"),
+        ({"text_input": "hi", "temperature": 0.5}, "max_tokens"),
+        ({"max_tokens": 8, "stream": True}, "text_input"),
+    ],
+)
+def test_http_missing_required_input_is_400_naming_it(server, body, missing):
+    status, text = post(server, "/v2/models/ensemble/generate", body)
+    assert status == 400 and missing in text, (status, text)
+
+
+@pytest.mark.parametrize("given,missing", [(("max_tokens", "stream"), "text_input"), (("text_input", "stream"), "max_tokens")])
+def test_grpc_missing_required_input_is_invalid_argument_naming_it(server, given, missing):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    values = {"text_input": (b"hi", "BYTES", object), "max_tokens": (8, "INT32", np.int32), "stream": (True, "BOOL", bool)}
+    inputs = []
+    for name in given:
+        v, dtype, np_dtype = values[name]
+        t = grpcclient.InferInput(name, [1, 1], dtype)
+        t.set_data_from_numpy(np.array([[v]], dtype=np_dtype))
+        inputs.append(t)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        result, error = results.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None, f"an empty OK: {result.get_response() if result else None}"
+    assert missing in str(error) and ("INVALID_ARG" in str(error) or "StatusCode.INVALID_ARGUMENT" in str(error) or "[400]" in str(error) or "missing" in str(error)), str(error)
+
+
+# ---------------------------------------------------------------- 7. smaller ones
+
+
+@pytest.mark.parametrize("extra", [{"foo": 1}, {"ignore_eos": True}, {"lora_task_id": 3}])
+def test_http_undeclared_input_is_400_naming_it_and_counted_rejected(server, extra):
+    rejected = metric(server, "trtkv_requests", state="rejected")
+    status, text = post(server, "/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 3, **extra})
+    (name,) = extra
+    assert status == 400 and name in text and "unknown input" in text, (status, text)
+    assert server.wait_for_metric("trtkv_requests", rejected + 1, timeout=5, state="rejected") >= rejected + 1
+    assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
+
+
+def test_stream_sends_one_response_per_token_even_while_text_is_held_back(server):
+    """A step whose token ends in a partial UTF-8 character has ids but no text yet: it still gets a response."""
+    conn, events = open_stream(server, {"text_input": PROMPT, "max_tokens": 60, "min_tokens": 60}, events=60)
+    try:
+        assert any(e["text_output"] == "" for e in events), "no held-back text in this stream: the test proves nothing"
+    finally:
+        conn.close()
+    assert len(events) == 60
+
+
+def test_error_hints_keep_square_brackets(capsys):
+    import typer
+
+    from trtkv.cli_options import handle_errors
+    from trtkv.errors import TrtkvError
+
+    @handle_errors
+    def fail():
+        raise TrtkvError("no tritonserver found", "install the serve extra (pip install 'trtkv[serve]')")
+
+    with pytest.raises(typer.Exit):
+        fail()
+    assert "pip install 'trtkv[serve]'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- 4. preemption through the server
+
+
+@pytest.mark.slow
+def test_small_pool_preemption_changes_no_output(engine, tmp_path):
+    """4 slots and 8 int4 blocks of 16 tokens for 8 concurrent 40-token greedy streams: the runtime
+    preempts, and every output (text and log-probabilities) equals the same request served alone."""
+    import threading
+
+    from trtkv.manifest import load_manifest
+
+    m = load_manifest(engine)
+    budget = (4 * m.tail_bytes_per_slot + 8.5 * m.bytes_per_block) / 1024**3
+    s = start(engine, tmp_path, kv_memory_gib=budget, max_seqs=4)
+    try:
+        prompts = [f"{PROMPT} #{i}" for i in range(8)]
+        body = {"max_tokens": 40, "min_tokens": 40, "return_log_probs": True, "exclude_input_in_output": True}
+        together: dict[int, dict] = {}
+        errors: list[str] = []
+
+        def run(i):
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": prompts[i], **body}, timeout=120)
+            (together.__setitem__(i, json.loads(text)) if status == 200 else errors.append(text))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert not errors and len(together) == 8, errors
+        assert metric(s, "trtkv_preemptions") >= 1, "the pool was not small enough to preempt"
+        for i, p in enumerate(prompts):
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": p, **body})
+            alone = json.loads(text)
+            assert status == 200 and together[i]["text_output"] == alone["text_output"], i
+            assert together[i]["output_log_probs"] == alone["output_log_probs"], i
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- `trtkv serve` as a process: stub kill and SIGTERM
+
+
+class Serve:
+    """``trtkv serve`` in a subprocess on free ports; stdout and stderr collected by reader threads."""
+
+    def __init__(self, engine: Path, tmp: Path, *args: str):
+        import subprocess
+        import sys
+        import threading
+
+        self.ports = [free_port() for _ in range(3)]
+        cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engine), "--repo", str(tmp / "repo"), "--kv-memory", "0.01", "--max-seqs", "4",
+               "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda st=stream, sk=sink: [sk.append(line) for line in st], daemon=True).start()
+        self.http_port = self.ports[0]
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.out + self.err):
+            assert self.proc.poll() is None or time.monotonic() < deadline, f"serve exited: {''.join(self.out + self.err)}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s: {''.join(self.out + self.err)}"
+            time.sleep(0.1)
+
+    def tritonserver_pid(self) -> int:
+        from trtkv.triton_repo.server import child_pids
+
+        (pid,) = child_pids(self.proc.pid)
+        return pid
+
+    def stub_pid(self) -> int:
+        from trtkv.triton_repo.server import STUB_NAME, _cmdline, child_pids
+
+        (pid,) = [p for p in child_pids(self.tritonserver_pid()) if STUB_NAME in _cmdline(p)]
+        return pid
+
+    def shm_prefix(self) -> str:
+        from trtkv.triton_repo.server import _cmdline
+
+        return _cmdline(self.tritonserver_pid()).split("shm-region-prefix-name=", 1)[1].split()[0]
+
+    def ready(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=2)
+            conn.request("GET", "/v2/health/ready")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Kill serve and, first, the tritonserver it started (its own session: it would outlive serve)."""
+        import os
+        import signal
+
+        from trtkv.triton_repo.server import _cmdline, child_pids
+
+        if self.proc.poll() is None:
+            for pid in child_pids(self.proc.pid):
+                prefix = _cmdline(pid).split("shm-region-prefix-name=", 1)[-1].split()[0] if "shm-region-prefix-name=" in _cmdline(pid) else None
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                for region in Path("/dev/shm").glob(f"{prefix}*") if prefix else ():
+                    region.unlink(missing_ok=True)
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def open_stream_resp(port: int, body: dict, events: int, timeout: float = 20):
+    """``generate_stream`` on ``ensemble`` at ``port``; the response after ``events`` SSE events have been read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    got = []
+    while len(got) < events:
+        line = resp.readline()
+        assert line, f"stream ended after {len(got)} events"
+        if line.startswith(b"data:"):
+            got.append(json.loads(line[5:]))
+    return resp, got
+
+
+def rest_of_stream(resp) -> tuple[str, list[dict]]:
+    """Read a stream to its end: ("end", events) when the server ended it properly (HTTP's last chunk),
+    ("error", events) when the last event is an error, ("cut", events) when the connection broke
+    mid-stream (curl: "transfer closed with outstanding read data"), ("hang", []) after the socket timeout."""
+
+    def parse(data: bytes) -> list[dict]:
+        return [json.loads(line[5:]) for line in data.splitlines() if line.startswith(b"data:")]
+
+    try:
+        events = parse(resp.read())
+    except http.client.IncompleteRead as exc:
+        return "cut", parse(exc.partial)
+    except TimeoutError:
+        return "hang", []
+    return ("error" if events and "error" in events[-1] else "end"), events
+
+
+@pytest.mark.slow
+def test_killed_model_process_fails_readiness_errors_clients_restarts_then_exits_3(engine, tmp_path):
+    import os
+    import signal
+
+    s = Serve(engine, tmp_path, "--restarts", "1")
+    try:
+        s.wait_for("Ctrl-C")
+        resp, _ = open_stream_resp(s.http_port, {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}, events=3)
+        os.kill(s.stub_pid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        how, rest = rest_of_stream(resp)
+        assert how in ("cut", "error") and time.monotonic() - t0 < 10, (how, len(rest), rest[-2:], time.monotonic() - t0)  # an error, not a stream left hanging
+        deadline = time.monotonic() + 5
+        while s.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not s.ready(), "a dead model still reports ready"
+        s.wait_for("ready again", timeout=120)
+        assert any("died" in line for line in s.err) and any("restarting" in line for line in s.err)
+        assert generate(f"http://127.0.0.1:{s.http_port}", "again", 3)["text_output"].startswith("again")
+        os.kill(s.stub_pid(), signal.SIGKILL)  # no restarts left
+        assert s.proc.wait(60) == 3
+        assert any("no restarts left" in line for line in s.err)
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace", ["30", "0"])
+def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(engine, tmp_path, grace):
+    """SIGTERM with a stream and a plain request in flight: within --grace both finish (exit 0); with
+    --grace 0 both get an explicit error (exit 4). Never a silent cut; the shared memory is removed."""
+    import signal
+    import threading
+
+    s = Serve(engine, tmp_path, "--grace", grace)
+    try:
+        s.wait_for("Ctrl-C")
+        prefix = s.shm_prefix()
+        assert list(Path("/dev/shm").glob(prefix + "*")), "no shared memory to check"
+        assert all(p.stat().st_mode & 0o077 == 0 for p in Path("/dev/shm").glob(prefix + "*")), "shared memory readable by others"
+        body = {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}
+        plain: dict = {}
+        t = threading.Thread(target=lambda: plain.update(zip(("status", "text"), post(s, "/v2/models/ensemble/generate", body))))
+        t.start()
+        resp, first = open_stream_resp(s.http_port, body, events=3)
+        s.proc.send_signal(signal.SIGTERM)
+        if grace != "0":  # while draining new requests are refused (UNAVAILABLE; Triton 2.51's HTTP generate answers it with 400)
+            s.wait_for("stopping", timeout=10)
+            time.sleep(0.3)  # the model polls for the drain every 0.1 s
+            status, text = post(s, "/v2/models/ensemble/generate", {"text_input": "late", "max_tokens": 3})
+            assert status in (400, 503) and "shutting down" in text, (status, text)
+        how, rest = rest_of_stream(resp)
+        t.join(60)
+        rc = s.proc.wait(90)
+        if grace == "0":
+            assert how == "error" and "shutting down" in rest[-1]["error"], (how, rest[-1:])
+            assert plain["status"] >= 400 and "shutting down" in plain["text"], plain
+            assert rc == 4 and any("failed" in line for line in s.out), (rc, s.out)
+        else:
+            assert how == "end" and len(first) + len(rest) == LONG, (how, len(first) + len(rest))
+            assert plain["status"] == 200 and "text_output" in plain["text"], plain
+            assert rc == 0 and any("drained" in line for line in s.out), (rc, s.out, s.err)
+        assert not list(Path("/dev/shm").glob(prefix + "*")), "shared memory left behind"
+    finally:
+        s.close()
