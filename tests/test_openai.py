@@ -119,6 +119,8 @@ def test_seed_reproduces_sampling_and_stop_cuts_it(served):
     want = generate(triton, prompt, 16, temperature=1.0, seed=7, stop_words=[stop], exclude_input_in_output=True)["text_output"]
     assert res.choices[0].text == want and res.choices[0].finish_reason == "stop"
     assert stop not in res.choices[0].text and full.startswith(res.choices[0].text) and len(res.choices[0].text) < len(full)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[stop], stream=True) if c.choices)
+    assert streamed == want  # streamed pieces never include the start of a stop word that completes later
 
 
 @pytest.mark.parametrize(

@@ -199,3 +199,20 @@ def test_multi_token_bad_word_leaves_its_first_token_free(model, tokenizer):
     assert word, "no usable two-token word"
     out = make_llm(model, tokenizer).generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[word]))[0]
     assert out.new_token_ids == free, word
+
+
+def test_streamed_pieces_never_show_a_stop_word_that_completes_later(model, tokenizer):
+    """Streaming: the pieces a client receives concatenate to the final text, even when a stop word starts in an
+    earlier step than the one that completes it (that step's text is held back, not sent and taken back)."""
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    steps: list[str] = []
+    full = make_llm(model, tokenizer).generate([PROMPTS[2]], sampled, on_output=lambda o: steps.append(o.new_text))[0].text
+    starts = [len("".join(steps[:i])) for i in range(len(steps))]
+    # a stop word that begins inside one step's text and ends in a later one, and occurs once
+    stop = next(full[a + len(steps[i]) - 1 : a + len(steps[i]) + 1] for i, a in enumerate(starts)
+                if steps[i] and a + len(steps[i]) < len(full) and full.count(full[a + len(steps[i]) - 1 : a + len(steps[i]) + 1]) == 1)
+    pieces: list[str] = []
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, stop_words=[stop])
+    out = make_llm(model, tokenizer).generate([PROMPTS[2]], p, on_output=lambda o: pieces.append(o.new_text))[0]
+    assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
+    assert "".join(pieces) == out.text  # nothing streamed had to be taken back

@@ -73,6 +73,7 @@ class _Request:
         self.end_ids = end_ids
         self.generator = generator
         self.emitted_tokens = 0
+        self.sent_chars = 0  # characters of detok.text already returned as new_text
 
 
 class LLMEngine:
@@ -244,14 +245,18 @@ class LLMEngine:
             reason = "length"
         if reason is None and token in p.stop_token_ids:
             reason = "stop"
-        new_text = r.detok.update(seq.output_ids, final=reason is not None)
+        fresh = r.detok.update(seq.output_ids, final=reason is not None)
         if p.stop_words and len(seq.output_ids) >= p.min_tokens:
-            cut = _find_stop(r.detok.text, p.stop_words, len(r.detok.text) - len(new_text))
+            cut = _find_stop(r.detok.text, p.stop_words, len(r.detok.text) - len(fresh))
             if cut is not None:
-                keep = len(new_text) - (len(r.detok.text) - cut)
-                new_text = new_text[: max(0, keep)]
                 r.detok.text = r.detok.text[:cut]
                 reason = "stop"
+        # streamed text never has to be taken back: the end of the text that could still become a stop word is
+        # held until the next step tells (vLLM does the same)
+        text = r.detok.text
+        end = len(text) if reason is not None else len(text) - _stop_prefix_len(text, p.stop_words)
+        new_text = text[r.sent_chars : end]
+        r.sent_chars = max(r.sent_chars, end)
         new_ids = seq.output_ids[r.emitted_tokens :]
         new_lps = seq.logprobs[r.emitted_tokens :]
         r.emitted_tokens = len(seq.output_ids)
@@ -319,6 +324,11 @@ def bad_word_bans(seq: Sequence, bad_seqs: list[list[int]]) -> list[int]:
         if seq.num_tokens >= n and seq.tokens(seq.num_tokens - n, seq.num_tokens) == ids[:-1]:
             out.append(ids[-1])
     return out
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop word (0: nothing to hold back)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
