@@ -38,7 +38,7 @@ KV_PARAMS_PREFIX = "kv"  # keys kv.layers.{i}.{k|v}.{field} (trtkv.artifacts.par
 TOKENIZER_DIR = "tokenizer"
 PLANS_DIR = "plans"
 
-Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt"]
+Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt", "torch"]  # torch: no network, the model by reference (builder/torch_build.py)
 Attention = Literal["native", "plugin"]
 ComputeDtype = Literal["fp16", "fp32"]
 _REBUILD = "rebuild the engine with `trtkv build-engine ... --force`"
@@ -229,7 +229,7 @@ def validate_manifest(m: EngineManifest, root: Path | None = None) -> None:
     for need in ("input_ids", "context_lens", "new_lens", "block_tables", "slot_ids", "k_data", "v_data", "k_tail", "v_tail"):
         if need not in names:
             raise TrtkvError(f"manifest: the step network has no input {need}", _REBUILD)
-    if m.backend != "onnxruntime" and not m.plans:
+    if m.backend not in ("onnxruntime", "torch") and not m.plans:
         raise TrtkvError(f"manifest: backend {m.backend} but no engine plans", _REBUILD)
     if root is None:
         return

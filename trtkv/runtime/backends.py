@@ -12,6 +12,7 @@ All take the cache as the runtime owns it (``PagedKVCache``) and never write it:
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -187,9 +188,11 @@ def open_engine(engine_dir: str | Path, backend: str = "auto", **kw) -> Engine:
     """The engine of ``engine_dir`` for ``backend`` (``auto``: TensorRT when the manifest has a plan and a GPU is present)."""
     m = load_manifest(engine_dir)
     if backend == "auto":
-        backend = "tensorrt" if (m.plans and torch.cuda.is_available()) else "onnxruntime"
+        backend = "torch" if m.backend == "torch" else ("tensorrt" if (m.plans and torch.cuda.is_available()) else "onnxruntime")
+    if backend == "torch":  # imported on demand: transformers and the Triton ops
+        return importlib.import_module("trtkv.runtime.torch_engine").TorchEngine.from_engine_dir(engine_dir, **kw)
     if backend == "onnxruntime":
         return OnnxRuntimeEngine(engine_dir, **kw)
     if backend in ("tensorrt", "tensorrt-rtx"):
         return TensorRTEngine(engine_dir, **kw)  # pragma: no cover - GPU only
-    raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime or tensorrt")
+    raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime, tensorrt or torch")
