@@ -164,17 +164,19 @@ def _text_config(config):
     return get(decoder=True) if get is not None else config
 
 
-def context_kv(st: _Step, layer: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-    """Every sequence's cached keys (or values) ``[B, H, C, D]`` in model space: sealed blocks dequantized
-    (positions ``< sink`` from the sink rows), then the open block; rows that do not exist are zero
-    (``st.kv_valid`` says which exist). The batched form of ``cache_layout.gather_paged``."""
+def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> torch.Tensor:
+    """Every sequence's keys (or values) ``[B, H, C + T, D]`` in model space, written into one buffer: sealed
+    blocks dequantized (positions ``< sink`` from the sink rows), the open block, then this step's rows
+    ``new_rows [B, H, T, D]``; context rows that do not exist are zero (``st.kv_valid`` says which exist). The
+    batched form of ``cache_layout.gather_paged``."""
     cache, b = st.cache, st.batch
     lay: PagedKVLayout = cache.layout
     pool = cache.pool(layer, which)
     bs, sink, H, D = lay.block_size, lay.sink_tokens, lay.num_kv_heads, lay.head_dim
-    B = b.batch_size
-    params = st.engine.layer_params(cache, layer)[0 if which == "k" else 1]
-    parts = []
+    B, T, dtype = b.batch_size, new_rows.shape[2], new_rows.dtype
+    C = st.kv_valid.shape[1]
+    out = torch.empty(B, H, C + T, D, dtype=dtype, device=new_rows.device)
+    sealed = st.sealed_max * bs
     if st.sealed_max:
         nb = st.sealed_max
         flat = b.block_tables[:, :nb].clamp(min=0).reshape(-1)
@@ -183,25 +185,28 @@ def context_kv(st: _Step, layer: int, which: str, dtype: torch.dtype) -> torch.T
             scale=None if pool.scale is None else pool.scale[flat],
             zero=None if pool.zero is None else pool.zero[flat],
         )
-        x = dequantize(qt, lay.tensor_format(which), params, head_axis=-3, dtype=dtype)  # [B * nb, H, bs, D]
-        x = x.view(B, nb, H, bs, D).transpose(1, 2).reshape(B, H, nb * bs, D)
+        x = dequantize(qt, lay.tensor_format(which), params=st.engine.layer_params(cache, layer)[0 if which == "k" else 1],
+                       head_axis=-3, dtype=dtype)  # [B * nb, H, bs, D]
+        out[:, :, :sealed].view(B, H, nb, bs, D).copy_(x.view(B, nb, H, bs, D).transpose(1, 2))
         if sink:
-            x[:, :, :sink] = pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype)
-        parts.append(x)
+            out[:, :, :sink] = pool.tail[b.slot_ids, :, bs : bs + sink]
     if st.open_max:
-        parts.append(pool.tail[b.slot_ids, :, : st.open_max].to(dtype))
-    if not parts:
-        return torch.zeros(B, H, 0, D, dtype=dtype, device=st.engine.device)
-    x = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+        out[:, :, sealed:C] = pool.tail[b.slot_ids, :, : st.open_max]
+    out[:, :, C:] = new_rows
     # rows that are not part of a context (other owners' blocks, stale tail rows) may hold NaN: zero them
-    return torch.where(st.kv_valid[:, None, :, None], x, torch.zeros((), dtype=dtype, device=x.device))
+    out[:, :, :C].masked_fill_(~st.kv_valid[:, None, :, None], 0)
+    return out
 
 
 def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torch.Tensor:
-    keys = torch.cat([context_kv(st, layer, "k", q.dtype), k16], 2)
-    values = torch.cat([context_kv(st, layer, "v", q.dtype), v16], 2)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=st.mask, scale=scaling, enable_gqa=q.shape[1] != keys.shape[1])
-    return out.transpose(1, 2)  # [B, T, Hq, D]
+    """Masked SDPA; GQA by folding each KV head's query group into the query axis (no K/V repeat)."""
+    B, Hq, T, D = q.shape
+    H = k16.shape[1]
+    G = Hq // H
+    keys, values = context_kv(st, layer, "k", k16), context_kv(st, layer, "v", v16)
+    mask = st.mask if G == 1 else st.mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
+    out = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), keys, values, attn_mask=mask, scale=scaling)
+    return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
 def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float) -> torch.Tensor:
