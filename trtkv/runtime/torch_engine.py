@@ -38,7 +38,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import load_model
 from trtkv.plugins import ops
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.backends import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch, StepOutput
@@ -164,19 +164,25 @@ def _text_config(config):
     return get(decoder=True) if get is not None else config
 
 
-def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> torch.Tensor:
-    """Every sequence's keys (or values) ``[B, H, C + T, D]`` in model space, written into one buffer: sealed
-    blocks dequantized (positions ``< sink`` from the sink rows), the open block, then this step's rows
-    ``new_rows [B, H, T, D]``; context rows that do not exist are zero (``st.kv_valid`` says which exist). The
-    batched form of ``cache_layout.gather_paged``."""
+def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Every sequence's keys (or values), the batched form of ``cache_layout.gather_paged``, in two parts:
+
+    * sealed ``[B, H, sealed_max * block_size, D]`` (None when no sequence has a sealed block): dequantized but left
+      in the format's **stored channel space** (smoothed / rotated: ``dequantize(..., transforms=False)``), the
+      caller folds the transforms into the query and the output instead of undoing them on every row; positions
+      ``< sink`` from the sink rows (moved into stored space);
+    * the rest ``[B, H, open_max + T, D]`` in model space: the open block, then this step's rows ``new_rows``.
+
+    Context rows that do not exist are zero (``st.kv_valid`` says which exist)."""
     cache, b = st.cache, st.batch
     lay: PagedKVLayout = cache.layout
     pool = cache.pool(layer, which)
+    fmt = lay.tensor_format(which)
+    params = st.engine.layer_params(cache, layer)[0 if which == "k" else 1]
     bs, sink, H, D = lay.block_size, lay.sink_tokens, lay.num_kv_heads, lay.head_dim
-    B, T, dtype = b.batch_size, new_rows.shape[2], new_rows.dtype
-    C = st.kv_valid.shape[1]
-    out = torch.empty(B, H, C + T, D, dtype=dtype, device=new_rows.device)
-    sealed = st.sealed_max * bs
+    B, dtype = b.batch_size, new_rows.dtype
+    S = st.sealed_max * bs
+    sealed = None
     if st.sealed_max:
         nb = st.sealed_max
         flat = b.block_tables[:, :nb].clamp(min=0).reshape(-1)
@@ -185,27 +191,48 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tor
             scale=None if pool.scale is None else pool.scale[flat],
             zero=None if pool.zero is None else pool.zero[flat],
         )
-        x = dequantize(qt, lay.tensor_format(which), params=st.engine.layer_params(cache, layer)[0 if which == "k" else 1],
-                       head_axis=-3, dtype=dtype)  # [B * nb, H, bs, D]
-        out[:, :, :sealed].view(B, H, nb, bs, D).copy_(x.view(B, nb, H, bs, D).transpose(1, 2))
+        x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
+        sealed = x.view(B, nb, H, bs, D).transpose(1, 2).reshape(B, H, S, D)
         if sink:
-            out[:, :, :sink] = pool.tail[b.slot_ids, :, bs : bs + sink]
+            sealed[:, :, :sink] = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
+        sealed.masked_fill_(~st.kv_valid[:, None, :S, None], 0)  # other owners' blocks may hold NaN
+    rest = torch.cat([pool.tail[b.slot_ids, :, : st.open_max].to(dtype), new_rows], 2)
     if st.open_max:
-        out[:, :, sealed:C] = pool.tail[b.slot_ids, :, : st.open_max]
-    out[:, :, C:] = new_rows
-    # rows that are not part of a context (other owners' blocks, stale tail rows) may hold NaN: zero them
-    out[:, :, :C].masked_fill_(~st.kv_valid[:, None, :, None], 0)
-    return out
+        rest[:, :, : st.open_max].masked_fill_(~st.kv_valid[:, None, S:, None], 0)  # stale tail rows
+    return sealed, rest
+
+
+def _fold_query(q: torch.Tensor, fmt, params: TensorParams) -> torch.Tensor:
+    """q [B, H, n, D] such that ``fold(q) . k_stored == q . k_model`` for ``k_model = inverse_transform(k_stored)``
+    = ``(k_stored @ H^T) * smooth``: ``(q * smooth) @ H`` (the transpose of ``trtkv.quant.inverse_transform``)."""
+    if fmt.smooth:
+        q = q * params.smooth.to(q.dtype).view(1, q.shape[1], 1, q.shape[-1])
+    if fmt.hadamard:
+        q = q @ hadamard_matrix(q.shape[-1], q.dtype, q.device)
+    return q
 
 
 def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torch.Tensor:
-    """Masked SDPA; GQA by folding each KV head's query group into the query axis (no K/V repeat)."""
+    """Softmax attention over [sealed (stored space) | open block + new rows (model space)] keys: K's transforms
+    folded into the query for the sealed part, V's undone once on the sealed part's output. GQA by folding each KV
+    head's query group into the query axis (no K/V repeat)."""
     B, Hq, T, D = q.shape
     H = k16.shape[1]
     G = Hq // H
-    keys, values = context_kv(st, layer, "k", k16), context_kv(st, layer, "v", v16)
+    lay = st.cache.layout
+    kp, vp = st.engine.layer_params(st.cache, layer)
+    qg = q.reshape(B, H, G * T, D)
+    ks, kr = context_kv(st, layer, "k", k16)
+    vs, vr = context_kv(st, layer, "v", v16)
+    scores = qg @ kr.transpose(-1, -2)
+    if ks is not None:
+        scores = torch.cat([_fold_query(qg, lay.tensor_format("k"), kp) @ ks.transpose(-1, -2), scores], -1)
     mask = st.mask if G == 1 else st.mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
-    out = F.scaled_dot_product_attention(q.reshape(B, H, G * T, D), keys, values, attn_mask=mask, scale=scaling)
+    p = (scores * scaling).masked_fill_(~mask, float("-inf")).softmax(-1)
+    S = 0 if ks is None else ks.shape[2]
+    out = p[..., S:] @ vr
+    if vs is not None:
+        out = out + inverse_transform(p[..., :S] @ vs, lay.tensor_format("v"), vp, head_axis=-3)
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
