@@ -66,6 +66,8 @@ class _Step:
     # torch attention only
     mask: torch.Tensor | None = None  # [B, 1, T, C + T] bool
     kv_valid: torch.Tensor | None = None  # [B, C] bool: context keys that exist
+    kv_invalid: torch.Tensor | None = None  # its negation
+    sealed_all_valid: bool = True  # every sequence has sealed_max sealed blocks (nothing to zero)
     sealed_max: int = 0
     open_max: int = 0
     cu_seqlens: torch.Tensor | None = None  # kernels, T > 1
@@ -155,6 +157,8 @@ class TorchEngine(Engine):
             kv_valid.append(torch.arange(st.open_max, device=dev)[None, :] < opened[:, None])
         B, T = b.input_ids.shape
         st.kv_valid = torch.cat(kv_valid, 1) if kv_valid else torch.zeros(B, 0, dtype=torch.bool, device=dev)
+        st.kv_invalid = ~st.kv_valid
+        st.sealed_all_valid = bool((sealed == st.sealed_max).all())
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         st.mask = torch.cat([st.kv_valid[:, None, :].expand(B, T, -1), causal[None].expand(B, T, T)], 2)[:, None]
 
@@ -167,7 +171,7 @@ def _text_config(config):
 def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Every sequence's keys (or values), the batched form of ``cache_layout.gather_paged``, in two parts:
 
-    * sealed ``[B, H, sealed_max * block_size, D]`` (None when no sequence has a sealed block): dequantized but left
+    * sealed ``[B, sealed_max, H, block_size, D]`` (block-major as in the pool; None when no sequence has a sealed block): dequantized but left
       in the format's **stored channel space** (smoothed / rotated: ``dequantize(..., transforms=False)``), the
       caller folds the transforms into the query and the output instead of undoing them on every row; positions
       ``< sink`` from the sink rows (moved into stored space);
@@ -192,13 +196,14 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
             zero=None if pool.zero is None else pool.zero[flat],
         )
         x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
-        sealed = x.view(B, nb, H, bs, D).transpose(1, 2).reshape(B, H, S, D)
+        sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
-            sealed[:, :, :sink] = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
-        sealed.masked_fill_(~st.kv_valid[:, None, :S, None], 0)  # other owners' blocks may hold NaN
+            sealed[:, 0, :, :sink] = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
+        if not st.sealed_all_valid:  # other owners' blocks may hold NaN
+            sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
     rest = torch.cat([pool.tail[b.slot_ids, :, : st.open_max].to(dtype), new_rows], 2)
     if st.open_max:
-        rest[:, :, : st.open_max].masked_fill_(~st.kv_valid[:, None, S:, None], 0)  # stale tail rows
+        rest[:, :, : st.open_max].masked_fill_(st.kv_invalid[:, None, S:, None], 0)  # stale tail rows
     return sealed, rest
 
 
@@ -225,14 +230,18 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torc
     ks, kr = context_kv(st, layer, "k", k16)
     vs, vr = context_kv(st, layer, "v", v16)
     scores = qg @ kr.transpose(-1, -2)
-    if ks is not None:
-        scores = torch.cat([_fold_query(qg, lay.tensor_format("k"), kp) @ ks.transpose(-1, -2), scores], -1)
+    S = 0
+    if ks is not None:  # [B, 1, H, n, D] @ [B, nb, H, D, bs] -> [B, nb, H, n, bs] -> [B, H, n, nb * bs]
+        nb, bs = ks.shape[1], ks.shape[3]
+        S = nb * bs
+        sealed = (_fold_query(qg, lay.tensor_format("k"), kp)[:, None] @ ks.transpose(-1, -2)).permute(0, 2, 3, 1, 4)
+        scores = torch.cat([sealed.reshape(B, H, G * T, S), scores], -1)
     mask = st.mask if G == 1 else st.mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
     p = (scores * scaling).masked_fill_(~mask, float("-inf")).softmax(-1)
-    S = 0 if ks is None else ks.shape[2]
     out = p[..., S:] @ vr
-    if vs is not None:
-        out = out + inverse_transform(p[..., :S] @ vs, lay.tensor_format("v"), vp, head_axis=-3)
+    if vs is not None:  # [B, nb, H, n, bs] @ [B, nb, H, bs, D], summed over blocks
+        ps = p[..., :S].reshape(B, H, G * T, nb, bs).permute(0, 3, 1, 2, 4)
+        out = out + inverse_transform((ps @ vs).sum(1), lay.tensor_format("v"), vp, head_axis=-3)
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
