@@ -71,6 +71,6 @@ def torch_manifest(manifest: EngineManifest, tmp: Path) -> EngineManifest:
     """The manifest ``build._manifest`` wrote for an ONNX engine, made a torch one: no opset, what it needs to run."""
     versions = manifest.build.get("versions", {})
     needs = {"torch": f"torch {versions.get('torch')} and transformers {versions.get('transformers')} (CPU, or CUDA with triton for the "
-                      f"paged kernels); the model weights at {manifest.model.source or manifest.model.name} (sha256 {manifest.model.sha256[:16]}…)"}
+                      f"paged kernels); the model weights at {manifest.model.source or manifest.model.name} (sha256 {manifest.model.sha256[:16]}...)"}
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     return manifest.model_copy(update={"opset": TORCH_OPSET, "runtime_needs": needs, "files": files})

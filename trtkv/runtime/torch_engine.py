@@ -105,7 +105,7 @@ class TorchEngine(Engine):
         loaded = load_model(src, device=str(device), dtype=dtype)
         if loaded.info.sha256 != m.model.sha256:
             raise TrtkvError(
-                f"the weights at {src} (sha256 {loaded.info.sha256[:12]}…) are not the ones the engine was built for ({m.model.sha256[:12]}…)",
+                f"the weights at {src} (sha256 {loaded.info.sha256[:12]}...) are not the ones the engine was built for ({m.model.sha256[:12]}...)",
                 "restore the original weights or rebuild the engine with `trtkv build-engine --backend torch --force`",
             )
         return cls(loaded.model, m, attention=attention, device=device)
