@@ -274,11 +274,10 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
     st.new_k[layer] = k16.transpose(1, 2)
     st.new_v[layer] = v16.transpose(1, 2)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # this step's rows are attended as the fp16 values the open block will hold
-    k16, v16 = k16.to(query.dtype), v16.to(query.dtype)
+    # this step's rows are attended as the fp16 values the open block will hold (the kernels take them in fp16)
     if st.engine.attention == "kernels":
         return _kernel_attention(st, layer, query, k16, v16, scaling), None
-    return _torch_attention(st, layer, query, k16, v16, scaling), None
+    return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling), None
 
 
 _REGISTERED = False
