@@ -234,10 +234,10 @@ def _np_dtype(elem: int):
     return np.float16 if elem == TensorProto.FLOAT16 else np.float32
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"native": NativeAttention}
+ATTENTION_MODES: dict[str, type[AttentionBackend]] = {"native": NativeAttention}
 
 
 def get_backend(name: str) -> AttentionBackend:
-    if name == "plugin" and "plugin" not in BACKENDS:
+    if name == "plugin" and "plugin" not in ATTENTION_MODES:
         from trtkv.builder import plugin_nodes  # noqa: F401, PLC0415  (registers PluginAttention)
-    return BACKENDS[name]()
+    return ATTENTION_MODES[name]()

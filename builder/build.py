@@ -15,12 +15,14 @@ import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from trtkv import __version__
+from trtkv.builder import torch_build
 from trtkv.errors import TrtkvError
+from trtkv.manifest import Backend
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt-rtx", "tensorrt")
+ENGINE_BACKENDS = ("auto", *get_args(Backend))  # what --backend takes: the manifest's backends, or auto
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
 FAIL_ENV = "TRTKV_BUILD_FAIL_AFTER"  # test hook: raise after the named stage (export | check | build)
 
@@ -48,8 +50,8 @@ def gpu_present() -> bool:
 
 def resolve_backend(backend: str) -> str:
     """``auto``: ``tensorrt`` when importable and a GPU is present, else ``onnxruntime`` (CPU engine)."""
-    if backend not in BACKENDS:
-        raise TrtkvError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend not in ENGINE_BACKENDS:
+        raise TrtkvError(f"unknown backend {backend!r}", f"use one of {', '.join(ENGINE_BACKENDS)}")
     if backend != "auto":
         return backend
     try:
@@ -130,12 +132,12 @@ def build_engine(
     backend = resolve_backend(backend)
     if attention not in ("native", "plugin"):
         raise TrtkvError(f"unknown attention mode {attention!r}", "use --attention native or plugin")
-    dtype = dtype or ("fp32" if backend == "onnxruntime" else "fp16")
+    dtype = dtype or ("fp32" if backend in ("onnxruntime", "torch") else "fp16")
     if dtype not in ("fp16", "fp32"):
         raise TrtkvError(f"unknown dtype {dtype!r}", "use --dtype fp16 or fp32")
     caps = sorted(set(int(c) for c in compute_capabilities))
     check_capabilities(backend, caps)
-    trt = import_tensorrt(backend) if backend != "onnxruntime" else None
+    trt = import_tensorrt(backend) if backend not in ("onnxruntime", "torch") else None
     if max_batch < 1 or max_seq_len < 1:
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
@@ -189,8 +191,11 @@ def build_engine(
         console.print(f"[bold]build-engine[/] {info.name} · kv {fmt.spec()} · {backend} · {attention} attention · {dtype} · block {bs}")
 
     with atomic_directory(out, replace=True, what="the engine directory") as tmp:
-        with stages.stage("export", "ONNX step network, kv_params, tokenizer"):
-            onnx_inputs, onnx_outputs = _export(tmp, loaded, layout1, params, att, dtype)
+        with stages.stage("export", "ONNX step network, kv_params, tokenizer" if backend != "torch" else "kv_params, tokenizer, weights reference"):
+            if backend == "torch":  # no network: the torch engine runs the model (builder/torch_build.py)
+                onnx_inputs, onnx_outputs = torch_build.step_specs(layout1, info.num_layers, info.vocab_size)
+            else:
+                onnx_inputs, onnx_outputs = _export(tmp, loaded, layout1, params, att, dtype)
             from safetensors.torch import save_file  # noqa: PLC0415
 
             from trtkv.manifest import KV_PARAMS_FILE, TOKENIZER_DIR  # noqa: PLC0415
@@ -203,10 +208,14 @@ def build_engine(
                 from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
 
                 write_ort_model(str(tmp / ONNX_FILE), str(tmp / ORT_PLUGIN_ONNX_FILE))
-        with stages.stage("check", "onnx.checker + one ONNX Runtime step"):
-            _check(tmp, fmt, info, layout1, params, attention, smoke_check)
+        with stages.stage("check", "onnx.checker + one ONNX Runtime step" if backend != "torch" else "one torch-engine step"):
+            if backend == "torch":
+                if smoke_check:
+                    torch_build.smoke_step(loaded, layout1, params)
+            else:
+                _check(tmp, fmt, info, layout1, params, attention, smoke_check)
         plans = []
-        if backend != "onnxruntime":
+        if backend not in ("onnxruntime", "torch"):
             from trtkv.builder.trt_build import build_plan  # noqa: PLC0415
             from trtkv.manifest import ONNX_FILE, PLANS_DIR, PlanFile  # noqa: PLC0415
 
@@ -226,7 +235,9 @@ def build_engine(
                     if console:
                         console.print(f"  SM{cc_real}: {len(blob) / 2**20:.1f} MiB in {secs:.1f} s")
         manifest = _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, onnx_inputs, onnx_outputs, cal_ref, plans, stages, trt, caps)
-        (tmp / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n")
+        if backend == "torch":
+            manifest = torch_build.torch_manifest(manifest, tmp)
+        (tmp / "manifest.json").write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
     if console:
         print_summary(console, manifest, out)
     return out

@@ -32,7 +32,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate` (formats with static scales / smoothing need it)")] = None,
         kv: Annotated[str, typer.Option("--kv", help="KV format: preset, spec string or JSON file")] = "int4",
         out: Annotated[Path, typer.Option("--out", "-o", help="engine directory (written atomically)")] = Path("trtkv-out/engine"),
-        backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt-rtx | tensorrt")] = "auto",
+        backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt-rtx | tensorrt | torch (no network: the model by reference, runs on CPU or CUDA)")] = "auto",
         attention: Annotated[str, typer.Option(help="native | plugin")] = "native",
         max_batch: Annotated[int, typer.Option(help="largest batch of sequences per step")] = 16,
         max_seq_len: Annotated[int, typer.Option(help="longest sequence (prompt + generated)")] = 2048,

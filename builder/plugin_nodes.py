@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from trtkv.builder.attention import BACKENDS, AttentionBackend, StepContext, _static
+from trtkv.builder.attention import ATTENTION_MODES, AttentionBackend, StepContext, _static
 from trtkv.plugins import contract as C
 from trtkv.quant import hadamard_matrix, per_channel
 
@@ -84,4 +84,4 @@ class PluginAttention(AttentionBackend):
         return ctx.extra["plugin_shared"]
 
 
-BACKENDS["plugin"] = PluginAttention
+ATTENTION_MODES["plugin"] = PluginAttention

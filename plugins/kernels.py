@@ -841,6 +841,8 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
 # --------------------------------------------------------------------------------------------
 
 _COPIES: dict[bool, ModuleType] = {}
+# how this module's @triton.jit resolved at import (TRITON_INTERPRET may be set later, e.g. by a test)
+_IMPORTED_INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 def load_kernels(interpret: bool) -> ModuleType:
@@ -854,7 +856,7 @@ def load_kernels(interpret: bool) -> ModuleType:
     from triton import knobs
 
     this = sys.modules[__name__]
-    if bool(knobs.runtime.interpret) == interpret:
+    if _IMPORTED_INTERPRETED == interpret:
         mod = this
     else:
         name = f"{__name__}_{'interp' if interpret else 'compiled'}"

@@ -45,7 +45,7 @@ def accepts_any_shape(backend: str) -> bool:
     """ONNX Runtime (and the torch reference) run any batch / pool size; TensorRT plans only their profile's ``limits``."""
     return backend in SHAPE_FREE_BACKENDS
 
-Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt"]
+Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt", "torch"]  # torch: no network, the model by reference (builder/torch_build.py)
 Attention = Literal["native", "plugin"]
 ComputeDtype = Literal["fp16", "fp32"]
 _REBUILD = "rebuild the engine with `trtkv build-engine ... --force`"
@@ -192,7 +192,7 @@ def load_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Engine
         raise TrtkvError(f"engine directory {root} does not exist", "build one with `trtkv build-engine --out DIR`")
     path = root / MANIFEST_FILE
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TrtkvError(f"{root} is not an engine directory (no {MANIFEST_FILE})", "build one with `trtkv build-engine --out DIR`") from None
     try:
@@ -233,7 +233,7 @@ def validate_manifest(m: EngineManifest, root: Path | None = None) -> None:
     for need in ("input_ids", "context_lens", "new_lens", "block_tables", "slot_ids", "k_data", "v_data", "k_tail", "v_tail"):
         if need not in names:
             raise TrtkvError(f"manifest: the step network has no input {need}", _REBUILD)
-    if m.backend != "onnxruntime" and not m.plans:
+    if m.backend not in ("onnxruntime", "torch") and not m.plans:
         raise TrtkvError(f"manifest: backend {m.backend} but no engine plans", _REBUILD)
     if root is None:
         return

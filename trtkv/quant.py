@@ -208,8 +208,10 @@ def dequantize(
     params: TensorParams | None = None,
     head_axis: int = -2,
     dtype: torch.dtype = torch.float32,
+    transforms: bool = True,
 ) -> torch.Tensor:
-    """Stored form back to values in the model's channel space (transforms undone).
+    """Stored form back to values in the model's channel space (transforms undone; ``transforms=False``: left in
+    the stored channel space -- smoothed / rotated -- for consumers that fold them into the query and output).
 
     Block-wise formats: ``codes`` [..., block_size, D'] with ``scale``/``zero`` [..., D] (see ``quantize_block``).
     """
@@ -232,7 +234,7 @@ def dequantize(
             assert qt.zero is not None
             g = g + qt.zero.float().unsqueeze(-1)
         x = g.flatten(-2)
-    return inverse_transform(x, fmt, params, head_axis).to(dtype)
+    return (inverse_transform(x, fmt, params, head_axis) if transforms else x).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> torch.Tensor:

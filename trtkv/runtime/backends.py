@@ -190,9 +190,13 @@ def open_engine(engine_dir: str | Path, backend: str = "auto", manifest: EngineM
     ``manifest``: the directory's, when the caller has loaded it already (loaded once per process)."""
     m = manifest or load_manifest(engine_dir)
     if backend == "auto":
-        backend = "tensorrt" if (m.plans and torch.cuda.is_available()) else "onnxruntime"
+        backend = "torch" if m.backend == "torch" else ("tensorrt" if (m.plans and torch.cuda.is_available()) else "onnxruntime")
+    if backend == "torch":  # imported on demand: transformers and the Triton ops
+        from trtkv.runtime.torch_engine import TorchEngine
+
+        return TorchEngine.from_engine_dir(engine_dir, manifest=m, **kw)
     if backend == "onnxruntime":
         return OnnxRuntimeEngine(engine_dir, manifest=m, **kw)
     if backend in ("tensorrt", "tensorrt-rtx"):
         return TensorRTEngine(engine_dir, manifest=m, **kw)  # pragma: no cover - GPU only
-    raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime or tensorrt")
+    raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime, tensorrt or torch")

@@ -23,6 +23,7 @@ from trtkv.artifacts import LayerParams, tensors_to_params
 from trtkv.cache_layout import KVPool, PagedKVLayout, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
+from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
 
 POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
@@ -55,6 +56,7 @@ class PagedKVCache:
         if len(self.params) != num_layers:
             raise TrtkvError(f"{len(self.params)} layer params for {num_layers} layers", "use the engine's kv_params.safetensors")
         self.tensors: dict[str, torch.Tensor] = {}
+        self.seal_with_kernels = torch.device(device).type == "cuda"  # the Triton seal kernel, in place (seal_device.py)
         for which in ("k", "v"):
             pool = layout.allocate(which, device)
             for field in ("data", "scale", "zero", "tail"):
@@ -121,6 +123,9 @@ class PagedKVCache:
     def seal(self, slot: int, block: int, block_index: int) -> None:
         """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool
         block ``block`` (``cache_layout.seal_open_block``: a first block also fills the slot's sink rows)."""
+        if self.seal_with_kernels:
+            seal_open_block_kernels(self, slot, block, block_index)
+            return
         for layer in range(self.num_layers):
             for which in ("k", "v"):
                 pool = self.pool(layer, which)
