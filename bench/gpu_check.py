@@ -1,6 +1,6 @@
 """One-shot GPU check of the trtkv kernels: correctness, TensorRT-ABI launches, decode timing vs SDPA.
 
-    python bench/gpu_check.py --out $OUT         # on a CUDA GPU (written for one H200, < 8 minutes)
+    python bench/gpu_check.py --out $OUT         # on a CUDA GPU (written for one H200, < 9 minutes)
     python bench/gpu_check.py --dry-run          # CPU, Triton interpreter, tiny sizes (< 1 minute)
 
 The cache follows the sealed-block contract (docs/kv-cache-format.md): sealed blocks in the pool, each
@@ -9,7 +9,9 @@ sequence's fp16 open block (and sink rows) in ``tail[slot]``, this step's fp16 r
 Sections (``SECTIONS`` below; each is a module of ``bench/gpucheck`` whose docstring says what it measures)
 1. correctness (``correctness.py``): every kernel for each KV preset vs the torch reference.
 2. TensorRT ABI (``abi.py``, ``driver.py``): the four plugin ops compiled and launched as TensorRT would.
-3.-5. bandwidth, decode timing vs fp16 SDPA, targets (``timing.py``).
+3. engine (``engine.py``): end-to-end decode through the torch engine, ``bench/gpu_engine.py`` run as a child with the
+   time left (its own report: capacity per format at one KV budget, tokens/s, step time split, SmolLM2 GPU == CPU).
+4.-6. bandwidth, decode timing vs fp16 SDPA, targets (``timing.py``).
 
 A section's ``run(Run)`` fills its part of the result and ``report(result)`` gives its markdown; a new
 section is a new module and one row of ``SECTIONS``.
@@ -42,7 +44,7 @@ for p in (ROOT, ROOT / "bench"):  # trtkv from this checkout, the sections besid
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from gpucheck import abi, correctness, timing  # noqa: E402
+from gpucheck import abi, correctness, engine, timing  # noqa: E402
 from gpucheck.common import HEAD_DIM, HEADS_KV, HEADS_Q, Log, Run, Section, versions  # noqa: E402
 from gpucheck.driver import driver_version  # noqa: E402
 
@@ -53,6 +55,7 @@ from trtkv.plugins.cases import DEFAULT_BLOCK  # noqa: E402
 SECTIONS = (
     Section("correctness", "correctness", correctness.run, correctness.report, budget_s=120),
     Section("abi", "trt_abi", abi.run, abi.report, budget_s=100),
+    Section("engine", "engine", engine.run, engine.report, budget_s=220, empty=dict),  # bench/gpu_engine.py, a child
     Section("bandwidth", "copy", timing.run_bandwidth, timing.report_bandwidth, skippable=False, empty=lambda: None),
     Section("timing", "timing", timing.run_timing, timing.report_timing, budget_s=150),
     Section("targets", "targets", timing.run_targets, timing.report_targets, skippable=False),
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
                   geometry=("heads 4 q / 2 kv, head_dim 64, block: the format's (else 16)" if args.dry_run else
                             f"heads {HEADS_Q} q / {HEADS_KV} kv, head_dim {HEAD_DIM}, block: the format's (int8 / int4: "
                             f"64), else {DEFAULT_BLOCK}; fp16 queries"),
-                  **{s.key: s.empty() for s in SECTIONS}, seconds=0.0, complete=False)
+                  **{s.key: s.empty() for s in SECTIONS}, seconds=0.0, complete=False, out_dir=str(args.out))
     out_dir = Path(args.out)
 
     def checkpoint():  # the report is rewritten after every section: a run cut short still leaves one

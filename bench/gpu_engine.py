@@ -327,6 +327,7 @@ def main() -> None:
     else:
         report.data["skipped"].append("smollm2: time limit")
     report.data["total_seconds"] = round(time.monotonic() - t0, 1)
+    report.data["complete"] = True
     report.write()
     print(render(report.data))
 

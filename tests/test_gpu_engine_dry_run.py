@@ -18,10 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_engine_dry_run(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_engine.py"), "--dry-run", "--out", str(tmp_path), "--time-limit", "400"],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    # through the prepared run's entry point: gpu_check's engine section starts bench/gpu_engine.py as its child
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--skip", "correctness", "abi", "timing",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
+    [check] = tmp_path.glob("gpu-check-*-dry-run.json")
+    engine = json.loads(check.read_text())["engine"]
+    assert engine["returncode"] == 0 and engine["complete"], engine
     [report] = tmp_path.glob("gpu-engine-dry-run-*.json")
+    assert engine["report"] == str(report)
     data = json.loads(report.read_text())
     assert report.with_suffix(".md").is_file() and data["dry_run"]
     cap = data["sections"]["capacity"]
