@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from trtkv import __version__
+from trtkv.builder.step_network import check_model
 from trtkv.errors import TrtkvError
+from trtkv.models import load_model, model_info
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt-rtx", "tensorrt")
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
@@ -149,9 +151,8 @@ def build_engine(
         )
 
     # ------------------------------------------------------------ model and calibration
+    check_model(loaded.info if loaded is not None else model_info(model), attention)  # before any weights load
     if loaded is None:
-        from trtkv.models import load_model  # noqa: PLC0415
-
         loaded = load_model(model, device="cpu", dtype="float32")
     info = loaded.info
     [base_fmt], notes = fit_formats([base_fmt], info.head_dim)  # presets fit any head_dim

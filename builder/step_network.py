@@ -5,8 +5,10 @@ Inputs: ``input_ids [B, T]``, ``context_lens [B]``, ``new_lens [B]``, ``block_ta
 int4, unsigned int8 and fp8 bit patterns are declared int8 at the graph boundary), their fp16 scales /
 zero-points when the format has them, and the fp16 open blocks and sink rows ``k_tail``/``v_tail [L, S, H, bs + sink, D]``.
 Outputs: ``logits [B, V]`` float32 at each sequence's last valid token, ``new_k``/``new_v [L, B, T, H, D]``
-fp16 (K after RoPE). LLaMA architecture: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
-attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), tied or untied embeddings.
+fp16 (K after RoPE). LLaMA family: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
+attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), q/k RMSNorm per head (Qwen3), fused projections
+(Phi-3, split by the weight reader), tied or untied embeddings; sliding-window layers (Mistral / Qwen2 / Phi-3 with
+``sliding_window``) mask keys older than their window (``key_pos > q_pos - window``, transformers' rule).
 """
 
 from __future__ import annotations
@@ -20,9 +22,35 @@ from trtkv.builder.attention import AttentionBackend, StepContext
 from trtkv.builder.graph import DTYPE, NP_DTYPE, ONNX_NAMES, Graph
 from trtkv.builder.weights import ModelWeights
 from trtkv.cache_layout import PagedKVLayout
+from trtkv.errors import TrtkvError
 from trtkv.manifest import TensorSpec
 
 BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
+
+# Architectures the step network computes (trtkv.models accepts more: those run calibrate / eval / plan only).
+STEP_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+_NOT_IN_STEP_NETWORK = {
+    "Gemma2ForCausalLM": "scaled embeddings, (1 + w) RMSNorms, four norms per layer, GeGLU, query scale "
+    "query_pre_attn_scalar^-0.5 and attention / final logit soft-capping",
+    "Gemma3ForCausalLM": "scaled embeddings, (1 + w) RMSNorms, four norms per layer, GeGLU, q/k norms, query scale "
+    "query_pre_attn_scalar^-0.5 and a RoPE base per layer type",
+}
+
+
+def check_model(info, attention: str) -> None:
+    """Refuse, before any weights load, a model (``trtkv.models.ModelInfo``) the step network would compute wrongly."""
+    arch = info.architecture
+    if arch not in STEP_ARCHITECTURES:
+        what = _NOT_IN_STEP_NETWORK.get(arch, "its layer structure")
+        raise TrtkvError(
+            f"build-engine cannot build {arch} yet: the ONNX step network does not implement {what}",
+            f"use trtkv eval / calibrate / plan for this model, or build an engine for one of {', '.join(sorted(STEP_ARCHITECTURES))}",
+        )
+    if info.has_sliding_layers and attention != "native":
+        raise TrtkvError(
+            f"{info.name} has sliding-window layers (window {info.sliding_window}) and {attention} attention has no window start per layer",
+            "use --attention native",
+        )
 
 
 def graph_dtype(layout: PagedKVLayout, which: str, plugin: bool = False) -> int:
@@ -129,6 +157,10 @@ def build_step_network(
     )  # [B, Kl]
     visible = g.op("Less", g.unsqueeze(key_pos, 1), g.add(g.unsqueeze(q_pos, 2), one))  # [B, T, Kl]
     ctx.mask = g.op("Tile", g.unsqueeze(visible, 1), g.i64(1, 1, nh // H, 1))  # [B, 1, g*T, Kl]
+    if w.info.has_sliding_layers:  # local layers: also key_pos > q_pos - window (the window start per query)
+        in_window = g.op("Greater", g.unsqueeze(key_pos, 1), g.sub(g.unsqueeze(q_pos, 2), g.scalar(w.info.sliding_window, np.int64)))
+        local = g.op("Tile", g.unsqueeze(g.op("And", visible, in_window), 1), g.i64(1, 1, nh // H, 1))
+        ctx.layer_masks = {layer: local for layer in range(L) if w.info.is_sliding(layer)}
     ctx.sealed_valid = g.unsqueeze(sealed_ok, 1, 3)  # [B, 1, MB*bs, 1]
     ctx.tail_valid = g.unsqueeze(tail_ok, 1, 3)  # [B, 1, bs + sink, 1]
 
@@ -171,8 +203,11 @@ def build_step_network(
     new_k, new_v = [], []
     for layer, lw in enumerate(w.layers):
         x = rms_norm(h, lw.input_norm)
-        q = rope(heads(linear(x, lw.wq, lw.bq, "wq"), nh))
-        k = fp16_values(rope(heads(linear(x, lw.wk, lw.bk, "wk"), H)))
+        q, k = heads(linear(x, lw.wq, lw.bq, "wq"), nh), heads(linear(x, lw.wk, lw.bk, "wk"), H)
+        if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's channels before RoPE
+            q, k = rms_norm(q, lw.q_norm), rms_norm(k, lw.k_norm)
+        q = rope(q)
+        k = fp16_values(rope(k))
         v = fp16_values(heads(linear(x, lw.wv, lw.bv, "wv"), H))
         new_k.append(g.unsqueeze(g.cast(g.transpose(k, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))  # [1, B, T, H, D]
         new_v.append(g.unsqueeze(g.cast(g.transpose(v, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))
