@@ -121,7 +121,7 @@ def build_engine(
     from trtkv.builder.attention import get_backend  # noqa: PLC0415
     from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
     from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
-    from trtkv.formats import fit_formats, get_format  # noqa: PLC0415
+    from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format  # noqa: PLC0415
     from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
     from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
 
@@ -141,7 +141,7 @@ def build_engine(
     if max_batch < 1 or max_seq_len < 1:
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
-    bs = block_size or base_fmt.block_size or 64
+    bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads
     att = get_backend(attention)
     if attention == "plugin" and backend == "tensorrt-rtx":

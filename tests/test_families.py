@@ -19,15 +19,20 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_TEXT
 
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, model_logits
 from trtkv.formats import PRESETS, fit_formats
 from trtkv.kv_cache import QuantizedKVCache
-from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, load_model, model_info
+from trtkv.models import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    load_model,
+    model_info,
+)
 from trtkv.plan import GIB, ModelShape, layer_type_bytes, plan
-
-from conftest import TINY_TEXT
 
 WINDOW = 8
 # family -> (conftest arch, config overrides). Chosen so that every one also round-trips through GGUF: transformers'
@@ -134,8 +139,9 @@ def test_gemma3_record_has_a_rope_base_per_layer_type(family):
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])  # k_norm (Qwen3's too) and qkv_proj hooks; layer types
 def test_calibrate_runs_and_reports_layer_types(family, name, tmp_path):
-    from trtkv.artifacts import load_calibration
     from trtkv.calibration.run import run_calibration
+
+    from trtkv.artifacts import load_calibration
 
     d, _ = family(name)
     text = tmp_path / "text.txt"
@@ -236,6 +242,7 @@ def test_gguf_round_trip(tiny_models, name, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name,kv", [(n, "fp16") for n in STEP_NETWORK] + [("qwen3", "int4"), ("mistral-sw", "int4")])
 def test_engine_logits_match_transformers(family, name, kv, tmp_path):
     from trtkv.builder.build import build_engine
+
     from trtkv.runtime.backends import OnnxRuntimeEngine
     from trtkv.runtime.kv_pool import PagedKVCache
     from trtkv.runtime.verify import StaticBatch
@@ -260,7 +267,7 @@ def test_engine_logits_match_transformers(family, name, kv, tmp_path):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_build_engine_refuses_gemma_before_loading_weights(family, name, tmp_path, monkeypatch):
-    import trtkv.builder.build as build
+    from trtkv.builder import build
 
     def boom(*a, **k):
         raise AssertionError("weights were loaded")

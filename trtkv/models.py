@@ -384,7 +384,7 @@ def _check_uniform_layers(cfg: dict, where: str) -> None:
 
 def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
     """Layer types, sliding window and per-type RoPE bases, as transformers' own config class reads them."""
-    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers import AutoConfig
 
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
     try:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import DEFAULT_BLOCK_SIZE, PRESETS, KVFormat
-
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # trtkv.models' layer types
+from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION
 
 MIB = 1024**2
 GIB = 1024**3
@@ -49,7 +48,7 @@ class ModelShape:
     sliding_window: int | None = None  # tokens a sliding layer attends to (its own included)
 
     @classmethod
-    def from_info(cls, info, weight_bytes: int = 0) -> "ModelShape":
+    def from_info(cls, info, weight_bytes: int = 0) -> ModelShape:
         """The planner's view of a ``trtkv.models.ModelInfo`` (the record read once from the config)."""
         return cls(info.name, info.num_layers, info.num_kv_heads, info.head_dim, weight_bytes,
                    tuple(info.layer_types), info.sliding_window)
