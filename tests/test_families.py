@@ -237,6 +237,25 @@ def test_gguf_round_trip(tiny_models, name, tmp_path, monkeypatch):
         assert (model_logits(loaded.model, ids, "fp16") - ref).abs().max().item() < 1e-5
 
 
+def test_gguf_whose_head_dim_the_loader_cannot_read_is_refused(tiny_models, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import trtkv.models
+
+    monkeypatch.setenv("TRTKV_CACHE", str(tmp_path / "cache"))
+    d, model = tiny_models("qwen3", with_tokenizer=True, head_dim=24)  # transformers would build Qwen3 with 128
+    path = tmp_path / "qwen3-24.gguf"
+    _write_gguf(model, AutoTokenizer.from_pretrained(str(d)), path, "QWEN3")
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(trtkv.models, "_convert_gguf", boom)
+    with pytest.raises(TrtkvError, match="has head_dim 24 .*would build the model with head_dim 128") as e:
+        load_model(str(path), device="cpu")
+    assert "Hugging Face directory" in e.value.fix
+
+
 # --------------------------------------------------------------------------- build-engine
 
 

@@ -320,6 +320,7 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
     if f.get(f"{arch_key}.attention.sliding_window") is not None:  # what transformers' GGUF loader maps (gemma2 / gemma3)
         cfg["sliding_window"] = int(f[f"{arch_key}.attention.sliding_window"])
     geometry = _layer_geometry(cfg, arch, layers, f"GGUF file '{path.name}'")
+    _check_gguf_head_dim(cfg, arch, arch_key, path)
     return ModelInfo(
         name=name, source=str(path), sha256=_sha256_file(path), architecture=arch, **geometry,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -330,6 +331,25 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
         tie_word_embeddings=meta["tied"], eos_token_ids=_token_ids(f.get("tokenizer.ggml.eos_token_id")),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
     )
+
+
+def _check_gguf_head_dim(cfg: dict, arch: str, arch_key: str, path: Path) -> None:
+    """transformers' GGUF loader reads no head_dim for some architectures (qwen2, qwen3, phi3) and builds the model
+    with its config class's own (Qwen3: 128; else hidden / heads): refuse a file whose key_length differs, before
+    any weights load, instead of failing inside transformers on mismatched shapes."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if "head_dim" in GGUF_CONFIG_MAPPING.get(arch_key, {}).values():
+        return
+    kw = {k: v for k, v in cfg.items() if k != "head_dim"}
+    built = getattr(AutoConfig.for_model(_ARCH_MODEL_TYPES[arch], **kw), "head_dim", None) or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if built != cfg["head_dim"]:
+        raise TrtkvError(
+            f"GGUF file '{path.name}' has head_dim {cfg['head_dim']} ({arch_key}.attention.key_length), but transformers' GGUF "
+            f"loader reads no head_dim for {arch_key} and would build the model with head_dim {built}",
+            "pass the model as a Hugging Face directory (config.json + *.safetensors) instead of the GGUF file",
+        )
 
 
 def _safetensors_numel(path: Path) -> int:
