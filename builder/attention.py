@@ -52,7 +52,12 @@ class StepContext:
     tail_valid: str = ""  # [B, 1, bs + sink, 1] bool
     mask: str = ""  # [B, 1, g*T, MB*bs + bs + sink + T] bool: key visible to query (rows: GQA group-major, then token)
     sealed_len: str = ""  # [1] int64: MB * bs
+    layer_masks: dict[int, str] = field(default_factory=dict)  # sliding-window layers: ``mask`` and key_pos > q_pos - window
+    logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap) before the mask
     extra: dict = field(default_factory=dict)  # backend-specific shared tensors
+
+    def mask_for(self, layer: int) -> str:
+        return self.layer_masks.get(layer, self.mask)
 
     @property
     def group(self) -> int:
@@ -209,7 +214,10 @@ class NativeAttention(AttentionBackend):
         scores = g.concat(s_sealed, s_rest, axis=-1)  # [B, H, g*T, Kl]
         if ctx.compute != TensorProto.FLOAT:
             scores = g.cast(scores, TensorProto.FLOAT)
-        scores = g.where(ctx.mask, scores, g.scalar(NEG_INF, np.float32))
+        if ctx.logit_softcap:
+            cap = g.scalar(ctx.logit_softcap, np.float32)
+            scores = g.mul(g.op("Tanh", g.div(scores, cap)), cap)
+        scores = g.where(ctx.mask_for(layer), scores, g.scalar(NEG_INF, np.float32))
         p = g.op("Softmax", scores, axis=-1)
         if ctx.compute != TensorProto.FLOAT:
             p = g.cast(p, ctx.compute)

@@ -19,8 +19,10 @@ from typing import Any, get_args
 
 from trtkv import __version__
 from trtkv.builder import torch_build
+from trtkv.builder.step_network import check_model
 from trtkv.errors import TrtkvError
 from trtkv.manifest import Backend
+from trtkv.models import load_model, model_info
 
 ENGINE_BACKENDS = ("auto", *get_args(Backend))  # what --backend takes: the manifest's backends, or auto
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
@@ -121,7 +123,7 @@ def build_engine(
     from trtkv.builder.attention import get_backend  # noqa: PLC0415
     from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
     from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
-    from trtkv.formats import fit_formats, get_format  # noqa: PLC0415
+    from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format  # noqa: PLC0415
     from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
     from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
 
@@ -141,7 +143,7 @@ def build_engine(
     if max_batch < 1 or max_seq_len < 1:
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
-    bs = block_size or base_fmt.block_size or 64
+    bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads
     att = get_backend(attention)
     if attention == "plugin" and backend == "tensorrt-rtx":
@@ -151,9 +153,8 @@ def build_engine(
         )
 
     # ------------------------------------------------------------ model and calibration
+    check_model(loaded.info if loaded is not None else model_info(model), attention, backend)  # before any weights load
     if loaded is None:
-        from trtkv.models import load_model  # noqa: PLC0415
-
         loaded = load_model(model, device="cpu", dtype="float32")
     info = loaded.info
     [base_fmt], notes = fit_formats([base_fmt], info.head_dim)  # presets fit any head_dim

@@ -5,8 +5,12 @@ Inputs: ``input_ids [B, T]``, ``context_lens [B]``, ``new_lens [B]``, ``block_ta
 int4, unsigned int8 and fp8 bit patterns are declared int8 at the graph boundary), their fp16 scales /
 zero-points when the format has them, and the fp16 open blocks and sink rows ``k_tail``/``v_tail [L, S, H, bs + sink, D]``.
 Outputs: ``logits [B, V]`` float32 at each sequence's last valid token, ``new_k``/``new_v [L, B, T, H, D]``
-fp16 (K after RoPE). LLaMA architecture: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
-attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), tied or untied embeddings.
+fp16 (K after RoPE). LLaMA family: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
+attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), q/k RMSNorm per head (Qwen3, Gemma 3), fused
+projections (Phi-3, split by the weight reader), tied or untied embeddings. Gemma 2/3: scaled embeddings, (1 + w)
+norms (folded into the weights), norms of the attention and MLP outputs, GeGLU, the query scale
+``query_pre_attn_scalar^-0.5``, attention / final logit soft-capping, a RoPE table per layer type. Sliding-window
+layers mask keys older than their window (``key_pos > q_pos - window``, transformers' rule).
 """
 
 from __future__ import annotations
@@ -20,9 +24,45 @@ from trtkv.builder.attention import AttentionBackend, StepContext
 from trtkv.builder.graph import DTYPE, NP_DTYPE, ONNX_NAMES, Graph
 from trtkv.builder.weights import ModelWeights
 from trtkv.cache_layout import PagedKVLayout
+from trtkv.errors import TrtkvError
 from trtkv.manifest import TensorSpec
 
 BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
+
+# Architectures the step network computes (trtkv.models accepts no other).
+STEP_ARCHITECTURES = {
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+}
+_SOFTCAPPED = {"Gemma2ForCausalLM"}  # attention-logit soft-capping inside the softmax
+
+
+def check_model(info, attention: str, backend: str = "onnxruntime") -> None:
+    """Refuse, before any weights load, a model (``trtkv.models.ModelInfo``) the engine would compute wrongly: the step
+    network for ONNX backends, the torch engine's paged attention (transformers' layers, no window or soft-capping yet)."""
+    arch = info.architecture
+    if backend == "torch":
+        if info.has_sliding_layers:
+            raise TrtkvError(f"{info.name} has sliding-window layers (window {info.sliding_window}) and the torch engine's paged "
+                             "attention reads the whole context", "build it with --backend onnxruntime (native attention has the window)")
+        if arch in _SOFTCAPPED:
+            raise TrtkvError(f"{arch} soft-caps its attention logits and the torch engine's paged attention does not",
+                             "build it with --backend onnxruntime")
+        return
+    if arch not in STEP_ARCHITECTURES:
+        raise TrtkvError(
+            f"build-engine cannot build {arch} yet: the ONNX step network does not implement its layers",
+            f"use trtkv eval / calibrate / plan for this model, or build an engine for one of {', '.join(sorted(STEP_ARCHITECTURES))}",
+        )
+    if attention == "native":
+        return
+    if info.has_sliding_layers:
+        raise TrtkvError(
+            f"{info.name} has sliding-window layers (window {info.sliding_window}) and {attention} attention has no window start per layer",
+            "use --attention native",
+        )
+    if arch in _SOFTCAPPED:
+        raise TrtkvError(f"{arch} soft-caps its attention logits and {attention} attention does not", "use --attention native")
 
 
 def graph_dtype(layout: PagedKVLayout, which: str, plugin: bool = False) -> int:
@@ -129,20 +169,45 @@ def build_step_network(
     )  # [B, Kl]
     visible = g.op("Less", g.unsqueeze(key_pos, 1), g.add(g.unsqueeze(q_pos, 2), one))  # [B, T, Kl]
     ctx.mask = g.op("Tile", g.unsqueeze(visible, 1), g.i64(1, 1, nh // H, 1))  # [B, 1, g*T, Kl]
+    if w.info.has_sliding_layers:  # local layers: also key_pos > q_pos - window (the window start per query)
+        in_window = g.op("Greater", g.unsqueeze(key_pos, 1), g.sub(g.unsqueeze(q_pos, 2), g.scalar(w.info.sliding_window, np.int64)))
+        local = g.op("Tile", g.unsqueeze(g.op("And", visible, in_window), 1), g.i64(1, 1, nh // H, 1))
+        ctx.layer_masks = {layer: local for layer in range(L) if w.info.is_sliding(layer)}
     ctx.sealed_valid = g.unsqueeze(sealed_ok, 1, 3)  # [B, 1, MB*bs, 1]
     ctx.tail_valid = g.unsqueeze(tail_ok, 1, 3)  # [B, 1, bs + sink, 1]
 
-    # RoPE tables [B, 1, T, D] (computed in float32, cast to the compute dtype as transformers does)
-    freqs = g.mul(g.unsqueeze(g.cast(q_pos, TensorProto.FLOAT), 2), g.const(w.inv_freq.astype(np.float32), "inv_freq"))
-    emb = g.concat(freqs, freqs, axis=-1)
-    scale = g.scalar(w.attention_scaling, np.float32)
-    cos = g.unsqueeze(g.cast(g.mul(g.op("Cos", emb), scale), cdt), 1)
-    sin = g.unsqueeze(g.cast(g.mul(g.op("Sin", emb), scale), cdt), 1)
+    # RoPE tables [B, 1, T, D] (computed in float32, cast to the compute dtype as transformers does), one pair per
+    # distinct (inv_freq, scaling): Gemma 3's local and global layers have their own RoPE base
+    pos_f = g.unsqueeze(g.cast(q_pos, TensorProto.FLOAT), 2)
+    tables: dict[tuple, tuple[str, str]] = {}
 
-    def rope(x):  # x [B, heads, T, D]: x * cos + rotate_half(x) * sin
+    def rope_tables(layer: int) -> tuple[str, str]:
+        inv_freq, scaling = w.rope_for(layer)
+        key = (inv_freq.tobytes(), scaling)
+        if key not in tables:
+            freqs = g.mul(pos_f, g.const(inv_freq.astype(np.float32), "inv_freq"))
+            emb = g.concat(freqs, freqs, axis=-1)
+            scale = g.scalar(scaling, np.float32)
+            tables[key] = (g.unsqueeze(g.cast(g.mul(g.op("Cos", emb), scale), cdt), 1), g.unsqueeze(g.cast(g.mul(g.op("Sin", emb), scale), cdt), 1))
+        return tables[key]
+
+    def rope(x, layer):  # x [B, heads, T, D]: x * cos + rotate_half(x) * sin
+        cos, sin = rope_tables(layer)
         x1, x2 = g.op("Split", x, g.i64(D // 2, D // 2), axis=-1, outputs=2)
         rot = g.concat(g.op("Neg", x2), x1, axis=-1)
         return g.add(g.mul(x, cos), g.mul(rot, sin))
+
+    def gate_act(x):  # SwiGLU: silu; GeGLU: gelu with the tanh approximation (transformers' gelu_pytorch_tanh)
+        if w.activation == "silu":
+            return g.mul(x, g.op("Sigmoid", x))
+        inner = g.mul(g.add(x, g.mul(g.scalar(0.044715, npd), g.mul(x, g.mul(x, x)))), g.scalar(float(np.sqrt(2 / np.pi)), npd))
+        return g.mul(g.mul(x, g.scalar(0.5, npd)), g.add(g.op("Tanh", inner), g.scalar(1.0, npd)))
+
+    def softcap(x, cap, dt):  # cap * tanh(x / cap)
+        return g.mul(g.op("Tanh", g.div(x, g.scalar(cap, dt))), g.scalar(cap, dt))
+
+    if w.attn_softcap:
+        ctx.logit_softcap = float(w.attn_softcap)
 
     def rms_norm(x, weight):  # in float32 like transformers' LlamaRMSNorm
         xf = x if cdt == TensorProto.FLOAT else g.cast(x, TensorProto.FLOAT)
@@ -167,22 +232,26 @@ def build_step_network(
     # ---------------------------------------------------------------- layers
     embed = g.const(w.embed.astype(npd), "embed")
     h = g.gather(embed, ids)  # [B, T, hidden]
-    inv_sqrt_d = g.scalar(1.0 / np.sqrt(D), npd)
+    if w.embed_scale != 1.0:  # Gemma: sqrt(hidden)
+        h = g.mul(h, g.scalar(w.embed_scale, npd))
+    q_scale = g.scalar(w.query_scale if w.query_scale is not None else 1.0 / np.sqrt(D), npd)
     new_k, new_v = [], []
     for layer, lw in enumerate(w.layers):
         x = rms_norm(h, lw.input_norm)
-        q = rope(heads(linear(x, lw.wq, lw.bq, "wq"), nh))
-        k = fp16_values(rope(heads(linear(x, lw.wk, lw.bk, "wk"), H)))
+        q, k = heads(linear(x, lw.wq, lw.bq, "wq"), nh), heads(linear(x, lw.wk, lw.bk, "wk"), H)
+        if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's channels before RoPE
+            q, k = rms_norm(q, lw.q_norm), rms_norm(k, lw.k_norm)
+        q = rope(q, layer)
+        k = fp16_values(rope(k, layer))
         v = fp16_values(heads(linear(x, lw.wv, lw.bv, "wv"), H))
         new_k.append(g.unsqueeze(g.cast(g.transpose(k, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))  # [1, B, T, H, D]
         new_v.append(g.unsqueeze(g.cast(g.transpose(v, (0, 2, 1, 3)), TensorProto.FLOAT16), 0))
-        o = attention.emit(ctx, layer, g.mul(q, inv_sqrt_d), k, v)  # [B, nh, T, D]
-        o = g.reshape(g.transpose(o, (0, 2, 1, 3)), (0, 0, nh * D))
-        h = g.add(h, linear(o, lw.wo, hint="wo"))
+        o = attention.emit(ctx, layer, g.mul(q, q_scale), k, v)  # [B, nh, T, D]
+        o = linear(g.reshape(g.transpose(o, (0, 2, 1, 3)), (0, 0, nh * D)), lw.wo, hint="wo")
+        h = g.add(h, o if lw.attn_out_norm is None else rms_norm(o, lw.attn_out_norm))
         x = rms_norm(h, lw.post_norm)
-        gate = linear(x, lw.w_gate, hint="w_gate")
-        act = g.mul(gate, g.op("Sigmoid", gate))
-        h = g.add(h, linear(g.mul(act, linear(x, lw.w_up, hint="w_up")), lw.w_down, hint="w_down"))
+        mlp = linear(g.mul(gate_act(linear(x, lw.w_gate, hint="w_gate")), linear(x, lw.w_up, hint="w_up")), lw.w_down, hint="w_down")
+        h = g.add(h, mlp if lw.mlp_out_norm is None else rms_norm(mlp, lw.mlp_out_norm))
 
     # ---------------------------------------------------------------- outputs
     rows = g.add(g.mul(g.op("Range", zero, g.op("Squeeze", B, g.i64(0)), one), g.op("Squeeze", T, g.i64(0))), g.sub(new_lens, one))
@@ -192,6 +261,8 @@ def build_step_network(
     logits = g.op("Gemm", last, head, transB=1)
     if cdt != TensorProto.FLOAT:
         logits = g.cast(logits, TensorProto.FLOAT)
+    if w.final_softcap:  # Gemma 2
+        logits = softcap(logits, float(w.final_softcap), np.float32)
     g.op("Identity", logits, outputs=["logits"])
     g.op("Concat", *new_k, outputs=["new_k"], axis=0)
     g.op("Concat", *new_v, outputs=["new_v"], axis=0)

@@ -1,4 +1,7 @@
-"""LLaMA-architecture weights as numpy arrays: Llama, Mistral and Qwen2 (q/k/v biases), tied or untied embeddings.
+"""LLaMA-family weights as numpy arrays: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head),
+Phi-3 (fused qkv and gate_up projections, split here), Gemma 2/3 (scaled embeddings, (1 + w) RMSNorms folded into
+the weights here, norms around attention and MLP, GeGLU, query_pre_attn_scalar, soft-capping, a RoPE base per layer
+type), tied or untied embeddings.
 
 Read from a loaded transformers model (``trtkv.models.load_model``), so GGUF files and HF directories
 both arrive here in the transformers rotate-half RoPE layout (docs/kv-formats.md section 8).
@@ -15,6 +18,7 @@ from trtkv.errors import TrtkvError
 from trtkv.models import ModelInfo
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq (and attention_scaling) fixed at load
+GATE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (tanh approximation)
 
 
 @dataclass
@@ -31,6 +35,10 @@ class LayerWeights:
     w_gate: np.ndarray  # [hidden, inter]
     w_up: np.ndarray
     w_down: np.ndarray  # [inter, hidden]
+    q_norm: np.ndarray | None = None  # [D] Qwen3 / Gemma 3: RMSNorm over each head's q before RoPE
+    k_norm: np.ndarray | None = None  # [D] ... and k
+    attn_out_norm: np.ndarray | None = None  # Gemma: RMSNorm of the attention output before the residual add
+    mlp_out_norm: np.ndarray | None = None  # Gemma: RMSNorm of the MLP output before the residual add
 
 
 @dataclass
@@ -44,6 +52,16 @@ class ModelWeights:
     lm_head: np.ndarray | None  # [V, hidden]; None when tied to embed
     final_norm: np.ndarray
     layers: list[LayerWeights] = field(default_factory=list)
+    rope_by_type: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)  # layer type -> (inv_freq, scaling) where it has its own (Gemma 3)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden) (rounded to the weights' dtype, as transformers)
+    query_scale: float | None = None  # multiplies q before q.K; None: 1/sqrt(head_dim)
+    activation: str = "silu"  # gate activation of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+
+    def rope_for(self, layer: int) -> tuple[np.ndarray, float]:
+        """(inv_freq, attention scaling) of ``layer``'s RoPE."""
+        return self.rope_by_type.get(self.info.layer_type(layer), (self.inv_freq, self.attention_scaling))
 
     @property
     def tied(self) -> bool:
@@ -63,34 +81,80 @@ def extract_weights(model, info: ModelInfo) -> ModelWeights:
     cfg = model.config.get_text_config(decoder=True)
     arch = info.architecture
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise TrtkvError(f"RoPE scaling {rope_type!r} changes with the sequence length and is not supported by the step network", f"use a model with RoPE type one of {STATIC_ROPE_TYPES}")
+    per_type = [rope[t] for t in info.layer_groups() if isinstance(rope, dict) and isinstance(rope.get(t), dict)]  # Gemma 3
+    for r in per_type or [rope]:
+        rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise TrtkvError(f"RoPE scaling {rope_type!r} changes with the sequence length and is not supported by the step network", f"use a model with RoPE type one of {STATIC_ROPE_TYPES}")
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in GATE_ACTIVATIONS:
+        raise TrtkvError(f"{arch}: MLP activation {act!r} is not in the step network", f"use a model whose hidden_act is one of {GATE_ACTIVATIONS}")
     base = model.model
     rot = base.rotary_emb
+    rope_by_type = {}
+    for t in getattr(rot, "layer_types", ()):  # Gemma 3: one inv_freq (RoPE base) per layer type
+        rope_by_type[t] = (_np(getattr(rot, f"{t}_inv_freq")), float(getattr(rot, f"{t}_attention_scaling", 1.0)))
+    inv_freq = _np(rot.inv_freq) if hasattr(rot, "inv_freq") else rope_by_type[info.layer_type(0)][0]
+    attention_scaling = float(getattr(rot, "attention_scaling", 1.0)) if hasattr(rot, "inv_freq") else rope_by_type[info.layer_type(0)][1]
+    for f in [inv_freq] + [f for f, _ in rope_by_type.values()]:
+        if 2 * f.size != info.head_dim:
+            raise TrtkvError(
+                f"{arch}: RoPE rotates {2 * f.size} of {info.head_dim} channels (partial rotary), which the step network does not implement",
+                "use a model whose RoPE rotates the whole head (partial_rotary_factor 1)",
+            )
+    gemma_norm = type(base.norm).__name__.startswith("Gemma")  # output * (1 + w): folded into the weight
+
+    def norm(module) -> np.ndarray | None:
+        if module is None:
+            return None
+        return _np(module.weight) + 1.0 if gemma_norm else _np(module.weight)
+    H, D, nh = info.num_kv_heads, info.head_dim, info.num_heads
     layers = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
+        if hasattr(a, "qkv_proj"):  # Phi-3: rows [q (nh*D) | k (H*D) | v (H*D)]
+            wq, wk, wv = torch.split(a.qkv_proj.weight, [nh * D, H * D, H * D], dim=0)
+            bq = bk = bv = None
+            if a.qkv_proj.bias is not None:
+                bq, bk, bv = (_np(b) for b in torch.split(a.qkv_proj.bias, [nh * D, H * D, H * D]))
+        else:
+            wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+            bq, bk, bv = _np(a.q_proj.bias), _np(a.k_proj.bias), _np(a.v_proj.bias)
+        if hasattr(m, "gate_up_proj"):  # Phi-3: rows [gate | up]
+            w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+            mlp_bias = m.gate_up_proj.bias
+        else:
+            w_gate, w_up, mlp_bias = m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: post_attention_layernorm normalizes the attention output
         layers.append(
             LayerWeights(
-                input_norm=_np(layer.input_layernorm.weight),
-                wq=_t(a.q_proj.weight), wk=_t(a.k_proj.weight), wv=_t(a.v_proj.weight), wo=_t(a.o_proj.weight),
-                bq=_np(a.q_proj.bias), bk=_np(a.k_proj.bias), bv=_np(a.v_proj.bias),
-                post_norm=_np(layer.post_attention_layernorm.weight),
-                w_gate=_t(m.gate_proj.weight), w_up=_t(m.up_proj.weight), w_down=_t(m.down_proj.weight),
+                input_norm=norm(layer.input_layernorm),
+                wq=_t(wq), wk=_t(wk), wv=_t(wv), wo=_t(a.o_proj.weight),
+                bq=bq, bk=bk, bv=bv,
+                post_norm=norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                w_gate=_t(w_gate), w_up=_t(w_up), w_down=_t(m.down_proj.weight),
+                q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
+                attn_out_norm=norm(layer.post_attention_layernorm) if sandwich else None,
+                mlp_out_norm=norm(layer.post_feedforward_layernorm) if sandwich else None,
             )
         )
-        if getattr(a.o_proj, "bias", None) is not None or getattr(m.gate_proj, "bias", None) is not None:
-            raise TrtkvError(f"{arch}: biases on o_proj / MLP are not supported", "use a Llama, Mistral or Qwen2 model")
+        if getattr(a.o_proj, "bias", None) is not None or mlp_bias is not None:
+            raise TrtkvError(f"{arch}: biases on o_proj / MLP are not supported", "use a model without o_proj / MLP biases")
     embed = base.embed_tokens.weight
     head = model.lm_head.weight
     tied = head.data_ptr() == embed.data_ptr() or info.tie_word_embeddings
     return ModelWeights(
         info=info,
-        inv_freq=rot.inv_freq.detach().to("cpu", torch.float32).numpy().copy(),
-        attention_scaling=float(getattr(rot, "attention_scaling", 1.0)),
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
         embed=_np(embed),
         lm_head=None if tied else _np(head),
-        final_norm=_np(base.norm.weight),
+        final_norm=norm(base.norm),
         layers=layers,
+        rope_by_type=rope_by_type,
+        embed_scale=float(base.embed_tokens.embed_scale.to(embed.dtype)) if hasattr(base.embed_tokens, "embed_scale") else 1.0,
+        query_scale=float(base.layers[0].self_attn.scaling),
+        activation=act,
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
+        final_softcap=getattr(cfg, "final_logit_softcapping", None),
     )

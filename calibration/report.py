@@ -178,6 +178,10 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return "—" if v is None else f"{v:.{digits}g}"
 
 
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{len(layers)} layers ({layers[0]}, {layers[1]}, …, {layers[-1]})"
+
+
 def render_report(
     recipe: CalibrationRecipe,
     stats: KVStats,
@@ -217,6 +221,20 @@ def render_report(
             f"| {i} | {_fmt(float(ka[i]))} | {_fmt(float(k99[i]))} | {_fmt(float(kp[i]))} | {_fmt(float(va[i]))} | "
             f"{_fmt(float(v99[i]))} | {_fmt(float(kstd[i]))} | {_fmt(float(vstd[i]))} |"
         )
+    if m.has_sliding_layers:  # local (sliding-window) and global layers see different ranges: one row per type
+        lines += [
+            "",
+            f"### By layer type (sliding window {m.sliding_window})",
+            "",
+            "| layer type | layers | K absmax (max) | K p99.9 (median) | V absmax (max) | V p99.9 (median) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for kind, layers in m.layer_groups().items():
+            idx = torch.tensor(layers)
+            lines.append(
+                f"| {kind} | {_layer_list(layers)} | {_fmt(float(ka[idx].max()))} | {_fmt(float(k99[idx].median()))} | "
+                f"{_fmt(float(va[idx].max()))} | {_fmt(float(v99[idx].median()))} |"
+            )
     lines += [
         "",
         "## Key channel outliers",

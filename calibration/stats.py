@@ -3,7 +3,7 @@
 For every layer, KV head and head_dim channel, and for three tensors
 
 * ``k``     -- K as cached (post-RoPE), seen by a ``transformers`` Cache whose ``update()`` gets it,
-* ``k_pre`` -- K before RoPE (forward hook on ``self_attn.k_proj``),
+* ``k_pre`` -- K before RoPE (forward hook on ``self_attn.k_proj``; ``k_norm`` for Qwen3 / Gemma 3, the K rows of ``qkv_proj`` for Phi-3),
 * ``v``     -- V as cached,
 
 ``KVStats`` keeps running min/max (so absmax) per channel, per-channel sums and sums of squares
@@ -341,6 +341,20 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in layers]
 
 
+def _pre_rope_keys(attn: torch.nn.Module, num_heads: int, H: int, D: int):
+    """The module whose output is K before RoPE, and how to cut its output into [tokens, H, D] rows.
+
+    Qwen3 / Gemma 3 normalize each head's k (``k_norm``) before RoPE; Phi-3 projects q, k, v in one ``qkv_proj``.
+    """
+    if isinstance(getattr(attn, "k_norm", None), torch.nn.Module):
+        return attn.k_norm, lambda out: out.reshape(-1, H, D)
+    if hasattr(attn, "k_proj"):
+        return attn.k_proj, lambda out: out.reshape(-1, H, D)
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj, lambda out: out[..., num_heads * D : (num_heads + H) * D].reshape(-1, H, D)
+    raise TrtkvError(f"cannot find the key projection of {type(attn).__name__}", "use a model of a supported architecture")
+
+
 def make_stats_cache(model: torch.nn.Module, collector: StatsCollector):
     """A ``DynamicCache`` that reports each layer's key/value states (post-RoPE K, V) to ``collector``."""
     from transformers.cache_utils import DynamicCache  # noqa: PLC0415
@@ -381,9 +395,11 @@ def collect_stats(
 
     hooks = []
     for i, a in enumerate(attn):
-        def hook(_mod, _inp, out, i=i):
-            collector.add("k_pre", i, out.detach().reshape(-1, H, D))
-        hooks.append(a.k_proj.register_forward_hook(hook))
+        module, rows = _pre_rope_keys(a, info.num_heads, H, D)
+
+        def hook(_mod, _inp, out, i=i, rows=rows):
+            collector.add("k_pre", i, rows(out.detach()))
+        hooks.append(module.register_forward_hook(hook))
 
     n, seq_len = windows.shape
     total_tokens = n * seq_len

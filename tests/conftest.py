@@ -4,7 +4,7 @@
   The first run in a fresh ``$TRTKV_CACHE`` converts the GGUF (~25 s); later runs load the cached
   checkpoint (~3 s).
 * ``tiny_model`` (factory): ``tiny_model(arch="mistral", with_tokenizer=False, **config)`` builds a
-  small random Llama / Mistral / Qwen2 model, saves it to a fresh tmp directory and returns
+  small random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 model, saves it to a fresh tmp directory and returns
   ``(directory, in_memory_model)``. Default dims are deliberately odd: 2 layers, 4 heads, 2 KV
   heads, head_dim 24, hidden 80 (so head_dim != hidden / heads), vocab 320. For tests that change
   the directory or the model.
@@ -29,6 +29,16 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+# family defaults a tiny model needs (token ids inside the tiny vocabulary; Gemma 2 runs eager attention only)
+_ARCH_DEFAULTS = {
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma2": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager"),
+    "gemma3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -64,11 +74,13 @@ def build_tiny_model(
         kw.pop("head_dim")
     if arch == "mistral":
         kw.update(sliding_window=None)
+    kw.update(_ARCH_DEFAULTS.get(arch, {}))
     kw.update(overrides)
+    attn = kw.pop("attn_implementation", "sdpa")
     config = getattr(transformers, config_name)(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attn
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))

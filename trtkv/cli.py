@@ -146,6 +146,13 @@ def plan(
         for r in rows
     ]
     print_table(console, columns, table_rows, title)
+    if shape.sliding_window and any(len(r.by_layer_type) > 1 or r.window_saving != 1.0 for r in rows):
+        by_type = [
+            [r.format, t.layer_type, f"{t.layers}", f"{t.tokens_held:,}", f"{t.bytes_per_sequence / 2**20:,.2f}"]
+            for r in rows for t in r.by_layer_type
+        ] + [[r.format, "all (freed window blocks)", f"{shape.num_layers}", "", f"{r.kv_bytes_per_token * context / 2**20:,.2f}  ({r.window_saving:.2f}x less than all-global)"] for r in rows]
+        print_table(console, [Column("format", numeric=False), Column("layer type", numeric=False), Column("layers"), Column("tokens held/layer"), Column("MiB per sequence", numeric=False)],
+                    by_type, f"per layer type at context {context}: sliding layers keep the blocks in their window of {shape.sliding_window} (+ the open block)")
     if json_out is not None:
         payload = {
             "model": shape.__dict__,
@@ -153,7 +160,7 @@ def plan(
             "gpu_bytes": gpu_bytes,
             "kv_budget_bytes": budget,
             "context": context,
-            "rows": [r.__dict__ for r in rows],
+            "rows": [{**r.__dict__, "by_layer_type": [t.__dict__ for t in r.by_layer_type]} for r in rows],
             "formats": {f.name: f.spec() for f in formats},
             "notes": notes,
         }
@@ -170,8 +177,7 @@ def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):
         from trtkv.models import model_info
 
         info = model_info(model)
-        weight_bytes = info.num_params * 2
-        shape = ModelShape(info.name, info.num_layers, info.num_kv_heads, info.head_dim, weight_bytes)
+        shape = ModelShape.from_info(info, weight_bytes=info.num_params * 2)
     else:
         shape = ModelShape("custom", layers, kv_heads, head_dim, 0)
     overrides = {k: v for k, v in zip(("num_layers", "num_kv_heads", "head_dim"), flags) if v is not None}
@@ -180,6 +186,8 @@ def _plan_shape(model, layers, kv_heads, head_dim, weights_gib):
             raise TrtkvError(f"--{key.replace('num_', '').replace('_', '-')} must be positive, got {value}", "pass a positive integer")
     if weights_gib is not None:
         overrides["weight_bytes"] = int(weights_gib * GIB)
+    if "num_layers" in overrides and overrides["num_layers"] != shape.num_layers:  # the model's layer types no longer apply
+        overrides.update(layer_types=(), sliding_window=None)
     return ModelShape(**{**shape.__dict__, **overrides})
 
 

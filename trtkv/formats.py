@@ -26,6 +26,7 @@ DYNAMIC_GRANULARITIES = ("per_token", "per_token_group", "per_block_channel")
 # per_block_channel: one scale (and zero-point) per channel over the tokens of a sealed block (KIVI's
 # key layout); it exists only in formats with sealed blocks, because a block is quantized when it fills.
 SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
+DEFAULT_BLOCK_SIZE = 64  # tokens per sealed block of a paged cache whose format names none (build-engine, plan)
 MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
 
 

