@@ -15,7 +15,6 @@ context needs no 2048-token prefill. Results: bench/results/build-engine-<date>.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,6 +26,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from report import write_report  # bench/ is the script's folder: the first entry of sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,11 +134,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["total_seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"build-engine-{results['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render(results))
+    write_report(Path(args.out) / f"build-engine-{results['date']}", results, render(results))
     console.print(render(results))
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import sys
@@ -46,6 +45,9 @@ from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch
 from trtkv.runtime.torch_engine import TorchEngine
 from trtkv.runtime.verify import StaticBatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -75,8 +77,7 @@ class Report:
         self.write()
 
     def write(self) -> None:
-        self.stem.with_suffix(".json").write_text(json.dumps(self.data, indent=2) + "\n")
-        self.stem.with_suffix(".md").write_text(render(self.data))
+        write_report(self.stem, self.data, render(self.data))
 
 
 def _version(dist: str):

@@ -13,7 +13,6 @@ Results: bench/results/torch-engine-<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_engine import decode_tps, fill_random, machine  # noqa: E402  (the sibling benchmark's helpers)
+from report import write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,11 +74,7 @@ def main() -> None:
             r["torch_vs_own_fp16"] = round(r["torch_tok_s"] / fp16["torch_tok_s"], 3)
             r["onnxruntime_vs_own_fp16"] = round(r["onnxruntime_tok_s"] / fp16["onnxruntime_tok_s"], 3)
     results["total_seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"torch-engine-{results['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render(results))
+    write_report(Path(args.out) / f"torch-engine-{results['date']}", results, render(results))
     print(render(results))
 
 

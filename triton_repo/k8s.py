@@ -69,6 +69,11 @@ def _labels(o: K8sOptions) -> dict:
     return {"app.kubernetes.io/name": o.name, "app.kubernetes.io/component": "tritonserver", "app.kubernetes.io/part-of": "trtkv"}
 
 
+def _object(o: K8sOptions, api: str, kind: str, spec_or_data: dict, *, suffix: str = "", key: str = "spec") -> dict:
+    """A Kubernetes object of this deployment: its apiVersion, kind, name (``o.name`` + suffix), labels and body."""
+    return {"apiVersion": api, "kind": kind, "metadata": {"name": o.name + suffix, "labels": _labels(o)}, key: spec_or_data}
+
+
 def _probe(path: str, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
 
@@ -101,31 +106,21 @@ def deployment(o: K8sOptions) -> dict:
         pod["volumes"] = [{"name": "model-repository", "persistentVolumeClaim": {"claimName": o.repository_claim, "readOnly": True}}]
     if o.gpus:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": o.name, "labels": _labels(o)},
-        "spec": {
-            "replicas": o.replicas,
-            "selector": {"matchLabels": _labels(o)},
-            "template": {
-                "metadata": {"labels": _labels(o), "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}},
-                "spec": pod,
-            },
+    return _object(o, "apps/v1", "Deployment", {
+        "replicas": o.replicas,
+        "selector": {"matchLabels": _labels(o)},
+        "template": {
+            "metadata": {"labels": _labels(o), "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}},
+            "spec": pod,
         },
-    }
+    })
 
 
 def service(o: K8sOptions) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": o.name, "labels": _labels(o)},
-        "spec": {
-            "selector": _labels(o),
-            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in (("http", HTTP_PORT), ("grpc", GRPC_PORT), ("metrics", METRICS_PORT))],
-        },
-    }
+    return _object(o, "v1", "Service", {
+        "selector": _labels(o),
+        "ports": [{"name": n, "port": p, "targetPort": n} for n, p in (("http", HTTP_PORT), ("grpc", GRPC_PORT), ("metrics", METRICS_PORT))],
+    })
 
 
 def _pods_metric(name: str, average: str) -> dict:
@@ -133,22 +128,17 @@ def _pods_metric(name: str, average: str) -> dict:
 
 
 def autoscaler(o: K8sOptions) -> dict:
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": o.name, "labels": _labels(o)},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": o.name},
-            "minReplicas": o.replicas,
-            "maxReplicas": o.max_replicas,
-            "metrics": [
-                _pods_metric(KV_USAGE_METRIC, f"{round(o.kv_usage_target * 1000)}m"),
-                _pods_metric(QUEUE_TIME_METRIC, str(o.queue_time_target_us)),
-            ],
-            # a new replica loads an engine: scale out fast, scale in slowly so that warm pools are kept
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
-        },
-    }
+    return _object(o, "autoscaling/v2", "HorizontalPodAutoscaler", {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": o.name},
+        "minReplicas": o.replicas,
+        "maxReplicas": o.max_replicas,
+        "metrics": [
+            _pods_metric(KV_USAGE_METRIC, f"{round(o.kv_usage_target * 1000)}m"),
+            _pods_metric(QUEUE_TIME_METRIC, str(o.queue_time_target_us)),
+        ],
+        # a new replica loads an engine: scale out fast, scale in slowly so that warm pools are kept
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+    })
 
 
 def adapter_rules(o: K8sOptions) -> dict:
@@ -165,12 +155,7 @@ def adapter_rules(o: K8sOptions) -> dict:
         "  metricsQuery: 'sum(rate(nv_inference_queue_duration_us{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>) / "
         "clamp_min(sum(rate(nv_inference_request_success{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>), 1)'\n"
     )
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": f"{o.name}-prometheus-adapter-rules", "labels": _labels(o)},
-        "data": {"config.yaml": rules},
-    }
+    return _object(o, "v1", "ConfigMap", {"config.yaml": rules}, suffix="-prometheus-adapter-rules", key="data")
 
 
 def dockerfile(o: K8sOptions) -> str:
