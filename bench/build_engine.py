@@ -103,7 +103,9 @@ def main() -> None:
 
             m = load_manifest(d)
             results["builds"][f"onnxruntime/{kv}"] = {"seconds": round(time.perf_counter() - t, 1), "stage_seconds": m.build["stage_seconds"], "engine_bytes": dir_bytes(d)}
-            results["bytes_per_token"][kv] = {"pool": m.bytes_per_token, "vs_fp16": round(get_format("fp16").kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim) / m.bytes_per_token, 3), "tail_bytes_per_slot": m.tail_bytes_per_slot}
+            fp16_bytes = get_format("fp16").kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim)
+            results["bytes_per_token"][kv] = {"pool": m.bytes_per_token, "vs_fp16": round(fp16_bytes / m.bytes_per_token, 3),
+                                              "tail_bytes_per_slot": m.tail_bytes_per_slot}
             console.print(f"built {kv}: {results['builds'][f'onnxruntime/{kv}']}")
         if not args.no_rtx:
             t = time.perf_counter()
@@ -111,7 +113,9 @@ def main() -> None:
             from trtkv.manifest import load_manifest
 
             m = load_manifest(d)
-            results["builds"]["tensorrt-rtx/int4/SM89"] = {"seconds": round(time.perf_counter() - t, 1), "stage_seconds": m.build["stage_seconds"], "engine_bytes": dir_bytes(d), "plan_bytes": m.plans[0].bytes, "plan_build_seconds": m.plans[0].build_seconds}
+            results["builds"]["tensorrt-rtx/int4/SM89"] = {
+                "seconds": round(time.perf_counter() - t, 1), "stage_seconds": m.build["stage_seconds"], "engine_bytes": dir_bytes(d),
+                "plan_bytes": m.plans[0].bytes, "plan_build_seconds": m.plans[0].build_seconds}
             console.print(f"built tensorrt-rtx: {results['builds']['tensorrt-rtx/int4/SM89']}")
             shutil.rmtree(d, ignore_errors=True)
         ref = TorchReferenceEngine(lm.model)

@@ -47,7 +47,7 @@ from trtkv.runtime.torch_engine import TorchEngine
 from trtkv.runtime.verify import StaticBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_report  # noqa: E402
+from report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -189,7 +189,6 @@ def decode_point(model, layout, shape: dict, batch: int, context: int, device, r
 
     cache.seal_with_kernels = True
     seal_s = _timed(seal, device, 1)
-    del cache
     return {"batch": batch, "context": context, "step_ms": round(step_s * 1e3, 3), "tokens_per_s": round(batch / step_s, 1),
             "attention_ms": round(attn_s * 1e3, 3), "weights_ms": round(max(step_s - attn_s, 0.0) * 1e3, 3),
             "seal_all_sequences_ms": round(seal_s * 1e3, 3), "seal_ms_per_step_amortized": round(seal_s * 1e3 / bs, 3)}
@@ -202,7 +201,7 @@ def decode_section(shape: dict, budget: int, device, deadline: float, reps: int,
     points = []
     for context in shape["contexts"]:
         fp16_max = cap["fp16"][f"seqs_at_{context}"]
-        for kv, lay1 in layouts(shape).items():
+        for kv in layouts(shape):
             own_max = cap[kv][f"seqs_at_{context}"]
             for label, batch in (("fp16_max", fp16_max), ("own_max", own_max)):
                 if batch < 1 or (label == "own_max" and kv == "fp16"):
@@ -321,7 +320,7 @@ def main() -> None:
     if time.monotonic() < deadline:
         try:
             smollm2_section(shape, device, args.dry_run, report)
-        except Exception as exc:  # noqa: BLE001 - a missing checkpoint must not lose the sections already written
+        except Exception as exc:
             report.data["skipped"].append(f"smollm2: {type(exc).__name__}: {exc}")
             if args.dry_run:
                 raise

@@ -21,14 +21,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from trtkv.triton_repo.client import request_body, stream_generate
+from trtkv.triton_repo.client import stream_generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
 from trtkv.triton_repo.server import TritonServer, free_port
 
@@ -67,7 +66,7 @@ def run_level(url: str, prompts: list[str], concurrency: int, per_stream: int, m
         for r in range(per_stream):
             try:
                 one_request(url, prompts[(i * per_stream + r) % len(prompts)], max_tokens, recs)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 errors.append(str(exc))
 
     t0 = time.monotonic()

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_engine import decode_tps, fill_random, machine  # noqa: E402  (the sibling benchmark's helpers)
-from report import write_report  # noqa: E402
+from build_engine import decode_tps, fill_random, machine
+from report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -247,5 +247,5 @@ ATTENTION_MODES: dict[str, type[AttentionBackend]] = {"native": NativeAttention}
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "plugin" and "plugin" not in ATTENTION_MODES:
-        from trtkv.builder import plugin_nodes  # noqa: F401, PLC0415  (registers PluginAttention)
+        from trtkv.builder import plugin_nodes  # noqa: F401  (registers PluginAttention)
     return ATTENTION_MODES[name]()

@@ -39,7 +39,7 @@ def _version(dist: str) -> str | None:
 def gpu_present() -> bool:
     """True when NVML sees at least one NVIDIA GPU (nvidia-ml-py); False without the package or a driver."""
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         pynvml.nvmlInit()
         try:
@@ -57,7 +57,7 @@ def resolve_backend(backend: str) -> str:
     if backend != "auto":
         return backend
     try:
-        import tensorrt  # noqa: F401, PLC0415
+        import tensorrt  # noqa: F401
 
         have_trt = True
     except ImportError:
@@ -117,15 +117,15 @@ def build_engine(
     smoke_check: bool = True,
 ) -> Path:
     """Build an engine directory; returns its path. ``loaded``: an already loaded ``LoadedModel`` (tests)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from trtkv.artifacts import atomic_directory, calibration_sha256, load_calibration, params_to_tensors  # noqa: PLC0415
-    from trtkv.builder.attention import get_backend  # noqa: PLC0415
-    from trtkv.builder.trt_build import check_capabilities  # noqa: PLC0415
-    from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
-    from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format  # noqa: PLC0415
-    from trtkv.manifest import KV_PARAMS_PREFIX, Limits  # noqa: PLC0415
-    from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
+    from trtkv.artifacts import atomic_directory, calibration_sha256, load_calibration, params_to_tensors
+    from trtkv.builder.attention import get_backend
+    from trtkv.builder.trt_build import check_capabilities
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format
+    from trtkv.manifest import KV_PARAMS_PREFIX, Limits
+    from trtkv.plugins.trt_plugins import import_tensorrt
 
     # ------------------------------------------------------------ arguments (before any work)
     out = Path(out).expanduser().absolute()
@@ -177,7 +177,7 @@ def build_engine(
     elif fmt.needs_calibration:
         raise TrtkvError(f"KV format {fmt.spec()} needs calibrated scales or smoothing factors", f"run `trtkv calibrate --model {model} --kv {kv}` and pass --calibration")
     else:
-        from trtkv.artifacts import LayerParams  # noqa: PLC0415
+        from trtkv.artifacts import LayerParams
 
         params = [LayerParams() for _ in range(info.num_layers)]
     _check_params(fmt, params, info.num_layers, calibration, base_fmt)
@@ -197,16 +197,16 @@ def build_engine(
                 onnx_inputs, onnx_outputs = torch_build.step_specs(layout1, info.num_layers, info.vocab_size)
             else:
                 onnx_inputs, onnx_outputs = _export(tmp, loaded, layout1, params, att, dtype)
-            from safetensors.torch import save_file  # noqa: PLC0415
+            from safetensors.torch import save_file
 
-            from trtkv.manifest import KV_PARAMS_FILE, TOKENIZER_DIR  # noqa: PLC0415
+            from trtkv.manifest import KV_PARAMS_FILE, TOKENIZER_DIR
 
             save_file(params_to_tensors({KV_PARAMS_PREFIX: params}), str(tmp / KV_PARAMS_FILE), metadata={"trtkv": __version__, "format": fmt.spec()})
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             if attention == "plugin":
-                from trtkv.plugins.ort_ops import write_ort_model  # noqa: PLC0415
-                from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
+                from trtkv.manifest import ONNX_FILE, ORT_PLUGIN_ONNX_FILE
+                from trtkv.plugins.ort_ops import write_ort_model
 
                 write_ort_model(str(tmp / ONNX_FILE), str(tmp / ORT_PLUGIN_ONNX_FILE))
         with stages.stage("check", "onnx.checker + one ONNX Runtime step" if backend != "torch" else "one torch-engine step"):
@@ -217,8 +217,8 @@ def build_engine(
                 _check(tmp, fmt, info, layout1, params, attention, smoke_check)
         plans = []
         if backend not in ("onnxruntime", "torch"):
-            from trtkv.builder.trt_build import build_plan  # noqa: PLC0415
-            from trtkv.manifest import ONNX_FILE, PLANS_DIR, PlanFile  # noqa: PLC0415
+            from trtkv.builder.trt_build import build_plan
+            from trtkv.manifest import ONNX_FILE, PLANS_DIR, PlanFile
 
             targets: list[int | None] = caps if backend == "tensorrt-rtx" else [None]
             with stages.stage("build", f"{backend} plans for {', '.join(f'SM{c}' for c in caps) if backend == 'tensorrt-rtx' else 'this GPU'}"):
@@ -245,11 +245,11 @@ def build_engine(
 
 
 def _export(tmp: Path, loaded, layout, params, att, dtype):
-    import onnx  # noqa: PLC0415
+    import onnx
 
-    from trtkv.builder.step_network import build_step_network  # noqa: PLC0415
-    from trtkv.builder.weights import extract_weights  # noqa: PLC0415
-    from trtkv.manifest import ONNX_DATA_FILE, ONNX_FILE  # noqa: PLC0415
+    from trtkv.builder.step_network import build_step_network
+    from trtkv.builder.weights import extract_weights
+    from trtkv.manifest import ONNX_DATA_FILE, ONNX_FILE
 
     w = extract_weights(loaded.model, loaded.info)
     proto, inputs, outputs = build_step_network(w, layout, params, att, dtype)
@@ -259,10 +259,10 @@ def _export(tmp: Path, loaded, layout, params, att, dtype):
 
 def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -> None:
     """onnx.checker on the saved model; one ONNX Runtime step over a random pool, logits must be finite."""
-    import onnx  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    import onnx
+    import torch
 
-    from trtkv.manifest import ONNX_FILE  # noqa: PLC0415
+    from trtkv.manifest import ONNX_FILE
 
     try:
         onnx.checker.check_model(str(tmp / ONNX_FILE), full_check=False)
@@ -270,18 +270,18 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
         raise RuntimeError(f"the exported step network is invalid ONNX: {exc}") from exc
     if not smoke:
         return
-    import onnxruntime as ort  # noqa: PLC0415
+    import onnxruntime as ort
 
-    from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
-    from trtkv.runtime.kv_pool import PagedKVCache  # noqa: PLC0415
-    from trtkv.runtime.step import StepBatch  # noqa: PLC0415
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.runtime.kv_pool import PagedKVCache
+    from trtkv.runtime.step import StepBatch
 
     so = ort.SessionOptions()
     if attention == "plugin":
-        from trtkv.plugins.ort_ops import register_ort_ops  # noqa: PLC0415
+        from trtkv.plugins.ort_ops import register_ort_ops
 
         register_ort_ops(so)
-    from trtkv.manifest import ORT_PLUGIN_ONNX_FILE  # noqa: PLC0415
+    from trtkv.manifest import ORT_PLUGIN_ONNX_FILE
 
     sess = ort.InferenceSession(str(tmp / (ORT_PLUGIN_ONNX_FILE if attention == "plugin" else ONNX_FILE)), so, providers=["CPUExecutionProvider"])
     bs = layout1.block_size
@@ -297,8 +297,8 @@ def _check(tmp: Path, fmt, info, layout1, params, attention: str, smoke: bool) -
 
 
 def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inputs, outputs, cal_ref, plans, stages, trt, caps):
-    from trtkv.builder.graph import OPSET  # noqa: PLC0415
-    from trtkv.manifest import CalibrationRef, EngineManifest, ModelSpec, pool_spec  # noqa: PLC0415
+    from trtkv.builder.graph import OPSET
+    from trtkv.manifest import CalibrationRef, EngineManifest, ModelSpec, pool_spec
 
     info = loaded.info
     L = info.num_layers
@@ -341,7 +341,7 @@ def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inpu
 
 def print_summary(console, m, out: Path) -> None:
     """Files and sizes, pool bytes, and what each backend needs at run time."""
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Table
 
     t = Table(title=f"engine {out}", show_header=True)
     t.add_column("file")

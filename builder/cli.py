@@ -66,8 +66,10 @@ def print_manifest(m, engine_dir: Path) -> None:
     console.print(f"model      {md.name} ({md.architecture}) sha256 {md.sha256[:16]}  {md.num_layers} layers, {md.num_heads} heads / {md.num_kv_heads} KV heads x {md.head_dim}, vocab {md.vocab_size}")
     console.print(f"kv format  {m.kv_spec}  ({m.kv_format.name})")
     console.print(f"backend    {m.backend} · {m.attention} attention · {m.dtype} · opset {m.opset}")
-    console.print(f"limits     batch <= {lim.max_batch}, seq <= {lim.max_seq_len}, block {lim.block_size}, <= {lim.max_blocks_per_seq} blocks/seq, <= {lim.max_new_tokens_per_step} new tokens/step, pool <= {lim.max_num_blocks} blocks (TensorRT profile)")
-    console.print(f"bytes      {m.bytes_per_token:,.1f} B/token in the pool (K+V, all layers, scales included); {m.bytes_per_block:,} B/block; {m.tail_bytes_per_slot:,} B per sequence slot (fp16 open blocks)")
+    console.print(f"limits     batch <= {lim.max_batch}, seq <= {lim.max_seq_len}, block {lim.block_size}, <= {lim.max_blocks_per_seq} blocks/seq, "
+                  f"<= {lim.max_new_tokens_per_step} new tokens/step, pool <= {lim.max_num_blocks} blocks (TensorRT profile)")
+    console.print(f"bytes      {m.bytes_per_token:,.1f} B/token in the pool (K+V, all layers, scales included); {m.bytes_per_block:,} B/block; "
+                  f"{m.tail_bytes_per_slot:,} B per sequence slot (fp16 open blocks)")
     cal = m.calibration
     console.print(f"calibration {cal.path or 'none'}" + (f" sha256 {cal.sha256[:16]} format {cal.format_name}" if cal.sha256 else ""))
     t = Table(title="pool layout (per layer; tensors stacked over layers)")

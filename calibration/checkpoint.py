@@ -116,7 +116,7 @@ def check_target_format(target: str, fmt: KVFormat) -> None:
 
 def vllm_scale_tensors(params: Sequence[Any]) -> dict[str, torch.Tensor]:
     """``model.layers.{i}.self_attn.{k,v}_scale``: float32 [1] per tensor, [num_kv_heads] per head."""
-    from trtkv.calibration.export import vllm_scales  # noqa: PLC0415
+    from trtkv.calibration.export import vllm_scales
 
     return vllm_scales(params)
 
@@ -137,8 +137,8 @@ def query_absmax(loaded: Any, windows: torch.Tensor, batch_size: int = 4) -> lis
     Registers a transformers attention function that records ``|q|.max()`` per ``layer_idx`` and
     then runs the usual SDPA; the model is switched to it only for this pass.
     """
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = loaded.model
     amax = torch.zeros(loaded.info.num_layers, dtype=torch.float32)
@@ -162,7 +162,7 @@ def query_absmax(loaded: Any, windows: torch.Tensor, batch_size: int = 4) -> lis
 
 def _calibration_windows(cal: Any, tokenizer: Any, q_windows: int | None) -> torch.Tensor:
     """The token windows recorded in recipe.json (same dataset, split, seq_len, seed), checked by hash."""
-    from trtkv.data import describe_dataset, token_windows  # noqa: PLC0415
+    from trtkv.data import describe_dataset, token_windows
 
     r = cal.recipe
     spec = r.dataset.get("spec")
@@ -198,7 +198,7 @@ def _rope_scaling(cfg: Any) -> dict | None:
 
 def trtllm_config(cfg: Any, info: Any, fmt: KVFormat, tp_size: int, dtype: str) -> dict:
     """The TensorRT-LLM ``config.json`` of a LLaMA-family model (field names: docs/interop.md)."""
-    from trtkv.calibration.export import TRTLLM_ALGO  # noqa: PLC0415
+    from trtkv.calibration.export import TRTLLM_ALGO
 
     return {
         "architecture": info.architecture,
@@ -316,7 +316,7 @@ def _out_dtype(dtype: str, loaded: Any) -> str:
 
 
 def _vllm_quantization_config(fmt: KVFormat) -> dict:
-    from trtkv.calibration.export import vllm_kv_cache_scheme  # noqa: PLC0415
+    from trtkv.calibration.export import vllm_kv_cache_scheme
 
     return {
         "quant_method": "compressed-tensors",
@@ -345,7 +345,7 @@ def _write_vllm(tmp: Path, loaded: Any, scales: dict[str, torch.Tensor], fmt: KV
 
 
 def _write_trtllm(tmp: Path, loaded: Any, kv_scale: torch.Tensor, fmt: KVFormat, tp_size: int, dtype: str) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file
 
     cfg = trtllm_config(loaded.model.config, loaded.info, fmt, tp_size, dtype)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -384,8 +384,8 @@ def export_checkpoint(
     ``q_windows``: TensorRT-LLM FP8 only, how many of the recorded calibration windows to run for the
     query range (default all, 0 = leave Q out); ``loaded``: an already loaded ``LoadedModel`` of ``model``.
     """
-    from trtkv.artifacts import atomic_directory, load_calibration  # noqa: PLC0415
-    from trtkv.models import load_model, model_info  # noqa: PLC0415
+    from trtkv.artifacts import atomic_directory, load_calibration
+    from trtkv.models import load_model, model_info
 
     target = (target or "").strip().lower()
     if target not in TARGETS:

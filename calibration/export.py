@@ -34,7 +34,7 @@ TRTLLM_ALGO = {"int8": "INT8", "fp8_e4m3": "FP8"}
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    from safetensors.torch import save  # noqa: PLC0415
+    from safetensors.torch import save
 
     return save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
 
@@ -156,7 +156,7 @@ def export_all(fmt: KVFormat, params: Sequence[LayerParams], info: Any) -> dict[
 
 
 def load_safetensors_bytes(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load  # noqa: PLC0415
+    from safetensors.torch import load
 
     return load(data)
 

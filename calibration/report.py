@@ -25,24 +25,24 @@ from trtkv.calibration.stats import KVStats
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     plt.close(fig)
     return buf.getvalue()
 
 
 def _plt():
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt
 
 
 def _layer_axis(axis) -> None:
     """Layers are integers: no fractional ticks (a 2-layer model would get 0, 0.2, ... 1)."""
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator
 
     axis.set_major_locator(MaxNLocator(integer=True))
 
@@ -56,7 +56,7 @@ def _value_scale(ax, values: list[float]) -> None:
 
 def _colours(n: int) -> list:
     """``n`` distinct colours: tab10 up to 10, tab20 up to 20, then evenly spaced hues."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     if n <= 10:
         return [matplotlib.colormaps["tab10"](i) for i in range(n)]

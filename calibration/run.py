@@ -125,10 +125,10 @@ def run_calibration(
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
     """
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from trtkv.data import describe_dataset, token_windows, window_count  # noqa: PLC0415
-    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype  # noqa: PLC0415
+    from trtkv.data import describe_dataset, token_windows, window_count
+    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype
 
     if method not in METHODS:
         raise TrtkvError(f"unknown calibration method {method!r}", f"use --method {' | '.join(METHODS)}")

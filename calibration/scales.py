@@ -106,7 +106,7 @@ def _reservoir_range(x: torch.Tensor, granularity: str, method: str, percentile:
 
 
 def _transform(x: torch.Tensor, tf: TensorFormat, smooth: torch.Tensor | None, layer: int) -> torch.Tensor:
-    from trtkv.quant import forward_transform  # noqa: PLC0415
+    from trtkv.quant import forward_transform
 
     params = TensorParams(smooth=smooth[layer]) if smooth is not None else None
     return forward_transform(x, tf, params, HEAD_AXIS)

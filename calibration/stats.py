@@ -254,13 +254,13 @@ class KVStats:
         )
 
     def save(self, path: str) -> None:
-        from safetensors.torch import save_file  # noqa: PLC0415
+        from safetensors.torch import save_file
 
         save_file(self.to_tensors(), str(path))
 
     @classmethod
     def load(cls, path: str) -> "KVStats":
-        from safetensors.torch import load_file  # noqa: PLC0415
+        from safetensors.torch import load_file
 
         return cls.from_tensors(load_file(str(path)))
 
@@ -357,7 +357,7 @@ def _pre_rope_keys(attn: torch.nn.Module, num_heads: int, H: int, D: int):
 
 def make_stats_cache(model: torch.nn.Module, collector: StatsCollector):
     """A ``DynamicCache`` that reports each layer's key/value states (post-RoPE K, V) to ``collector``."""
-    from transformers.cache_utils import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicCache
 
     class _StatsCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -448,7 +448,7 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda n: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: PLC0415
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         class _Rate(TextColumn):
             def render(self, task):

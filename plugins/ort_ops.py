@@ -19,16 +19,15 @@ import torch
 
 from trtkv.plugins import contract as C
 
-
 ORT_DOMAIN = "ai.onnx.contrib"
 _CODES = {onnx.TensorProto.INT8: "i8", onnx.TensorProto.UINT8: "u8", onnx.TensorProto.FLOAT16: "f", onnx.TensorProto.FLOAT: "f"}
 
 
 @functools.lru_cache(maxsize=None)
 def _register_variant(name: str) -> None:
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op  # noqa: PLC0415
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-    from trtkv.plugins.reference import run_op  # noqa: PLC0415
+    from trtkv.plugins.reference import run_op
 
     spec = C.PREFILL
     kc, vc = name.split("_")[-2:]
@@ -50,7 +49,7 @@ def _register_variant(name: str) -> None:
 
 def register_ort_ops(session_options) -> None:
     """Register every PagedPrefillAttention variant and the onnxruntime-extensions library on ``session_options``."""
-    from onnxruntime_extensions import get_library_path  # noqa: PLC0415
+    from onnxruntime_extensions import get_library_path
 
     for kc in ("i8", "u8", "f"):
         for vc in ("i8", "u8", "f"):

@@ -175,7 +175,7 @@ def _compile_cached(key) -> AotKernel:
 
 def _import_trt():
     try:
-        import tensorrt as trt  # noqa: F401
+        import tensorrt as trt
         import tensorrt.plugin as trtp
     except ImportError as exc:
         raise TrtkvError(f"TensorRT's Python plugin API (tensorrt.plugin) is not importable: {exc}",

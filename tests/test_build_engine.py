@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from trtkv.builder.build import build_engine
-from trtkv.runtime.verify import StaticBatch, greedy_decode
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import greedy_generate, model_logits
 from trtkv.manifest import load_manifest
 from trtkv.models import ModelInfo
 from trtkv.runtime.backends import OnnxRuntimeEngine
 from trtkv.runtime.kv_pool import PagedKVCache
+from trtkv.runtime.verify import StaticBatch, greedy_decode
 
 TINY_BLOCK = 4
 
@@ -356,7 +356,8 @@ def test_real_model_logits_and_sealed_codes(builtin_model, real_engines, real_pr
                     mismatch.append((pool.data[block].view(torch.uint8) != theirs.view(torch.uint8)).float().mean().item())
     worst = max(mismatch, default=0.0)
     mean = sum(mismatch) / len(mismatch) if mismatch else 0.0
-    print(f"{kv}: max |logit diff| vs model_logits {err:.2e}, vs torch reference on the engine's cache {err_same:.2e}, sealed bytes differing from the reference's {mean:.2%} (worst layer {worst:.2%})")
+    print(f"{kv}: max |logit diff| vs model_logits {err:.2e}, vs torch reference on the engine's cache {err_same:.2e}, "
+          f"sealed bytes differing from the reference's {mean:.2%} (worst layer {worst:.2%})")
     _record({f"logits_{kv}": {"vs_model_logits": err, "vs_torch_reference_same_cache": err_same, "sealed_bytes_differing_mean": mean, "sealed_bytes_differing_worst_layer": worst}})
     assert err < REF_TOL[kv] and err_same < SAME_CACHE_TOL
     assert torch.equal(out100.logits.argmax(-1), ref[:, 99].argmax(-1)) and torch.equal(out64.logits.argmax(-1), ref[:, 63].argmax(-1))

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from trtkv.artifacts import (
     CalibrationRecipe,
-    LayerParams,
     ModelIdentity,
     load_calibration,
     load_stats_tensors,
@@ -199,7 +197,7 @@ def test_mse_static_clip_on_heavy_tails_beats_max():
         amax = k[i].abs().amax()
         ratio = (params[i].k.scale * 7 / amax).item()
         assert ratio < 1.0
-        errs = _brute_force(x, fmt.k, lambda r: amax * r / 7, grid)
+        errs = _brute_force(x, fmt.k, lambda r, amax=amax: amax * r / 7, grid)
         chosen = float((fake_quantize(x, fmt.k, params[i].k, -2) - x).double().square().sum())
         assert chosen <= errs.min().item() * (1 + 1e-9)  # at least as good as every coarse grid point
         assert chosen < errs[-1].item()  # strictly better than max calibration (ratio 1.0)

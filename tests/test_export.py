@@ -34,14 +34,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_TEXT, build_tiny_model
 from typer.testing import CliRunner
 
-from conftest import TINY_TEXT, build_tiny_model
 from trtkv.artifacts import load_calibration, load_stats_tensors
+from trtkv.calibration.checkpoint import export_checkpoint
 from trtkv.calibration.stats import KVStats
 from trtkv.cli import app
 from trtkv.errors import TrtkvError
-from trtkv.calibration.checkpoint import export_checkpoint
 
 runner = CliRunner()
 pytestmark = pytest.mark.filterwarnings("ignore")

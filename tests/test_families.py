@@ -140,9 +140,8 @@ def test_gemma3_record_has_a_rope_base_per_layer_type(family):
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])  # k_norm (Qwen3's too) and qkv_proj hooks; layer types
 def test_calibrate_runs_and_reports_layer_types(family, name, tmp_path):
-    from trtkv.calibration.run import run_calibration
-
     from trtkv.artifacts import load_calibration
+    from trtkv.calibration.run import run_calibration
 
     d, _ = family(name)
     text = tmp_path / "text.txt"
@@ -269,7 +268,6 @@ class _Fp16Cache(DynamicCache):
 @pytest.mark.parametrize("name,kv", [(n, "fp16") for n in STEP_NETWORK] + [("gemma2", "int4"), ("mistral-sw", "int4")])
 def test_engine_logits_match_transformers(family, name, kv, tmp_path):
     from trtkv.builder.build import build_engine
-
     from trtkv.runtime.backends import OnnxRuntimeEngine
     from trtkv.runtime.kv_pool import PagedKVCache
     from trtkv.runtime.verify import StaticBatch

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 
 import pytest
@@ -114,7 +113,8 @@ INLINE = [
     ("k=int8:tensor,v=int8:tensor,shared", dict(dtype="int8", granularity="per_tensor"), dict(dtype="int8", granularity="per_tensor"), None, True),
     ("k=int8 : channel : smooth, v=int8:head ", dict(dtype="int8", granularity="per_channel", smooth=True), dict(dtype="int8", granularity="per_head"), None, False),
     ("k=int4:g32:sym,v=int4:g32", dict(dtype="int4", granularity="per_token_group", group_size=32), dict(dtype="int4", granularity="per_token_group", group_size=32), None, False),
-    ("k=int8:g16:asym:hadamard,v=fp8:token", dict(dtype="int8", granularity="per_token_group", group_size=16, symmetric=False, hadamard=True), dict(dtype="fp8_e4m3", granularity="per_token"), None, False),
+    ("k=int8:g16:asym:hadamard,v=fp8:token", dict(dtype="int8", granularity="per_token_group", group_size=16, symmetric=False, hadamard=True),
+     dict(dtype="fp8_e4m3", granularity="per_token"), None, False),
 ]
 
 

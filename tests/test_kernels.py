@@ -36,15 +36,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from trtkv.cache_layout import PagedKVLayout, seal_blocks  # noqa: E402
-from trtkv.errors import TrtkvError  # noqa: E402
-from trtkv.formats import KVFormat, TensorFormat, get_format, parse_tensor_spec  # noqa: E402
-from trtkv.plugins import contract as C  # noqa: E402
-from trtkv.plugins import kernels as K  # noqa: E402
-from trtkv.plugins import ops  # noqa: E402
-from trtkv.plugins import reference as R  # noqa: E402
-from trtkv.plugins.cases import PagedCase, case_params  # noqa: E402
-from trtkv.quant import hadamard_matrix, unpack_int4  # noqa: E402
+from trtkv.cache_layout import PagedKVLayout, seal_blocks
+from trtkv.errors import TrtkvError
+from trtkv.formats import KVFormat, TensorFormat, get_format, parse_tensor_spec
+from trtkv.plugins import contract as C
+from trtkv.plugins import kernels as K
+from trtkv.plugins import ops
+from trtkv.plugins import reference as R
+from trtkv.plugins.cases import PagedCase, case_params
+from trtkv.quant import hadamard_matrix, unpack_int4
 
 ATTN_RTOL = 2e-5
 

@@ -17,9 +17,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from trtkv.formats import PRESETS  # noqa: E402
-from trtkv.plugins import aot  # noqa: E402
-from trtkv.plugins import kernels as K  # noqa: E402
+from trtkv.formats import PRESETS
+from trtkv.plugins import aot
 
 
 @pytest.fixture(scope="module")

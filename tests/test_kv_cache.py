@@ -8,11 +8,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from trtkv.artifacts import LayerParams
+from trtkv.cache_layout import PagedKVLayout, block_chunks, gather_paged, seal_open_block, write_tail
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, greedy_generate, model_logits
 from trtkv.formats import get_format
-from trtkv.cache_layout import PagedKVLayout, gather_paged, seal_open_block, write_tail
-from trtkv.cache_layout import block_chunks
 from trtkv.kv_cache import QuantizedKVCache, QuantizedKVLayer
 from trtkv.quant import TensorParams, fake_quantize, fake_quantize_block
 
@@ -21,7 +20,7 @@ H, D = 2, 24  # the tiny models' KV heads and head_dim
 
 def _static_params(num_layers: int, heads: int = H, dim: int = D, seed: int = 0) -> list[LayerParams]:
     g = torch.Generator().manual_seed(seed)
-    mk = lambda: TensorParams(  # noqa: E731
+    mk = lambda: TensorParams(
         scale=torch.rand(heads, generator=g) * 0.02 + 0.01,
         smooth=torch.rand(heads, dim, generator=g) + 0.5,
     )
@@ -139,7 +138,7 @@ def test_sink_tokens_stay_fp16_and_do_not_set_the_first_blocks_ranges():
     plain = QuantizedKVLayer(get_format(SEALED))
     for a, b in block_chunks(0, 9, 4):
         p_read, _ = plain.update(k[:, :, a:b], k[:, :, a:b].clone())
-    err = lambda r: (r[:, :, 1:4] - k16[:, :, 1:4]).abs().mean()  # noqa: E731
+    err = lambda r: (r[:, :, 1:4] - k16[:, :, 1:4]).abs().mean()
     assert err(k_read) < err(p_read) / 4
     # the sink rows are a fixed fp16 reservation beside the open block
     assert layer.k_store.nbytes() == plain.k_store.nbytes() + 2 * H * D * 2

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from trtkv.cli import app
 from trtkv.errors import TrtkvError
-from trtkv.formats import PRESETS, get_format
+from trtkv.formats import PRESETS
 from trtkv.plan import GIB, GPUS, MIB, ModelShape, gpu_memory_bytes, plan
 
 runner = CliRunner()

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient")
 
-from trtkv.triton_repo.client import GenerateError, generate, stream_generate  # noqa: E402
-from trtkv.triton_repo.repository import RepoOptions, write_repository  # noqa: E402
-from trtkv.triton_repo.server import TritonServer, free_port  # noqa: E402
+from trtkv.triton_repo.client import GenerateError, generate, stream_generate
+from trtkv.triton_repo.repository import RepoOptions, write_repository
+from trtkv.triton_repo.server import TritonServer, free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -117,7 +117,7 @@ def test_sixteen_concurrent_streams_mixed_parameters(int4_server):
         prompt, n, params = jobs[i]
         try:
             results[i] = [p.raw for p in stream_generate(url, prompt, n, min_length=n, **params)]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(f"{i}: {exc}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
@@ -152,9 +152,9 @@ def test_wrong_dtype_is_refused(int4_server):
     """gRPC stream (the typed API): an error naming the input and the expected type. The HTTP generate
     endpoint's JSON parser (Triton's own) answers a wrongly typed value with 500 and a message; either
     way the server keeps serving."""
-    import numpy as np
     import queue
 
+    import numpy as np
     import tritonclient.grpc as grpcclient
 
     url = f"127.0.0.1:{int4_server.grpc_port}"

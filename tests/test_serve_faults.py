@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient")
 
-from trtkv.triton_repo.client import generate  # noqa: E402
-from trtkv.triton_repo.repository import RepoOptions, write_repository  # noqa: E402
-from trtkv.triton_repo.server import TritonServer, free_port  # noqa: E402
+from trtkv.triton_repo.client import generate
+from trtkv.triton_repo.repository import RepoOptions, write_repository
+from trtkv.triton_repo.server import TritonServer, free_port
 
 pytestmark = [pytest.mark.server]
 

@@ -117,7 +117,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
         log_file: Annotated[Optional[Path], typer.Option(help="tritonserver log (default: REPO/tritonserver.log)")] = None,
         timeout: Annotated[float, typer.Option(help="seconds to wait for the server to become ready")] = 300.0,
-        openai_port: Annotated[Optional[int], typer.Option("--openai-port", help="also serve OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models on this port (same model, same engine)")] = None,
+        openai_port: Annotated[Optional[int], typer.Option(
+            "--openai-port", help="also serve OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models on this port (same model, same engine)")] = None,
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="the model name OpenAI clients send (default: the engine's model name)")] = None,
         grace: Annotated[float, typer.Option("--grace", help="on Ctrl-C / SIGTERM: seconds requests in flight get to finish before they are failed")] = 10.0,
         restarts: Annotated[int, typer.Option("--restarts", help="restart the server this many times when the model process dies, then exit 3")] = 3,

@@ -154,7 +154,7 @@ class TritonPythonModel:
         engine_dir = Path(params["engine_dir"])
         if not engine_dir.is_absolute():
             engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
-        num = lambda k, f: f(params[k]) if params.get(k) else None  # noqa: E731
+        num = lambda k, f: f(params[k]) if params.get(k) else None
         config = RuntimeConfig(
             kv_memory_gib=num("kv_memory_gib", float),
             kv_memory_fraction=num("kv_memory_fraction", float),
@@ -171,7 +171,7 @@ class TritonPythonModel:
         try:
             self.metrics = _Metrics(self.engine.manifest.kv_format.name)
             self.metrics.update(stats, force=True)
-        except Exception as exc:  # noqa: BLE001 - metrics are optional (older backends)
+        except Exception as exc:
             self.logger.log_warn(f"trtkv: custom metrics unavailable: {exc}")
         self._lock = threading.Lock()
         self._drain = None
@@ -184,7 +184,7 @@ class TritonPythonModel:
         if self.metrics is not None:
             try:
                 self.metrics.update(stats)
-            except Exception as exc:  # noqa: BLE001 - never let metrics stop the scheduler loop
+            except Exception as exc:
                 self.logger.log_warn(f"trtkv: metrics update failed, disabled: {exc}")
                 self.metrics = None
 
@@ -200,7 +200,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=_error(str(exc), code_name="UNAVAILABLE")), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except TrtkvError as exc:
                 sender.send(pb_utils.InferenceResponse(error=_error(str(exc))), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 sender.send(
                     pb_utils.InferenceResponse(error=_error(f"internal error: {type(exc).__name__}: {exc}", invalid_arg=False)),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,

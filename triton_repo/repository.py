@@ -62,7 +62,7 @@ def detect_instance_kind(kind: str = "auto") -> str:
         import torch
 
         return "gpu" if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 - no torch / no driver: CPU
+    except Exception:
         return "cpu"
 
 

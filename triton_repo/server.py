@@ -78,7 +78,7 @@ def bundled_backend_dir(dest: Path) -> Path:
     }
     for target in links.values():
         if not target.exists():
-            raise TrtkvError(f"the bundled Triton lacks {target}", f"use Python 3.8-3.13 with nvidia-pytriton==0.7.0, or a tritonserver on PATH")
+            raise TrtkvError(f"the bundled Triton lacks {target}", "use Python 3.8-3.13 with nvidia-pytriton==0.7.0, or a tritonserver on PATH")
     (dest / "python").mkdir(parents=True, exist_ok=True)
     for name, target in links.items():
         link = dest / "python" / name
@@ -185,7 +185,7 @@ class TritonServer:
             libdir = sysconfig.get_config_var("LIBDIR") or ""
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         shm_prefix = self.shm_prefix = f"trtkv{uuid.uuid4().hex[:10]}_"
-        log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(
             self.command(binary, backend_dir, shm_prefix), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -313,5 +313,5 @@ def _has_gpu() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False

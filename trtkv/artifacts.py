@@ -245,7 +245,7 @@ def save_calibration(
     ``DIR`` is untouched. ``report_files`` maps relative paths (``report.md``, ``plots/x.png``,
     ``trtllm/...``) to their content.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file
 
     num_layers = recipe.model.num_layers
     for name, layers in params.items():
@@ -335,8 +335,8 @@ class Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read an artifact directory written by ``save_calibration``."""
-    from safetensors import SafetensorError  # noqa: PLC0415
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -377,7 +377,7 @@ def calibration_sha256(path: str | Path) -> str:
 
 def load_stats_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The raw statistics of an artifact (``trtkv.calibration.stats.KVStats.from_tensors`` rebuilds them)."""
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     p = Path(path)
     p = p / STATS_FILE if p.is_dir() else p

@@ -67,7 +67,7 @@ def _fingerprint(spec: str) -> tuple:
 
 def _pydoc_documents() -> list[str]:
     try:
-        from pydoc_data.topics import topics  # noqa: PLC0415
+        from pydoc_data.topics import topics
     except ImportError:  # pragma: no cover - stripped Python builds
         raise TrtkvError("this Python has no pydoc_data module, so builtin:pydoc is unavailable", _LOCAL_ALTERNATIVES) from None
     return [topics[k] for k in sorted(topics)]
@@ -155,7 +155,7 @@ def _read_json(p: Path, text_field: str) -> list[str]:
 
 
 def _read_parquet(p: Path, text_field: str) -> list[str]:
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq
 
     try:
         schema = pq.read_schema(p)
@@ -197,7 +197,7 @@ def _dataset_texts(ds, text_field: str, where: str) -> list[str]:
 
 
 def _read_saved_dataset(p: Path, text_field: str) -> list[str]:
-    import datasets  # noqa: PLC0415
+    import datasets
 
     try:
         ds = datasets.load_from_disk(str(p))
@@ -230,7 +230,7 @@ def _parse_hf(spec: str) -> tuple[str, str | None, str]:
 def _read_hf(spec: str, text_field: str) -> list[str]:
     name, config, split = _parse_hf(spec)
     try:
-        import datasets  # noqa: PLC0415
+        import datasets
 
         ds = datasets.load_dataset(name, config, split=split)
     except TrtkvError:

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from trtkv.cache_layout import block_chunks
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, get_format
-from trtkv.cache_layout import block_chunks
 from trtkv.kv_cache import QuantizedKVCache
 
 BASELINE = "fp16"
@@ -303,7 +303,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def model_from_calibration(artifact) -> str:
     """The ``--model`` a calibration artifact was made with: its spec when that still resolves, else its source path."""
-    from trtkv.models import resolve_model  # noqa: PLC0415
+    from trtkv.models import resolve_model
 
     m = artifact.recipe.model
     try:
@@ -346,10 +346,10 @@ def run_eval(
     tokenizer, number of windows) is checked before the weights are loaded. ``meta``, when given, is
     filled with what identifies the run (model and its sha256, dataset, calibration and its hash, ...).
     """
-    from trtkv import __version__  # noqa: PLC0415
-    from trtkv.data import describe_dataset, token_windows  # noqa: PLC0415
-    from trtkv.formats import fit_formats  # noqa: PLC0415
-    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype  # noqa: PLC0415
+    from trtkv import __version__
+    from trtkv.data import describe_dataset, token_windows
+    from trtkv.formats import fit_formats
+    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype
 
     specs = list(formats) if formats else list(DEFAULT_FORMATS)
     parsed = [get_format(f) for f in specs]  # validate before loading anything
@@ -384,7 +384,7 @@ def run_eval(
     ids = token_windows(tok, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field,
                         samples_flag="--windows")
     if progress:
-        from rich.console import Console  # noqa: PLC0415
+        from rich.console import Console
 
         for note in notes:
             Console(stderr=True, soft_wrap=True).print(f"note: {note}", highlight=False)
@@ -393,9 +393,9 @@ def run_eval(
     info = loaded.info
     params_for = (lambda f: artifact.params_for(f, info, allow_other_model=allow_other_model)) if artifact is not None else None
     if meta is not None:
-        import transformers  # noqa: PLC0415
+        import transformers
 
-        from trtkv.artifacts import calibration_sha256  # noqa: PLC0415
+        from trtkv.artifacts import calibration_sha256
 
         ds = describe_dataset(dataset, text_field)
         meta.update(
@@ -430,7 +430,7 @@ def run_eval(
 
 def table_rows(results: Sequence[EvalResult], title: str | None = None):
     """``(title, columns, rows)`` of the results table: short headers, numbers as full strings."""
-    from trtkv.tables import Column  # noqa: PLC0415
+    from trtkv.tables import Column
 
     if results:
         r0 = results[0]
@@ -455,7 +455,7 @@ def table_rows(results: Sequence[EvalResult], title: str | None = None):
 
 def render_table(results: Sequence[EvalResult], title: str | None = None):
     """A rich Table of the results (one row per format); text cells fold, numbers keep their width (see trtkv.tables)."""
-    from trtkv.tables import rich_table  # noqa: PLC0415
+    from trtkv.tables import rich_table
 
     title, columns, rows = table_rows(results, title)
     return rich_table(columns, rows, title)
@@ -463,7 +463,7 @@ def render_table(results: Sequence[EvalResult], title: str | None = None):
 
 def render_markdown(results: Sequence[EvalResult], title: str | None = None) -> str:
     """The results table as Markdown."""
-    from trtkv.tables import markdown  # noqa: PLC0415
+    from trtkv.tables import markdown
 
     title, columns, rows = table_rows(results, title)
     return markdown(columns, rows, title)

@@ -11,7 +11,7 @@ from trtkv.errors import TrtkvError
 def device_memory(index: int = 0) -> tuple[int, int]:
     """(free, total) bytes of GPU ``index``; TrtkvError when there is no GPU."""
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         pynvml.nvmlInit()
         try:
@@ -19,22 +19,22 @@ def device_memory(index: int = 0) -> tuple[int, int]:
             return int(info.free), int(info.total)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no pynvml, no driver: try torch
+    except Exception:
         pass
     try:
-        import torch  # noqa: PLC0415
+        import torch
 
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info(index)
             return int(free), int(total)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     raise TrtkvError("no GPU found (pynvml and torch.cuda report none)", "pass --gpu NAME or --gpu-mem GIB, or --kv-memory GIB")
 
 
 def device_name(index: int = 0) -> str:
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         pynvml.nvmlInit()
         try:
@@ -42,8 +42,8 @@ def device_name(index: int = 0) -> str:
             return name.decode() if isinstance(name, bytes) else str(name)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cpu"

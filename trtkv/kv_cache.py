@@ -59,7 +59,7 @@ SEQ_AXIS = -2  # codes [B, H, S, D or D/2], scales / zeros [B, H, S, groups]
 def _params_to(p: TensorParams | None, device: torch.device) -> TensorParams | None:
     if p is None:
         return None
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    move = lambda t: None if t is None else t.to(device)
     return TensorParams(scale=move(p.scale), smooth=move(p.smooth), clip=move(p.clip))
 
 

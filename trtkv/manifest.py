@@ -159,7 +159,7 @@ class EngineManifest(BaseModel):
 
     def layout(self, num_blocks: int, num_slots: int):
         """The per-layer ``PagedKVLayout`` of this engine for a pool of ``num_blocks`` blocks and ``num_slots`` slots."""
-        from trtkv.cache_layout import PagedKVLayout  # noqa: PLC0415
+        from trtkv.cache_layout import PagedKVLayout
 
         return PagedKVLayout(self.kv_format, self.model.num_kv_heads, self.model.head_dim, self.limits.block_size, num_blocks, num_slots)
 
@@ -196,7 +196,7 @@ def load_manifest(engine_dir: str | Path, *, check_files: bool = True) -> Engine
     except FileNotFoundError:
         raise TrtkvError(f"{root} is not an engine directory (no {MANIFEST_FILE})", "build one with `trtkv build-engine --out DIR`") from None
     try:
-        import json  # noqa: PLC0415
+        import json
 
         raw = json.loads(text)
     except ValueError as exc:

@@ -274,7 +274,7 @@ def _dtype_bytes(dtype: str | torch.dtype) -> int:
 
 def _gguf_metadata(path: Path) -> dict:
     try:
-        import gguf  # noqa: PLC0415
+        import gguf
     except ImportError:
         raise TrtkvError("reading .gguf files needs the gguf package", "pip install gguf") from None
     try:
@@ -553,7 +553,7 @@ def _has_tokenizer(d: Path) -> bool:
 
 
 def _load_tokenizer(d: Path, **kw):
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
     with _from_pretrained_errors(f"the tokenizer in '{d}'"):
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True, **kw)
@@ -561,7 +561,7 @@ def _load_tokenizer(d: Path, **kw):
 
 def _convert_gguf(path: Path, sha: str, attn_implementation: str):
     """Dequantize a gguf with transformers and write it atomically to the cache. Returns (model, tok, dir)."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     final = _gguf_cache_dir(path, sha)
     log.info("converting %s (first load; cached afterwards in %s)", path.name, final)
@@ -656,7 +656,7 @@ def load_tokenizer(spec: str, tokenizer: str | Path | None = None, *, required: 
 @contextlib.contextmanager
 def _quiet_transformers():
     """No transformers progress bar ("Loading weights") inside trtkv's own progress display."""
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -686,7 +686,7 @@ def load_model(
         attn_implementation = "eager"  # transformers has no sdpa path for it (attention-logit soft-capping)
     path = Path(base.source)
 
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     from_cache = False
     if path.is_file():  # gguf

@@ -46,8 +46,8 @@ def fits(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int) -
 
 def rich_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], title: str | None = None):
     """A rich Table: text columns fold, number columns keep their full width (check ``fits`` first)."""
-    from rich import box  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+    from rich import box
+    from rich.table import Table
 
     widths, _ = _widths(columns, rows)
     table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left")

@@ -43,16 +43,25 @@ emits both.
 """
 
 from .attrs import FORMAT_ATTRS, Attrs, as_tensor_format, attrs_for, validate_attrs
-from .kernel_abi import (BINDINGS, LOG2E, SHARED_MEM_DEFAULT_LIMIT, TRITON_PTR, Binding, KernelSignature, Launch,
-                         kernel_signature, launch, ptx_entry_params, ptx_reqntid, ptx_to_trt_abi)
+from .kernel_abi import (
+                         BINDINGS,
+                         LOG2E,
+                         SHARED_MEM_DEFAULT_LIMIT,
+                         TRITON_PTR,
+                         Binding,
+                         KernelSignature,
+                         Launch,
+                         kernel_signature,
+                         launch,
+                         ptx_entry_params,
+                         ptx_reqntid,
+                         ptx_to_trt_abi,
+)
 from .limits import LIMITS, KernelLimits
 from .onnx_nodes import ONNX_ELEM, make_decode_nodes, make_node, onnx_attributes, opset_imports, value_infos
-from .shapes import (check_inputs, codes_dtype, expected_input_shapes, input_dtypes, num_partitions, output_dtypes,
-                     output_shapes, placeholder_shape, tensor_dtype)
-from .specs import (DECODE_PARTITION, DECODE_REDUCE, DOMAIN, FIX, OPS, PARSER_ATTRS, PLUGIN_VERSION, PREFILL,
-                    RESERVED_ATTR_NAMES, SEAL, AttrSpec, OpSpec, OpTensor, get_op)
-from .symbolic import (INT_OPS, SYM_OPS, Sym, SymOps, decode_grids, decode_partitions, decode_reduce_grid,
-                       prefill_grid, seal_grid, sym_shape, value)
+from .shapes import check_inputs, codes_dtype, expected_input_shapes, input_dtypes, num_partitions, output_dtypes, output_shapes, placeholder_shape, tensor_dtype
+from .specs import DECODE_PARTITION, DECODE_REDUCE, DOMAIN, FIX, OPS, PARSER_ATTRS, PLUGIN_VERSION, PREFILL, RESERVED_ATTR_NAMES, SEAL, AttrSpec, OpSpec, OpTensor, get_op
+from .symbolic import INT_OPS, SYM_OPS, Sym, SymOps, decode_grids, decode_partitions, decode_reduce_grid, prefill_grid, seal_grid, sym_shape, value
 
 __all__ = [
     "FORMAT_ATTRS", "Attrs", "as_tensor_format", "attrs_for", "validate_attrs",

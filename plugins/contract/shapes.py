@@ -11,7 +11,6 @@ from .specs import FIX, OpSpec, OpTensor, get_op
 from .symbolic import INT_OPS, SymOps, decode_partitions
 
 
-
 def codes_dtype(fmt) -> str:
     """Storage dtype name of a tensor format's codes (``trtkv.formats.DTYPES``, by symmetry)."""
     return fmt.storage.name

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 
-
 class Sym:
     """A symbolic integer that records its expression and carries a value for checking.
 

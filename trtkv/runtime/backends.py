@@ -59,7 +59,7 @@ class OnnxRuntimeEngine(Engine):
         """``spinning=False`` stops ONNX Runtime's idle threads from spin-waiting after a step, which otherwise
         starves torch work (sealing, a torch engine) that runs right after it on the same cores.
         ``manifest``: the directory's, when the caller has loaded it already."""
-        import onnxruntime as ort  # noqa: PLC0415
+        import onnxruntime as ort
 
         self.dir = Path(engine_dir)
         self.manifest = manifest or load_manifest(self.dir)
@@ -70,7 +70,7 @@ class OnnxRuntimeEngine(Engine):
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         onnx_file = ONNX_FILE
         if self.manifest.attention == "plugin":
-            from trtkv.plugins.ort_ops import register_ort_ops  # noqa: PLC0415
+            from trtkv.plugins.ort_ops import register_ort_ops
 
             register_ort_ops(so)
             onnx_file = ORT_PLUGIN_ONNX_FILE
@@ -96,7 +96,7 @@ class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never exec
     def __init__(self, engine_dir: str | Path, device: int = 0, manifest: EngineManifest | None = None):
         self.dir = Path(engine_dir)
         self.manifest = manifest or load_manifest(self.dir)
-        from trtkv.plugins.trt_plugins import import_tensorrt  # noqa: PLC0415
+        from trtkv.plugins.trt_plugins import import_tensorrt
 
         trt = import_tensorrt(self.manifest.backend if self.manifest.backend != "onnxruntime" else "tensorrt")
         major, minor = torch.cuda.get_device_capability(device)
@@ -106,7 +106,7 @@ class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never exec
             have = [p.compute_capability for p in self.manifest.plans]
             raise TrtkvError(f"the engine has no plan for this GPU (sm_{cc}); it has {have}", f"rebuild with --compute-capability {cc}")
         if self.manifest.attention == "plugin":
-            from trtkv.plugins.trt_plugins import register_plugins  # noqa: PLC0415
+            from trtkv.plugins.trt_plugins import register_plugins
 
             register_plugins()
         self.trt = trt
@@ -146,7 +146,7 @@ class TorchReferenceEngine(Engine):
     name = "torch"
 
     def __init__(self, model, manifest: EngineManifest | None = None):
-        import inspect  # noqa: PLC0415
+        import inspect
 
         self.model = model
         self.manifest = manifest
@@ -154,9 +154,9 @@ class TorchReferenceEngine(Engine):
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
-        from transformers import DynamicCache  # noqa: PLC0415
+        from transformers import DynamicCache
 
-        from trtkv.cache_layout import gather_paged  # noqa: PLC0415
+        from trtkv.cache_layout import gather_paged
 
         lay, L = cache.layout, cache.num_layers
         B, T = batch.input_ids.shape

@@ -95,7 +95,7 @@ class EngineLoop:
                 try:
                     self.engine.add_sequence(obj)
                     self._callbacks[obj.request_id] = cb
-                except Exception as exc:  # noqa: BLE001 - report to this request only
+                except Exception as exc:
                     self._safe_call(cb, RequestOutput(obj.request_id, [], "", "", True, "error", error=str(exc)))
             elif kind == "abort":
                 if self.engine.abort(obj):
@@ -110,7 +110,7 @@ class EngineLoop:
             return True
         try:
             return cb(out) is not False
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.error("response callback failed:\n%s", traceback.format_exc())
             return False
 
@@ -122,7 +122,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step fails the requests in flight, not the server
+            except Exception as exc:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
@@ -142,7 +142,7 @@ class EngineLoop:
             return
         try:
             self.on_step(self.engine.stats())
-        except Exception:  # noqa: BLE001 - reporting never stops the loop
+        except Exception:
             log.error("on_step failed:\n%s", traceback.format_exc())
 
     def _fail_all(self, message: str) -> None:

@@ -31,7 +31,7 @@ POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v
 
 def load_kv_params(engine_dir: str | Path, num_layers: int) -> list[LayerParams]:
     """The KV constants an engine baked in (static scales, smoothing, clip): one ``LayerParams`` per layer."""
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     path = Path(engine_dir) / KV_PARAMS_FILE
     if not path.is_file():
@@ -83,8 +83,8 @@ class PagedKVCache:
 
     def pool(self, layer: int, which: str) -> KVPool:
         """Views of one layer's K or V pool (writes go into the stacked tensors)."""
-        get = lambda f: self.tensors.get(f"{which}_{f}")  # noqa: E731
-        sel = lambda t: None if t is None else t[layer]  # noqa: E731
+        get = lambda f: self.tensors.get(f"{which}_{f}")
+        sel = lambda t: None if t is None else t[layer]
         return KVPool(data=sel(get("data")), scale=sel(get("scale")), zero=sel(get("zero")), tail=sel(get("tail")))
 
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
 from trtkv.runtime.config import RuntimeConfig
 from trtkv.runtime.sampler import Sampler, make_generator
 from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
-from trtkv.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from trtkv.runtime.sequence import SamplingParams, Sequence
 from trtkv.runtime.swap import Swapper
 
 DEFAULT_CPU_KV_GIB = 1.0
