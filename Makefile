@@ -7,7 +7,7 @@ OUT ?= trtkv-out
 export TRITON_CACHE_DIR ?= $(CURDIR)/.triton_cache
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test bench-accuracy gpu-check-dry-run clean
+.PHONY: setup quickstart test test-fast lint bench-accuracy gpu-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,14 @@ quickstart: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The inner loop (docs/development.md): everything but the tests marked slow, model (the real SmolLM2) or server
+# (a real tritonserver); under 2 minutes on 2 cores.
+test-fast: setup
+	$(BIN)/python -m pytest -q -x -m "not slow and not model and not server"
+
+lint: setup
+	$(BIN)/ruff check .
 
 bench-accuracy: setup
 	$(BIN)/python bench/accuracy.py --rows presets
