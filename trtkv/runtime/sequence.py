@@ -81,6 +81,7 @@ class Sequence:
         self.num_cached = 0
         self.block_table: list[int] = []
         self.slot: int | None = None
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks (runtime/prefix_cache.py)
         self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
