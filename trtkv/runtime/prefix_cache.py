@@ -10,8 +10,9 @@ format (codes, scales, sink tokens), the block size and the engine (its manifest
 calibration constants). A first block's sink rows are a function of its first ``S`` tokens, which are
 part of ``key_0``; the entry of a first block keeps a copy of them (the owner's slot had them).
 
-**Which blocks.** Only a block computed in one engine step of ``block_size`` tokens is registered: the
-canonical way a prefill computes a block. A block filled over several steps (decodes, the end of a
+**Which blocks.** Only a block computed the canonical way a prefill computes it is registered: in steps
+that each took the most tokens a step may (one step of ``block_size`` tokens, or of the engine's
+``max_new_tokens_per_step`` when that is smaller). A block filled otherwise (decodes, the end of a
 prompt, a chunk cut by the step's token budget) holds rows computed in other matmul shapes, whose last
 bits differ from a one-step prefill's; reusing it would make a hit differ from a recomputation in its
 log-probabilities (measured on the tiny model: a second turn's block of prompt end + first outputs)

@@ -215,5 +215,11 @@ class Scheduler:
         for chunk in out.decode + out.prefill:
             seq, end = chunk.seq, chunk.start + chunk.length
             seq.num_cached = end
-            if self.bm.prefix is not None and chunk.length == self.block_size:  # see PrefixCache.register
+            if self.bm.prefix is None:
+                continue
+            # a block is cached only if every step that filled it was a full one (PrefixCache: "Which blocks")
+            offset = chunk.start % self.block_size
+            full = chunk.length == min(self.max_step_tokens, self.block_size - offset)
+            seq.block_full_steps = full and (offset == 0 or seq.block_full_steps)
+            if end % self.block_size == 0 and seq.block_full_steps:
                 self.bm.prefix.register(seq, end // self.block_size - 1)
