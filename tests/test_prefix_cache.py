@@ -107,16 +107,23 @@ def test_shared_blocks_outlive_their_owner_and_a_preempted_holder(model, tokeniz
 
 def test_cached_blocks_are_evicted_lru_when_the_pool_needs_them(model, tokenizer):
     llm = make_llm(model, tokenizer, "int8", num_blocks=10)
+    other = list(range(200, 217))
     llm.generate([BASE], greedy(1))  # 4 cached blocks
-    llm.generate([list(range(200, 217))], greedy(1))  # 4 more
+    llm.generate([other], greedy(1))  # 4 more, released after BASE's
     assert llm.stats()["blocks_cached"] == 8 and llm.stats()["blocks_free"] == 2
     big = list(range(300, 317))
-    want = make_llm(model, tokenizer, "int8", enable_prefix_caching=False).generate([big, BASE[:6]], greedy(3))
-    got = [llm.generate([big], greedy(3))[0]]  # needs 4 blocks: 2 free, then the 2 oldest cached (BASE's last two)
+    later = [BASE[:13], other[:13]]  # each could reuse 3 blocks
+    want = make_llm(model, tokenizer, "int8", enable_prefix_caching=False).generate([big, *later], greedy(3))
+    got = [llm.generate([big], greedy(3))[0]]  # needs 4 blocks: the 2 free ones, then the 2 least recently released
     assert llm.stats()["blocks_evicted"] == 2
-    got.append(llm.generate([BASE[:6]], greedy(3))[0])  # BASE's first block survived: least recently released last
-    assert llm.stats()["prefix_hit_tokens"] == 4
+    hits = []
+    for p in later:
+        before = llm.stats()["prefix_hit_tokens"]
+        got.append(llm.generate([p], greedy(3))[0])
+        hits.append(llm.stats()["prefix_hit_tokens"] - before)
+    assert hits == [8, 12], "BASE lost its last two blocks (a chain goes from its end); the other prefix none"
     assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    assert [o.new_logprobs for o in got] == [o.new_logprobs for o in want]
 
 
 def test_block_manager_counts_free_used_and_cached():
@@ -135,3 +142,38 @@ def test_block_manager_counts_free_used_and_cached():
     bm.free(b)
     assert bm.num_cached_blocks == 2 and len(bm.free_blocks) == 4 and bm.num_free_blocks == 6
     assert list(bm.prefix.lru) == [hit[1], hit[0]], "a chain is released from its end"
+
+
+def test_admission_does_not_count_the_cached_blocks_a_hit_takes():
+    """Free list empty, 2 cached blocks, both of them a waiting prompt's hit: nothing is left for its third
+    block, so it waits (counted as allocatable, they would admit it into a step that cannot seal)."""
+    from trtkv.runtime.scheduler import Scheduler
+
+    bm = BlockManager(5, 3, BS, PrefixCache(BS, "salt"))
+    sched = Scheduler(bm, max_num_batched_tokens=64)
+    a = Sequence(list(range(9)), SamplingParams())
+    bm.allocate_slot(a)
+    hit = [bm.append_block(a), bm.append_block(a)]
+    bm.prefix.register(a, 0), bm.prefix.register(a, 1)
+    bm.free(a)
+    c = Sequence(list(range(50, 63)), SamplingParams())
+    bm.allocate_slot(c)
+    for _ in range(3):
+        bm.append_block(c)
+    assert not bm.free_blocks and bm.num_cached_blocks == 2
+    b = Sequence(list(range(8)) + [70, 71, 72, 73, 74], SamplingParams(max_tokens=1))
+    sched.add(b)
+    assert sched.schedule().empty and b in sched.waiting and bm.num_cached_blocks == 2
+    bm.free(c)
+    out = sched.schedule()
+    assert [(ch.seq, ch.start, ch.length) for ch in out.prefill] == [(b, 8, 4)] and b.block_table[:2] == hit
+
+
+def test_keys_depend_on_the_kv_format(model, tokenizer):
+    """The same tokens in another format seal other bytes: their keys differ (the salt, ``prefix_salt``)."""
+    from trtkv.runtime.llm_engine import prefix_salt
+
+    llms = [make_llm(model, tokenizer, f) for f in ("int4", "int8")]
+    salts = [prefix_salt(llm.manifest, llm.engine) for llm in llms]
+    keys = [llm.block_manager.prefix.keys(Sequence(BASE, SamplingParams()), 4) for llm in llms]
+    assert salts[0] != salts[1] and not set(keys[0]) & set(keys[1])
