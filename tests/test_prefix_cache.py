@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_runtime_faults import BS, greedy, make_llm
+
 from trtkv.formats import PRESETS
 from trtkv.runtime.block_manager import BlockManager
 from trtkv.runtime.prefix_cache import PrefixCache

@@ -23,7 +23,7 @@ KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-fraction", help="o
 MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = most sequences running at once (each costs one fp16 open block)")]
 BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
-PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests (docs/serving.md, Prefix caching)")]
+PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests")]
 
 
 def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache=RuntimeConfig.enable_prefix_caching):
