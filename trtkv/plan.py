@@ -50,6 +50,7 @@ class PlanRow:
     max_tokens: int
     max_batch: int
     capacity_vs_fp16: float
+    cached_bytes_per_token: float = 0.0  # what a prefix kept in the prefix cache costs: sealed blocks only, no open block
 
 
 def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
@@ -102,6 +103,7 @@ def plan(
                 max_tokens=tokens,
                 max_batch=tokens // context_len,
                 capacity_vs_fp16=fp16_bytes / per_token,
+                cached_bytes_per_token=fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim),
             )
         )
     return budget, rows
