@@ -85,3 +85,15 @@ def test_debug_shows_traceback():
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_cached_prefix_cost_is_the_pool_block_bytes(name):
+    """`plan`'s cached KiB/tok times the block size is what one cached block takes in the pool (SmolLM2's
+    shape, blocks of 64: 1,474,560 / 760,320 / 414,720 B, docs/serving.md "Prefix caching")."""
+    from trtkv.cache_layout import PagedKVLayout
+
+    fmt = PRESETS[name].with_block_size(64)
+    _, [row] = plan(ModelShape("smollm2", 30, 3, 64), [fmt], context_len=2048, gpu_bytes=80 * GIB)
+    block = PagedKVLayout(fmt, 3, 64, 64, 1).bytes_per_block() * 30
+    assert row.cached_bytes_per_token * 64 == block == {"fp16": 1_474_560, "int8": 760_320, "int4": 414_720}[name]

@@ -44,7 +44,7 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256) -> LLMEngine:
+def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256, **config) -> LLMEngine:
     """An LLMEngine over the torch reference engine; static formats get a fixed scale, smoothing formats unit factors."""
     from trtkv.artifacts import LayerParams
     from trtkv.cache_layout import PagedKVLayout
@@ -68,7 +68,7 @@ def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, 
     layout = PagedKVLayout(fmt, H, D, BS, num_blocks, num_slots)
     cache = PagedKVCache(layout, cfg.num_hidden_layers, [LayerParams(params(fmt.k), params(fmt.v)) for _ in range(cfg.num_hidden_layers)])
     budget = CacheBudget(0, layout.bytes_per_block(), layout.tail_bytes_per_slot(), BS, num_slots, num_blocks)
-    config = RuntimeConfig(max_seqs=num_slots, max_batched_tokens=max_batched_tokens)
+    config = RuntimeConfig(max_seqs=num_slots, max_batched_tokens=max_batched_tokens, **config)
     return LLMEngine(TorchReferenceEngine(model), manifest, cache, tokenizer, config, budget)
 
 

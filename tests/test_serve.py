@@ -189,6 +189,28 @@ def test_metrics_show_requests_and_pool(int4_server):
     assert float(used[0].split()[-1]) > 0
 
 
+def test_prefix_cache_hits_through_the_server_change_no_output(engines, int4_server):
+    """Prompts sharing a 3-block prefix (blocks of 16), sent one after another: the server (prefix cache on by
+    default) answers token for token what the offline runtime answers without the cache, and its metrics
+    count the reused tokens and the cached blocks."""
+    from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
+    from trtkv.runtime.sequence import SamplingParams
+
+    shared = "You are a terse assistant. Answer in one line, never apologize, and cite nothing at all. " * 2
+    prompts = [shared + q for q in ("Why is the sky blue?", "What is 2+2?", "Name a prime.")]
+    llm = LLMEngine.from_engine_dir(engines["int4"], RuntimeConfig(kv_memory_gib=0.01, max_seqs=16, enable_prefix_caching=False))
+    assert len(llm.tokenizer.encode(shared)) >= 48
+    want = [llm.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text for p in prompts]
+    got = [generate(int4_server.http_url, p, 12, min_length=12, exclude_input_in_output=True)["text_output"] for p in prompts]
+    assert got == want
+    assert int4_server.wait_for_metric("trtkv_prefix_cache_hit_tokens", 2 * 48) >= 2 * 48
+    text = urllib.request.urlopen(int4_server.metrics_url, timeout=10).read().decode()
+    for family in ("trtkv_prefix_cache_hit_rate", "trtkv_prefix_cache_evicted_blocks"):
+        assert f"{family}{{" in text, family
+    cached = [ln for ln in text.splitlines() if ln.startswith("trtkv_kv_blocks{") and 'state="cached"' in ln]
+    assert float(cached[0].split()[-1]) >= 3
+
+
 def test_small_pool_queues_and_preempts_and_rejects_oversized(engines, tmp_path):
     # 60 KiB of KV: 4 slots (8 KiB each) and 6 int8 blocks of 16 tokens (4.25 KiB), while 12 requests want ~3 each
     server = start(engines["int8"], tmp_path, kv_memory_gib=60 / 1024**2, max_seqs=4)

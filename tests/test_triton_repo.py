@@ -218,3 +218,14 @@ def test_serving_defaults_have_one_home(tmp_path):
     src = (Path(cli.__file__).parent / "python_model.py").read_text()
     assert 'num("max_seqs", int) or RuntimeConfig.max_seqs' in src
     assert 'num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens' in src
+
+
+@pytest.mark.parametrize("flag,want", [(True, "1"), (False, "0")])
+def test_prefix_cache_flag_reaches_the_python_models_config(tmp_path, flag, want):
+    """``trtkv serve --no-prefix-cache`` / ``triton-repo --no-prefix-cache`` -> the parameter the python model reads."""
+    from trtkv.triton_repo.cli import _repo_options
+
+    opts = _repo_options(None, None, 8, 64, "auto", "cpu", False, flag)
+    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, "cpu"))
+    assert parse_config(tmp_path / "c.pbtxt").parameters["enable_prefix_caching"].string_value == want
+    assert RepoOptions().enable_prefix_caching is True

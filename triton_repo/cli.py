@@ -23,9 +23,10 @@ KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-fraction", help="o
 MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = most sequences running at once (each costs one fp16 open block)")]
 BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
+PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests")]
 
 
-def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine):
+def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache=RuntimeConfig.enable_prefix_caching):
     from trtkv.triton_repo.repository import RepoOptions
 
     if kv_memory is not None and kv_memory <= 0:
@@ -40,6 +41,7 @@ def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend,
         backend=backend,
         instance_kind=instance_kind,
         copy_engine=copy_engine,
+        enable_prefix_caching=prefix_cache,
     )
 
 
@@ -66,6 +68,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
         max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
         backend: BackendOpt = "auto",
+        prefix_cache: PrefixCacheOpt = RuntimeConfig.enable_prefix_caching,
         instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")] = "auto",
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")] = False,
         force: Annotated[bool, typer.Option(help="rewrite even if the repository is up to date")] = False,
@@ -90,7 +93,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             kube.check()  # before anything is written
             copy_engine = True  # replicas read the repository elsewhere: the engine travels inside it
             instance_kind = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
-        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
+        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache)
         path = write_repository(engine_dir, out, opts, force=force)
         console.print(f"model repository written to [bold]{path}[/] (model: ensemble)")
         if kube is not None:
@@ -113,6 +116,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
         max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
         backend: BackendOpt = "auto",
+        prefix_cache: PrefixCacheOpt = RuntimeConfig.enable_prefix_caching,
         instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu")] = "auto",
         copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
         log_file: Annotated[Optional[Path], typer.Option(help="tritonserver log (default: REPO/tritonserver.log)")] = None,
@@ -133,7 +137,7 @@ def register(app: typer.Typer, handle_errors) -> None:
 
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
-        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine)
+        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache)
         summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
         if grace < 0 or restarts < 0:

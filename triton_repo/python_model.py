@@ -68,6 +68,10 @@ class _Metrics:
         self.g = {
             "blocks_used": blocks.Metric(labels={**lab, "state": "used"}),
             "blocks_free": blocks.Metric(labels={**lab, "state": "free"}),
+            "blocks_cached": blocks.Metric(labels={**lab, "state": "cached"}),  # prefix cache: sealed, unreferenced, evictable
+            "prefix_hit_rate": fam("trtkv_prefix_cache_hit_rate", "prompt tokens reused from the prefix cache / prompt tokens, since start").Metric(labels=lab),
+            "prefix_hit_tokens": fam("trtkv_prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache since start").Metric(labels=lab),
+            "blocks_evicted": fam("trtkv_prefix_cache_evicted_blocks", "cached blocks evicted for new allocations since start").Metric(labels=lab),
             "slots_used": slots.Metric(labels={**lab, "state": "used"}),
             "slots_free": slots.Metric(labels={**lab, "state": "free"}),
             "running": seqs.Metric(labels={**lab, "state": "running"}),
@@ -162,6 +166,7 @@ class TritonPythonModel:
             max_batched_tokens=num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens,
             backend=params.get("backend") or "auto",
             device=params.get("device") or "auto",
+            enable_prefix_caching=params.get("enable_prefix_caching", "1" if RuntimeConfig.enable_prefix_caching else "0") != "0",
         )
         self.logger = pb_utils.Logger
         self.engine = LLMEngine.from_engine_dir(engine_dir, config)

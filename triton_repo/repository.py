@@ -47,6 +47,7 @@ class RepoOptions:
     max_seqs: int = RuntimeConfig.max_seqs
     max_batched_tokens: int = RuntimeConfig.max_batched_tokens
     backend: str = "auto"
+    enable_prefix_caching: bool = RuntimeConfig.enable_prefix_caching
     instance_kind: str = "auto"  # auto | cpu | gpu
     max_batch_size: int = 64
     copy_engine: bool = False
@@ -86,6 +87,7 @@ def llm_config(engine_ref: str, opts: RepoOptions, kind: str) -> str:
         "max_seqs": str(opts.max_seqs),
         "max_batched_tokens": str(opts.max_batched_tokens),
         "backend": opts.backend,
+        "enable_prefix_caching": "1" if opts.enable_prefix_caching else "0",
         "device": "cuda" if kind == "gpu" else "cpu",
         **{k: str(v) for k, v in opts.extra.items()},
     }

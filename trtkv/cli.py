@@ -139,10 +139,10 @@ def plan(
         f"GPU {gpu_name}{gpu_bytes / GIB:.1f} GiB, weights {shape.weight_bytes / GIB:.2f} GiB, KV budget {budget / GIB:.2f} GiB, context {context}"
     )
     columns = [Column("format", numeric=False), Column("pool bits"), Column("open KiB/seq"), Column(f"bits@{context}"), Column("KiB/tok"), Column("max tokens"),
-               Column(f"batch @{context}"), Column("vs fp16")]
+               Column(f"batch @{context}"), Column("vs fp16"), Column("cached KiB/tok")]
     table_rows = [
         [r.format, f"{r.pool_bits_per_element:.3f}", f"{r.tail_bytes_per_slot / 1024:,.0f}", f"{r.bits_per_element:.3f}", f"{r.kv_bytes_per_token / 1024:.2f}", f"{r.max_tokens:,}",
-         f"{r.max_batch:,}", f"{r.capacity_vs_fp16:.2f}x"]
+         f"{r.max_batch:,}", f"{r.capacity_vs_fp16:.2f}x", f"{r.cached_bytes_per_token / 1024:.2f}"]
         for r in rows
     ]
     print_table(console, columns, table_rows, title)

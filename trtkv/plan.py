@@ -111,6 +111,7 @@ class PlanRow:
     capacity_vs_fp16: float
     window_saving: float = 1.0  # bytes if every layer were global / bytes with sliding layers' freed blocks (1 without local layers)
     by_layer_type: tuple[LayerTypeBytes, ...] = ()
+    cached_bytes_per_token: float = 0.0  # what a prefix kept in the prefix cache costs: sealed blocks only, no open block
 
 
 def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
@@ -167,6 +168,7 @@ def plan(
                 capacity_vs_fp16=fp16_bytes / per_token,
                 window_saving=all_global / per_token,
                 by_layer_type=tuple(by_type),
+                cached_bytes_per_token=fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim),
             )
         )
     return budget, rows

@@ -8,6 +8,10 @@ the same budget holds ~3.5x the sealed tokens in int4 as in fp16.
 A sequence holds a slot from admission to finish (or preemption) and one pool block per sealed
 block of its tokens. The block that receives an open block is allocated when the step that fills it
 is scheduled (``append_block``), so a step can always seal what it completes.
+
+With a ``PrefixCache`` (runtime/prefix_cache.py) a pool block is *free* (on the free list), *used*
+(held by one or more sequences) or *cached* (sealed, registered under its key, held by nobody): cached
+blocks count as allocatable and are evicted, least recently released first, when the free list is empty.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class CacheBudget:
 class BlockManager:
     """Free lists of pool blocks and slots; block tables live on the sequences."""
 
-    def __init__(self, num_blocks: int, num_slots: int, block_size: int):
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, prefix=None):
+        self.prefix = prefix  # a runtime.prefix_cache.PrefixCache, or None: no prefix caching
         self.num_blocks = num_blocks
         self.num_slots = num_slots
         self.block_size = block_size
@@ -72,15 +77,24 @@ class BlockManager:
     # -- accounting
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can get: the free list plus the cached blocks it may evict."""
+        return len(self.free_blocks) + self.num_cached_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0 if self.prefix is None else self.prefix.num_cached
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
+
+    def prefix_evictable(self, blocks: list[int]) -> int:
+        """How many of the cached ``blocks`` a hit would take out of what can be allocated."""
+        return 0 if self.prefix is None else self.prefix.num_evictable(blocks)
 
     def blocks_for(self, num_cached_tokens: int) -> int:
         """Pool blocks a sequence with this many cached tokens holds (its sealed blocks)."""
@@ -102,19 +116,25 @@ class BlockManager:
         seq.slot = self.free_slots.popleft()
 
     def can_append(self, n: int = 1) -> bool:
-        return len(self.free_blocks) >= n
+        return self.num_free_blocks >= n
 
     def append_block(self, seq: Sequence) -> int:
-        """Give ``seq`` the pool block for its next sealed block."""
-        if not self.free_blocks:
+        """Give ``seq`` the pool block for its next sealed block (evicting the oldest cached block if none is free)."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.num_cached_blocks:
+            block = self.prefix.evict()
+        else:
             raise RuntimeError("no free block (the scheduler preempts before this happens)")
-        block = self.free_blocks.popleft()
         seq.block_table.append(block)
         return block
 
     def free(self, seq: Sequence) -> None:
-        """Return the sequence's blocks and slot (finish, abort or preemption)."""
-        self.free_blocks.extend(seq.block_table)
+        """Return the sequence's blocks and slot (finish, abort or preemption). Shared blocks lose one reference;
+        the last one makes them cached. Released last block first, so that a chain is evicted from its end."""
+        for block in reversed(seq.block_table):
+            if self.prefix is None or not self.prefix.release(block):
+                self.free_blocks.append(block)
         seq.block_table = []
         if seq.slot is not None:
             self.free_slots.append(seq.slot)

@@ -17,3 +17,6 @@ class RuntimeConfig:
     max_batched_tokens: int = 512  # tokens per scheduler step (prefill chunks + decodes)
     backend: str = "auto"  # passed to trtkv.runtime.backends
     device: str = "auto"
+    # share sealed blocks between requests with a common prompt prefix (runtime/prefix_cache.py); on by default:
+    # a hit gives the same outputs as recomputing (tests/test_prefix_cache.py, every preset format)
+    enable_prefix_caching: bool = True

@@ -24,6 +24,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import accepts_any_shape
 from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
 from trtkv.runtime.config import RuntimeConfig
+from trtkv.runtime.prefix_cache import PrefixCache
 from trtkv.runtime.sampler import Sampler, make_generator
 from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
 from trtkv.runtime.sequence import SamplingParams, Sequence
@@ -86,7 +87,8 @@ class LLMEngine:
         self.budget = budget
         lim = manifest.limits
         self.max_batch = budget.num_slots if accepts_any_shape(getattr(engine, "name", "")) else lim.max_batch
-        self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size)
+        prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine), cache) if config.enable_prefix_caching else None
+        self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size, prefix)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=min(config.max_seqs, budget.num_slots),
@@ -301,7 +303,11 @@ class LLMEngine:
             "block_size": bm.block_size,
             "blocks_total": bm.num_blocks,
             "blocks_used": bm.num_used_blocks,
-            "blocks_free": bm.num_free_blocks,
+            "blocks_free": len(bm.free_blocks),
+            "blocks_cached": bm.num_cached_blocks,  # sealed, held by no sequence, kept for prefix hits until evicted
+            "prefix_hit_tokens": 0 if bm.prefix is None else bm.prefix.hit_tokens,
+            "prefix_hit_rate": (bm.prefix.hit_tokens / self.stats_counters["prompt_tokens"]) if bm.prefix and self.stats_counters["prompt_tokens"] else 0.0,
+            "blocks_evicted": 0 if bm.prefix is None else bm.prefix.evicted,
             "slots_total": bm.num_slots,
             "slots_used": bm.num_slots - bm.num_free_slots,
             "bytes_per_block": self.budget.bytes_per_block,
@@ -313,6 +319,14 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.stats_counters,
         }
+
+
+def prefix_salt(manifest, engine) -> str:
+    """What besides the tokens makes a sealed block's bytes reproducible: the engine (its manifest names the model,
+    weights and calibration constants), the KV format (sink tokens included) and the block size."""
+    dump = getattr(manifest, "model_dump_json", None)
+    ident = dump() if dump is not None else repr(getattr(manifest, "model", None))
+    return f"{getattr(engine, 'name', type(engine).__name__)}|{manifest.kv_format.model_dump_json()}|{manifest.limits.block_size}|{ident}"
 
 
 def bad_word_bans(seq: Sequence, bad_seqs: list[list[int]]) -> list[int]:

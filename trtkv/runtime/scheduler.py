@@ -11,7 +11,8 @@ Policy, every step:
    waits.
 3. **Admission**: waiting sequences, first come first served, while a slot is free, budget is
    left and the free blocks cover the new prompt's sealed blocks on top of what running prefills
-   still need. Nothing is admitted in a step that preempted.
+   still need. Nothing is admitted in a step that preempted. With prefix caching a new sequence first
+   takes the cached blocks its prompt starts with (runtime/prefix_cache.py) and needs only the rest.
 
 A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool, or more tokens
 than the engine's context, is rejected when it is added.
@@ -176,18 +177,21 @@ class Scheduler:
         committed = sum(self.bm.blocks_to_finish(s) for s in self.running)
         while self.waiting and budget > 0 and self.bm.num_free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.bm.blocks_for(seq.num_tokens)
-            if self.bm.num_free_blocks - committed < need:
+            hit = self._prefix_hit(seq)
+            need = self.bm.blocks_for(seq.num_tokens) - len(hit)
+            if self.bm.num_free_blocks - self.bm.prefix_evictable(hit) - committed < need:
                 break
             self.waiting.popleft()
             self.bm.allocate_slot(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if hit:
+                self.bm.prefix.take(seq, hit)
             self._swap_in(seq)
             chunk = self._chunk(seq, budget)
             reserved = self._reserve_block(seq, chunk, out)
             assert reserved, "admission checked the free blocks"
-            committed += need - len(seq.block_table)
+            committed += need + len(hit) - len(seq.block_table)
             budget -= chunk.length
             (out.prefill if chunk.length > 1 else out.decode).append(chunk)
         return budget
@@ -200,7 +204,22 @@ class Scheduler:
             self.bm.append_block(seq)
         self.swapper.swap_in(seq)
 
+    def _prefix_hit(self, seq: Sequence) -> list[int]:
+        """Cached pool blocks ``seq`` can start from (runtime/prefix_cache.py): only for a sequence with nothing computed."""
+        if self.bm.prefix is None or seq.num_cached or (self.swapper is not None and seq in self.swapper):
+            return []
+        return self.bm.prefix.match(seq)
+
     def postprocess(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens cached (the runtime has written their K/V rows)."""
+        """Mark the scheduled tokens cached (the runtime has written their K/V rows); register the blocks they sealed."""
         for chunk in out.decode + out.prefill:
-            chunk.seq.num_cached = chunk.start + chunk.length
+            seq, end = chunk.seq, chunk.start + chunk.length
+            seq.num_cached = end
+            if self.bm.prefix is None:
+                continue
+            # a block is cached only if every step that filled it was a full one (PrefixCache: "Which blocks")
+            offset = chunk.start % self.block_size
+            full = chunk.length == min(self.max_step_tokens, self.block_size - offset)
+            seq.block_full_steps = full and (offset == 0 or seq.block_full_steps)
+            if end % self.block_size == 0 and seq.block_full_steps:
+                self.bm.prefix.register(seq, end // self.block_size - 1)

@@ -81,6 +81,8 @@ class Sequence:
         self.num_cached = 0
         self.block_table: list[int] = []
         self.slot: int | None = None
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks (runtime/prefix_cache.py)
+        self.block_full_steps = False  # every step into its open block so far took the most tokens it could
         self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
