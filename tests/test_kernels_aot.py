@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 from trtkv.formats import PRESETS
 from trtkv.plugins import aot
 
+pytestmark = pytest.mark.slow  # compiles every kernel configuration to PTX / cubin (minutes)
+
 
 @pytest.fixture(scope="module")
 def compiled():

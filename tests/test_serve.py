@@ -318,3 +318,27 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_two_instances_each_run_an_engine_with_half_the_budget(engines, tmp_path):
+    """--instances 2: Triton routes requests to two python-model instances, each with its own engine and half the
+    KV budget (its own pool, its own metric series); outputs are the offline runtime's."""
+    want = offline(engines["int4"], PROMPTS, 12, kv_memory_gib=0.01, ignore_eos=True)
+    server = start(engines["int4"], tmp_path, kv_memory_gib=0.02, max_seqs=8, instances=2)
+    try:
+        got: dict[int, str] = {}
+
+        def run(i):
+            got[i] = generate(server.http_url, PROMPTS[i % len(PROMPTS)], 12, min_length=12, exclude_input_in_output=True)["text_output"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2 * len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got[i] for i in range(2 * len(PROMPTS))] == want * 2
+        server.wait_for_metric("trtkv_requests", 1, state="finished")
+        budgets = server.metric_values("trtkv_kv_pool_info", field="budget_bytes")
+        assert len(budgets) == 2 and budgets[0] == budgets[1] == pytest.approx(0.01 * 1024**3, rel=1e-6)
+    finally:
+        server.stop()

@@ -71,6 +71,27 @@ def test_llm_config_is_decoupled_python_with_instance_kind(tmp_path, kind, want)
     assert cfg.parameters["max_seqs"].string_value == "8"
 
 
+@pytest.mark.parametrize("kind, opts, count, gib", [
+    ("cpu", RepoOptions(kv_memory_gib=0.9, instances=3), 3, 0.3),  # the server's budget split evenly
+    ("gpu", RepoOptions(kv_memory_gib=12.0, instances=2), 2, 6.0),
+    ("cpu", RepoOptions(instances=4), 4, None),  # the CPU default budget, split (checked below against its home)
+    ("cpu", RepoOptions(kv_memory_gib=0.5), 1, 0.5),
+])
+def test_instances_split_the_kv_budget(tmp_path, kind, opts, count, gib):
+    from trtkv.runtime.llm_engine import DEFAULT_CPU_KV_GIB
+
+    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, kind))
+    cfg = parse_config(tmp_path / "c.pbtxt")
+    assert cfg.instance_group[0].count == count
+    want = gib if gib is not None else DEFAULT_CPU_KV_GIB / count
+    assert float(cfg.parameters["kv_memory_gib"].string_value) == pytest.approx(want)
+
+
+def test_instances_on_a_gpu_need_an_explicit_budget():
+    with pytest.raises(TrtkvError, match="--kv-memory"):
+        llm_config("/engines/e", RepoOptions(instances=2), "gpu")
+
+
 def test_parse_config_rejects_unknown_fields(tmp_path):
     from google.protobuf.text_format import ParseError
 
@@ -223,9 +244,10 @@ def test_serving_defaults_have_one_home(tmp_path):
 @pytest.mark.parametrize("flag,want", [(True, "1"), (False, "0")])
 def test_prefix_cache_flag_reaches_the_python_models_config(tmp_path, flag, want):
     """``trtkv serve --no-prefix-cache`` / ``triton-repo --no-prefix-cache`` -> the parameter the python model reads."""
-    from trtkv.triton_repo.cli import _repo_options
+    from trtkv.triton_repo.cli import REPO_OPTIONS, _repo_options
 
-    opts = _repo_options(None, None, 8, 64, "auto", "cpu", False, flag)
+    defaults = {name: default for name, _, default in REPO_OPTIONS}
+    opts = _repo_options(**{**defaults, "max_seqs": 8, "max_batched_tokens": 64, "instance_kind": "cpu", "prefix_cache": flag})
     (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, "cpu"))
     assert parse_config(tmp_path / "c.pbtxt").parameters["enable_prefix_caching"].string_value == want
     assert RepoOptions().enable_prefix_caching is True

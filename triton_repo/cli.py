@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
@@ -24,15 +25,39 @@ MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = mo
 BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
 PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests")]
+InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton model instances) in this server; the KV budget is split among them")]
+
+# The repository's runtime options: `triton-repo` and `serve` both write a repository, so both take these (declared once).
+REPO_OPTIONS = (
+    ("kv_memory", KvMemoryOpt, None),
+    ("kv_fraction", KvFractionOpt, None),
+    ("max_seqs", MaxSeqsOpt, RuntimeConfig.max_seqs),
+    ("max_batched_tokens", BatchedTokensOpt, RuntimeConfig.max_batched_tokens),
+    ("backend", BackendOpt, "auto"),
+    ("prefix_cache", PrefixCacheOpt, RuntimeConfig.enable_prefix_caching),
+    ("instances", InstancesOpt, 1),
+    ("instance_kind", Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")], "auto"),
+    ("copy_engine", Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")], False),
+)
 
 
-def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache=RuntimeConfig.enable_prefix_caching):
+def with_repo_options(command):
+    """Give ``command`` the ``REPO_OPTIONS`` as keyword parameters (typer reads the signature); it receives them in ``**repo_opts``."""
+    sig = inspect.signature(command)
+    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, ann, default in REPO_OPTIONS]
+    command.__signature__ = sig.replace(parameters=own + added)
+    command.__annotations__ = {**command.__annotations__, **{name: ann for name, ann, _ in REPO_OPTIONS}}
+    return command
+
+
+def _repo_options(*, kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, prefix_cache, instances, instance_kind, copy_engine):
     from trtkv.triton_repo.repository import RepoOptions
 
     if kv_memory is not None and kv_memory <= 0:
         raise TrtkvError(f"--kv-memory must be positive, got {kv_memory}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
-    if max_seqs < 1 or max_batched_tokens < 1:
-        raise TrtkvError("--max-seqs and --max-batched-tokens must be at least 1", "pass positive integers")
+    if max_seqs < 1 or max_batched_tokens < 1 or instances < 1:
+        raise TrtkvError("--max-seqs, --max-batched-tokens and --instances must be at least 1", "pass positive integers")
     return RepoOptions(
         kv_memory_gib=kv_memory,
         kv_memory_fraction=kv_fraction,
@@ -40,6 +65,7 @@ def _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend,
         max_batched_tokens=max_batched_tokens,
         backend=backend,
         instance_kind=instance_kind,
+        instances=instances,
         copy_engine=copy_engine,
         enable_prefix_caching=prefix_cache,
     )
@@ -53,24 +79,20 @@ def _pool_summary(m, opts) -> str:
 
     if opts.kv_memory_gib is None and torch.cuda.is_available():
         return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
-    cfg = RuntimeConfig(kv_memory_gib=opts.kv_memory_gib, max_seqs=opts.max_seqs)
-    return f"KV format {m.kv_spec}: {plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
+    from trtkv.triton_repo.repository import instance_budget
+
+    cfg = RuntimeConfig(kv_memory_gib=instance_budget(opts, "cpu"), max_seqs=opts.max_seqs)
+    each = "" if opts.instances == 1 else f"{opts.instances} instances, each "
+    return f"KV format {m.kv_spec}: {each}{plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
 
 
 def register(app: typer.Typer, handle_errors) -> None:
     @app.command("triton-repo")
     @handle_errors
+    @with_repo_options
     def triton_repo(
         engine_dir: Annotated[Path, typer.Argument(help="engine directory from `trtkv build-engine`")],
         out: Annotated[Path, typer.Option("--out", "-o", help="model repository to write")] = Path("trtkv-out/triton_repo"),
-        kv_memory: KvMemoryOpt = None,
-        kv_fraction: KvFractionOpt = None,
-        max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
-        max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
-        backend: BackendOpt = "auto",
-        prefix_cache: PrefixCacheOpt = RuntimeConfig.enable_prefix_caching,
-        instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")] = "auto",
-        copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")] = False,
         force: Annotated[bool, typer.Option(help="rewrite even if the repository is up to date")] = False,
         k8s: Annotated[Optional[Path], typer.Option("--k8s", help="also write Kubernetes manifests (Deployment, Service, HPA) for replicas of this repository here")] = None,
         k8s_name: Annotated[str, typer.Option("--k8s-name", help="name of the Deployment / Service / HPA")] = "trtkv",
@@ -79,6 +101,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         replicas: Annotated[int, typer.Option(help="replicas at start (the autoscaler's minimum)")] = 1,
         max_replicas: Annotated[int, typer.Option("--max-replicas", help="the autoscaler's maximum")] = 4,
         gpus: Annotated[int, typer.Option(help="GPUs per replica (0: CPU)")] = 1,
+        **repo_opts,
     ) -> None:
         """Write a Triton model repository (TensorRT-LLM's `ensemble` interface) serving ENGINE_DIR."""
         from trtkv.manifest import load_manifest
@@ -91,9 +114,9 @@ def register(app: typer.Typer, handle_errors) -> None:
             kube = K8sOptions(name=k8s_name, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
                               **{k: v for k, v in (("image", image), ("repository", repo_url)) if v is not None})
             kube.check()  # before anything is written
-            copy_engine = True  # replicas read the repository elsewhere: the engine travels inside it
-            instance_kind = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
-        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache)
+            repo_opts["copy_engine"] = True  # replicas read the repository elsewhere: the engine travels inside it
+            repo_opts["instance_kind"] = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
+        opts = _repo_options(**repo_opts)
         path = write_repository(engine_dir, out, opts, force=force)
         console.print(f"model repository written to [bold]{path}[/] (model: ensemble)")
         if kube is not None:
@@ -104,6 +127,7 @@ def register(app: typer.Typer, handle_errors) -> None:
 
     @app.command()
     @handle_errors
+    @with_repo_options
     def serve(
         engine_dir: Annotated[Path, typer.Argument(help="engine directory from `trtkv build-engine`")],
         repo: Annotated[Optional[Path], typer.Option("--repo", help="model repository to write or reuse (default: trtkv-out/triton_repo)")] = None,
@@ -111,14 +135,6 @@ def register(app: typer.Typer, handle_errors) -> None:
         http_port: Annotated[int, typer.Option("--http-port")] = 8000,
         grpc_port: Annotated[int, typer.Option("--grpc-port")] = 8001,
         metrics_port: Annotated[int, typer.Option("--metrics-port")] = 8002,
-        kv_memory: KvMemoryOpt = None,
-        kv_fraction: KvFractionOpt = None,
-        max_seqs: MaxSeqsOpt = RuntimeConfig.max_seqs,
-        max_batched_tokens: BatchedTokensOpt = RuntimeConfig.max_batched_tokens,
-        backend: BackendOpt = "auto",
-        prefix_cache: PrefixCacheOpt = RuntimeConfig.enable_prefix_caching,
-        instance_kind: Annotated[str, typer.Option(help="auto | cpu | gpu")] = "auto",
-        copy_engine: Annotated[bool, typer.Option(help="copy the engine into the repository")] = False,
         log_file: Annotated[Optional[Path], typer.Option(help="tritonserver log (default: REPO/tritonserver.log)")] = None,
         timeout: Annotated[float, typer.Option(help="seconds to wait for the server to become ready")] = 300.0,
         openai_port: Annotated[Optional[int], typer.Option(
@@ -126,6 +142,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="the model name OpenAI clients send (default: the engine's model name)")] = None,
         grace: Annotated[float, typer.Option("--grace", help="on Ctrl-C / SIGTERM: seconds requests in flight get to finish before they are failed")] = 10.0,
         restarts: Annotated[int, typer.Option("--restarts", help="restart the server this many times when the model process dies, then exit 3")] = 3,
+        **repo_opts,
     ) -> None:
         """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM.
 
@@ -137,7 +154,7 @@ def register(app: typer.Typer, handle_errors) -> None:
 
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
-        opts = _repo_options(kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, instance_kind, copy_engine, prefix_cache)
+        opts = _repo_options(**repo_opts)
         summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
         if grace < 0 or restarts < 0:

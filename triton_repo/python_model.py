@@ -50,7 +50,7 @@ def _response(text: str, logprobs: list[float], want_logprobs: bool):
 
 
 class _Metrics:
-    def __init__(self, kv_format: str):
+    def __init__(self, kv_format: str, instance: str = ""):
         G = pb_utils.MetricFamily.GAUGE
         self._families = []  # a MetricFamily must outlive its Metrics: keep every one
 
@@ -59,7 +59,7 @@ class _Metrics:
             self._families.append(f)
             return f
 
-        lab = {"kv_format": kv_format}
+        lab = {"kv_format": kv_format, "instance": instance}  # one series per model instance (--instances): each has its own pool
         blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
         slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
         seqs = fam("trtkv_sequences", "sequences in the trtkv scheduler by state")
@@ -174,7 +174,7 @@ class TritonPythonModel:
         self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.budget.describe()}")
         self.metrics = None
         try:
-            self.metrics = _Metrics(self.engine.manifest.kv_format.name)
+            self.metrics = _Metrics(self.engine.manifest.kv_format.name, args.get("model_instance_name", ""))
             self.metrics.update(stats, force=True)
         except Exception as exc:
             self.logger.log_warn(f"trtkv: custom metrics unavailable: {exc}")
