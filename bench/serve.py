@@ -98,7 +98,8 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
 
     m = load_manifest(engine_dir)
     tok = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"), local_files_only=True)
-    opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, instance_kind="cpu")
+    opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, instance_kind="cpu",
+                       instances=args.instances)
     repo = write_repository(engine_dir, workdir / f"repo-{name}", opts, force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=workdir / f"server-{name}.log")
     out = {"engine": str(engine_dir), "kv_spec": m.kv_spec, "block_size": m.limits.block_size, "model": m.model.name}
@@ -173,6 +174,7 @@ def main() -> int:
     ap.add_argument("--kv-memory", type=float, default=0.17, help="KV budget in GiB, the same for every engine")
     ap.add_argument("--max-seqs", type=int, default=96)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--instances", type=int, default=1, help="python-model instances (engines) per server; --kv-memory is split among them")
     ap.add_argument("--admission-requests", type=int, default=100)
     ap.add_argument("--admission-prompt", type=int, default=80)
     ap.add_argument("--admission-max-tokens", type=int, default=4)
