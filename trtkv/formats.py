@@ -26,6 +26,7 @@ DYNAMIC_GRANULARITIES = ("per_token", "per_token_group", "per_block_channel")
 # per_block_channel: one scale (and zero-point) per channel over the tokens of a sealed block (KIVI's
 # key layout); it exists only in formats with sealed blocks, because a block is quantized when it fills.
 SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
+CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # range shrinks a ``mse`` block-channel search tries: 1.0 .. 0.5
 MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
 
 
@@ -247,6 +248,9 @@ class TensorFormat(BaseModel):
     symmetric: bool = True
     smooth: bool = False  # divide by calibrated per-channel factors (folded into the query / output)
     hadamard: bool = False  # rotate head_dim with a normalized Hadamard matrix
+    # per_block_channel only: each channel's range in a sealed block is the MSE-best of ``CLIP_GRID`` shrinks of
+    # [min, max] (searched when the block is sealed; the stored scale / zero-point are the chosen ones, same bytes)
+    mse: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "TensorFormat":
@@ -264,6 +268,8 @@ class TensorFormat(BaseModel):
             raise ValueError("group_size only applies to per_token_group")
         if not self.symmetric and self.granularity in STATIC_GRANULARITIES:
             raise ValueError("asymmetric (zero-point) quantization is only supported for dynamic granularities")
+        if self.mse and self.granularity != "per_block_channel":
+            raise ValueError("mse (a range searched per sealed block and channel) needs per_block_channel (bchannel) scales")
         return self
 
     @property
@@ -348,7 +354,7 @@ class TensorFormat(BaseModel):
             self.granularity, f"g{self.group_size}"
         )
         parts = [self.dtype, gran, "sym" if self.symmetric else "asym"]
-        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard)) if on]
+        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard), ("mse", self.mse)) if on]
         return ":".join(parts)
 
 
@@ -521,7 +527,7 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel).
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard][:mse]`` (granularity: tensor|head|channel|token|gN|bchannel).
 
     Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
     """
@@ -535,7 +541,7 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             field = "granularity"
         elif word in ("sym", "asym"):
             field = "symmetry"
-        elif word in ("smooth", "hadamard"):
+        elif word in ("smooth", "hadamard", "mse"):
             field = word
         else:
             raise ValueError(f"unknown word {word!r}")

@@ -98,6 +98,8 @@ def _check_values(op: OpSpec, a: Attrs) -> dict[str, TensorFormat]:
     for key, f in fmts.items():
         if LIMITS.dtype_problem(f.dtype):
             raise _bad(op, key, a[key], LIMITS.dtype_problem(f.dtype))
+        if f.mse:
+            raise _bad(op, key, a[key], "searches block-channel ranges (mse), which the seal kernel does not implement yet")
         try:
             f.check_head_dim(d)
         except TrtkvError as exc:
