@@ -178,10 +178,22 @@ def decode_stored(qt: QuantizedTensor, fmt: TensorFormat, d: int) -> np.ndarray:
     if fmt.dtype == "int8":
         assert raw.dtype == (torch.int8 if (fmt.symmetric or fmt.is_static) else torch.uint8)
         return raw.numpy().astype(np.float64)
+    sym = fmt.symmetric or fmt.is_static
+    if fmt.dtype in ("int3", "int2"):  # docs/kv-cache-format.md: int2 four codes per byte; int3 a 2-bit plane then a 1-bit plane
+        assert raw.dtype == torch.uint8 and raw.shape[-1] == d * (3 if fmt.dtype == "int3" else 2) // 8
+        by = raw.numpy()
+        out = np.zeros((*by.shape[:-1], d))
+        for idx in np.ndindex(*by.shape[:-1]):
+            for c in range(d):
+                code = (int(by[idx + (c // 4,)]) >> (2 * (c % 4))) & 3
+                if fmt.dtype == "int3":
+                    code |= ((int(by[idx + (d // 4 + c // 8,)]) >> (c % 8)) & 1) << 2
+                out[idx + (c,)] = code - ((4 if fmt.dtype == "int3" else 2) if sym else 0)
+        return out
     assert raw.dtype == torch.uint8 and raw.shape[-1] == d // 2
     by = raw.numpy()
     out = np.zeros((*by.shape[:-1], d))
-    offset = 8 if (fmt.symmetric or fmt.is_static) else 0
+    offset = 8 if sym else 0
     for idx in np.ndindex(*by.shape[:-1]):
         for c in range(d):
             b = int(by[idx + (c // 2,)])
