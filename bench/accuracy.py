@@ -68,12 +68,39 @@ ROWS: list[Row] = [
     *[Row(f"int4-kch-b64-vg32-sink{n}", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64" + (f",sink={n}" if n else ""),
           note=f"first {n} tokens kept fp16 (attention sinks)" if n else "no sink tokens") for n in (0, 1, 4, 16)],
     Row("int4-kch-b32-vg32-sink4", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=32,sink=4", note="block 32, 4 sink tokens"),
+    Row("int3", "int3", note="preset: keys per channel per sealed block of 64, values rotated, symmetric groups of 32, 4 sink tokens fp16"),
+    Row("int2", "int2", note="preset: keys per channel per sealed block of 64, values rotated, asymmetric per token, 4 sink tokens fp16"),
+    # below 4 bits (issue 18): 3-bit rows <= 3.5 pool bits, 2-bit rows <= 2.5 at head_dim 64
+    # which side costs the accuracy: one of K / V at the low bit width, the other at the int4 preset's recipe
+    Row("int3-konly", "k=int3:bchannel:asym,v=int4:g32:sym:hadamard,block=64,sink=4", note="K int3, V int4 (K's share of the error; 4.0 bits)"),
+    Row("int3-vonly", "k=int4:bchannel:asym,v=int3:g32:sym:hadamard,block=64,sink=4", note="K int4, V int3 (V's share of the error; 4.0 bits)"),
+    Row("int2-konly", "k=int2:bchannel:asym,v=int4:g32:sym:hadamard,block=64,sink=4", note="K int2, V int4 (K's share; 3.5 bits)"),
+    Row("int2-vonly", "k=int4:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=4", note="K int4, V int2 (V's share; 3.5 bits)"),
+    Row("int3-vtok", "k=int3:bchannel:asym,v=int3:token:asym:hadamard,block=64,sink=4", note="values asymmetric per token"),
+    Row("int3-vg64", "k=int3:bchannel:asym,v=int3:g64:sym:hadamard,block=64,sink=4", note="values symmetric groups of 64 (3.375 bits)"),
+    Row("int3-vnohad", "k=int3:bchannel:asym,v=int3:g32:sym,block=64,sink=4", note="values not rotated"),
+    Row("int3-sink0", "k=int3:bchannel:asym,v=int3:g32:sym:hadamard,block=64", note="no sink tokens"),
+    Row("int3-b128", "k=int3:bchannel:asym,v=int3:g32:sym:hadamard,block=128,sink=4", note="block 128 (3.375 bits)"),
+    Row("int2-vg32", "k=int2:bchannel:asym,v=int2:g32:sym:hadamard,block=64,sink=4", note="values symmetric groups of 32"),
+    Row("int2-vnohad", "k=int2:bchannel:asym,v=int2:token:asym,block=64,sink=4", note="values not rotated"),
+    Row("int2-khad", "k=int2:bchannel:asym:hadamard,v=int2:token:asym:hadamard,block=64,sink=4", note="keys rotated too"),
+    Row("int2-sink0", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64", note="no sink tokens"),
+    Row("int2-sink16", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=16", note="16 sink tokens"),
+    Row("int2-b128", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=128,sink=4", note="block 128 (2.375 bits)"),
+    Row("int2-b32", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=32,sink=4", note="block 32 (2.75 bits: over budget)"),
+    # keys' block-channel ranges searched for the least squared error when a block is sealed (same bytes)
+    Row("int4-kmse", "k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64,sink=4", note="int4 preset, key ranges MSE-searched per block-channel"),
+    Row("int3-kmse", "k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=64,sink=4", note="int3 preset, key ranges MSE-searched per block-channel"),
+    Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
 GROUPS = {
     "presets": [r.name for r in ROWS if r.note.startswith("preset")],
     "grid": [r.name for r in ROWS if "-b" in r.name],
+    "fewbits": [r.name for r in ROWS if r.name.startswith(("int3", "int2")) and "mse" not in r.name],
+    "fewbits-diag": ["int3", "int2", "int3-konly", "int3-vonly", "int2-konly", "int2-vonly", "int3-vtok", "int3-b128", "int2-vg32", "int2-khad"],
+    "mse": [r.name for r in ROWS if "mse" in r.name],
     "all": [r.name for r in ROWS],
 }
 

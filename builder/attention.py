@@ -107,6 +107,11 @@ def _byte_lut(t: TensorFormat) -> np.ndarray:
     return table.squeeze(-1).numpy()
 
 
+def _plane_lut(t: TensorFormat, plane: int) -> np.ndarray:
+    """``DtypeTraits.plane_tables`` of a bit-plane dtype (int3), plane ``plane``, indexed like ``_byte_lut``."""
+    return t.traits.plane_tables(t.symmetric)[plane][(torch.arange(256) - 128) % 256].numpy()
+
+
 def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: TensorParams | None = None) -> np.ndarray | None:
     """A static scale as the [H, D] float32 constant (``quant.per_channel``), or None for a dynamic format."""
     if not t.is_static:
@@ -116,11 +121,11 @@ def _static(p: TensorParams | None, t: TensorFormat, H: int, D: int, shared: Ten
     return per_channel(s, H, D, "a static scale").numpy()
 
 
-def _lut(ctx: StepContext, t: TensorFormat) -> str:
-    """One initializer per decode table, shared by every layer."""
-    key = f"lut_{t.dtype}_{'sym' if t.symmetric else 'asym'}"
+def _lut(ctx: StepContext, t: TensorFormat, plane: int | None = None) -> str:
+    """One initializer per decode table (per bit plane for int3), shared by every layer."""
+    key = f"lut_{t.dtype}_{'sym' if t.symmetric else 'asym'}" + ("" if plane is None else f"_p{plane}")
     if key not in ctx.extra:
-        ctx.extra[key] = ctx.g.const(_byte_lut(t), key)
+        ctx.extra[key] = ctx.g.const(_byte_lut(t) if plane is None else _plane_lut(t, plane), key)
     return ctx.extra[key]
 
 
@@ -145,9 +150,18 @@ class NativeAttention(AttentionBackend):
         f32 = TensorProto.FLOAT
         if t.storage.name != "uint8":  # fp16 values and signed int8 codes are their own values
             x = g.cast(codes, f32)
+        elif len(t.traits.planes) > 1:  # bit planes (int3): one Gather per plane's bytes, the planes' values summed
+            xi = g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32))
+            parts = []
+            for k, (byte, width, _) in enumerate(t.traits.plane_layout(D)):
+                sl = g.op("Slice", xi, g.i64(byte), g.i64(byte + D * width // 8), g.i64(4))
+                parts.append(g.reshape(g.gather(_lut(ctx, t, k), sl), (0, 0, 0, 0, D)))
+            x = parts[0]
+            for part in parts[1:]:
+                x = g.add(x, part)
         else:  # uint8 storage declared int8: LUT[int8 + 128] = the code values of the byte
             x = g.gather(_lut(ctx, t), g.add(g.cast(codes, TensorProto.INT32), g.scalar(128, np.int32)))
-            if t.traits.codes_per_byte > 1:  # [..., P, 2] -> [..., D], even channel first
+            if t.traits.packed:  # [..., P, codes per byte] -> [..., D], channel order within a byte
                 x = g.reshape(x, (0, 0, 0, 0, D))
         if t.is_dynamic:
             x = self._apply_dynamic(ctx, which, idx, x, t)

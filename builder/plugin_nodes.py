@@ -28,6 +28,9 @@ class PluginAttention(AttentionBackend):
     block_sizes = tuple(b for b in (16, 32, 64, 128) if C.LIMITS.block_size_problem(b) is None)
     head_dims = tuple(d for d in (32, 64, 128, 256) if C.LIMITS.head_dim_problem(d) is None)
 
+    def format_reason(self, t) -> str | None:
+        return C.LIMITS.dtype_problem(t.dtype)
+
     def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
         g, lay = ctx.g, ctx.layout
         H, D, nh = lay.num_kv_heads, lay.head_dim, ctx.num_heads

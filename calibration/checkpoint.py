@@ -29,7 +29,7 @@ import torch
 
 from trtkv import __version__
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, get_format
+from trtkv.formats import DTYPES, KVFormat, get_format
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,11 @@ def check_target_format(target: str, fmt: KVFormat) -> None:
     """Refuse (one ``TrtkvError``) a format the target engine cannot load, naming the closest it accepts."""
     ts = (fmt.k, fmt.v)
     dtypes = {t.dtype for t in ts}
+    packed = sorted(d for d in dtypes if DTYPES[d].packed)  # int4 / int3 / int2: no engine we export to stores them
     if target == "vllm":
         fix = "export --kv fp8 (per-tensor FP8 scales; calibrate it first with `trtkv calibrate --kv fp8` if the artifact lacks it)"
-        if "int4" in dtypes:
-            raise TrtkvError(f"vLLM has no INT4 KV cache, so {_describe(fmt)} cannot be exported to it", fix)
+        if packed:
+            raise TrtkvError(f"vLLM has no {'/'.join(packed).upper()} KV cache, so {_describe(fmt)} cannot be exported to it", fix)
         if dtypes != {"fp8_e4m3"}:
             raise TrtkvError(
                 f"vLLM's compressed-tensors kv_cache_scheme loads FP8 (e4m3) KV scales only, not {_describe(fmt)}", fix
@@ -89,9 +90,9 @@ def check_target_format(target: str, fmt: KVFormat) -> None:
             )
     elif target == "trtllm":
         fix = "export --kv fp8 or --kv int8-static (one static scale per layer; calibrate it first if the artifact lacks it)"
-        if "int4" in dtypes:
+        if packed:
             raise TrtkvError(
-                f"TensorRT-LLM's KV cache has no INT4 (kv_cache_quant_algo takes INT8 or FP8), so {_describe(fmt)} cannot be exported", fix
+                f"TensorRT-LLM's KV cache has no {'/'.join(packed).upper()} (kv_cache_quant_algo takes INT8 or FP8), so {_describe(fmt)} cannot be exported", fix
             )
         if "fp16" in dtypes or len(dtypes) != 1:
             raise TrtkvError(f"TensorRT-LLM quantizes K and V to one dtype (INT8 or FP8); {_describe(fmt)} mixes them", fix)

@@ -176,8 +176,8 @@ def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype:
 def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS,
                    q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION,
                    prefill_precision: str = PREFILL_PRECISION) -> list[KernelConfig]:
-    """Every kernel configuration of the given formats (default: all presets), deduplicated by name."""
-    formats = list(PRESETS.values()) if formats is None else formats
+    """Every kernel configuration of the given formats (default: every preset the kernels take), deduplicated by name."""
+    formats = [f for f in PRESETS.values() if C.LIMITS.takes(f)] if formats is None else formats
     out: dict[str, KernelConfig] = {}
     for d in head_dims:
         for fmt in formats:

@@ -35,6 +35,8 @@ HAND_BYTES_PER_BLOCK = {
     "int4": H * BS * D // 2 + H * D * 2 * 2 + H * BS * (D // 2 + 2 * 2),  # K per channel per block; V 2 groups x scale
     "int4-token": 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
     "int4-g32": 2 * H * BS * (D // 2 + 2 * 2),  # 32 code bytes + 2 groups x scale = 3456
+    "int3": H * BS * D * 3 // 8 + H * D * 2 * 2 + H * BS * (D * 3 // 8 + 2 * 2),  # 24 code bytes per row (bit planes 2 + 1)
+    "int2": H * BS * D // 4 + H * D * 2 * 2 + H * BS * (D // 4 + 2 + 2),  # 16 code bytes per row; V one scale + zero per token
 }
 
 EXPECTED = {
@@ -47,6 +49,8 @@ EXPECTED = {
     "int4": (torch.uint8, 32, (H, D), True),
     "int4-token": (torch.uint8, 32, (H, BS, 1), True),
     "int4-g32": (torch.uint8, 32, (H, BS, 2), False),
+    "int3": (torch.uint8, 24, (H, D), True),
+    "int2": (torch.uint8, 16, (H, D), True),
 }
 
 
@@ -70,7 +74,7 @@ def test_preset_layouts(name):
     assert lay.bytes_per_block() == HAND_BYTES_PER_BLOCK[name]
     # the pool's byte count agrees with the format's pool accounting; the open blocks are per slot
     assert lay.bytes_per_block() == fmt.kv_bytes_per_token(1, H, D) * BS
-    tail_rows = BS + {"int4": 4}.get(name, 0)  # the open block, then the int4 preset's 4 sink tokens
+    tail_rows = BS + {"int4": 4, "int3": 4, "int2": 4}.get(name, 0)  # the open block, then the presets' 4 sink tokens
     assert lay.tail_bytes_per_slot() == fmt.tail_bytes_per_slot(1, H, D) == 2 * H * tail_rows * D * 2
     pools = [lay.allocate(w) for w in ("k", "v")]
     assert all(p.tail.shape == (5, H, tail_rows, D) and p.tail.dtype == torch.float16 for p in pools)

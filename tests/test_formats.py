@@ -30,15 +30,23 @@ KIB = 1024
 
 
 def test_dtype_traits_table():
-    assert set(DTYPES) == {"fp16", "fp8_e4m3", "int8", "int4"}
+    assert set(DTYPES) == {"fp16", "fp8_e4m3", "int8", "int4", "int3", "int2"}
     for name, tr in DTYPES.items():
         assert tr.name == name
-        assert tr.storage.itemsize * 8 == tr.bits * tr.codes_per_byte  # one storage element holds codes_per_byte codes
+        if len(tr.planes) <= 1:
+            assert tr.storage.itemsize * 8 == tr.bits * tr.codes_per_byte  # one storage element holds codes_per_byte codes
+        assert sum(tr.planes) == (tr.bits if tr.packed else 0)  # bit planes cover every bit of a packed code
+        assert tr.packed_dim(64) * tr.storage.itemsize * 8 == 64 * tr.bits  # a row of 64 codes fills whole elements
         assert tr.packed_bytes_per_code == tr.bits / 8
         if tr.is_int:
             assert (tr.sym_min, tr.sym_max) == (-(2 ** (tr.bits - 1)), 2 ** (tr.bits - 1) - 1)
             assert tr.asym_max == 2**tr.bits - 1
     assert DTYPES["int4"].codes_per_byte == 2 and DTYPES["int4"].storage == torch.uint8
+    assert DTYPES["int2"].codes_per_byte == 4 and DTYPES["int2"].row_align == 4 and DTYPES["int2"].code_offset == 2
+    assert DTYPES["int3"].planes == (2, 1) and DTYPES["int3"].row_align == 8 and DTYPES["int3"].code_offset == 4
+    assert [DTYPES[n].packed_dim(128) for n in ("int4", "int3", "int2")] == [64, 48, 32]
+    with pytest.raises(ValueError, match="bit planes"):
+        _ = DTYPES["int3"].codes_per_byte
     assert DTYPES["int8"].storage == torch.int8
     assert DTYPES["fp8_e4m3"].storage == torch.uint8  # e4m3fn bit patterns
     assert DTYPES["fp8_e4m3"].sym_max == torch.finfo(torch.float8_e4m3fn).max == 448
@@ -184,7 +192,7 @@ def test_validation_rules():
         dict(dtype="int4", granularity="per_token", group_size=32),
         dict(dtype="int8", granularity="per_head", symmetric=False),  # static asym
         dict(dtype="int4", granularity="per_token_group", group_size=1),
-        dict(dtype="int2", granularity="per_token"),
+        dict(dtype="int5", granularity="per_token"),
         dict(dtype="int8", granularity="per_token", extra=1),
     ]
     for f in ok:
@@ -197,8 +205,8 @@ def test_validation_rules():
 
 
 INVALID = [
-    ("int3", ["unknown KV format", "'int3'"]),
-    ("k=int3:token,v=int8:token", ["dtype", "'int3'"]),
+    ("int5", ["unknown KV format", "'int5'"]),
+    ("k=int5:token,v=int8:token", ["dtype", "'int5'"]),
     ("k=fp8:token:asym,v=fp8:token", ["symmetric only"]),
     ("k=int8:tensor:asym,v=int8:token", ["asymmetric", "dynamic"]),
     ("k=int4:g,v=int8:token", ["unknown word 'g'"]),
@@ -392,8 +400,17 @@ def _naive_stored(name: str, symmetric: bool, q: list[float]) -> list:
         return [_fp8_nearest_byte(v) for v in q]
     if name == "int8":
         return [int(v) for v in q]
-    off = 8 if symmetric else 0  # int4: two codes per byte, the even channel in the low nibble
-    return [(int(q[2 * j]) + off) | ((int(q[2 * j + 1]) + off) << 4) for j in range(len(q) // 2)]
+    if name == "int4":
+        off = 8 if symmetric else 0  # int4: two codes per byte, the even channel in the low nibble
+        return [(int(q[2 * j]) + off) | ((int(q[2 * j + 1]) + off) << 4) for j in range(len(q) // 2)]
+    if name == "int2":
+        off = 2 if symmetric else 0  # four codes per byte, channel 4j + i in bits 2i, 2i + 1
+        return [sum((int(q[4 * j + i]) + off) << (2 * i) for i in range(4)) for j in range(len(q) // 4)]
+    assert name == "int3"  # a 2-bit plane (the low bits, four per byte), then a 1-bit plane (the top bit, eight per byte)
+    u = [int(v) + (4 if symmetric else 0) for v in q]
+    low = [sum((u[4 * j + i] & 3) << (2 * i) for i in range(4)) for j in range(len(u) // 4)]
+    top = [sum((u[8 * j + i] >> 2) << i for i in range(8)) for j in range(len(u) // 8)]
+    return low + top
 
 
 CODEC_CASES = [(n, s) for n in DTYPES for s in (True, False) if not (n in ("fp16", "fp8_e4m3") and not s)]
@@ -403,7 +420,7 @@ CODEC_CASES = [(n, s) for n in DTYPES for s in (True, False) if not (n in ("fp16
 def test_encode_decode_match_a_naive_loop(name, symmetric):
     tr = DTYPES[name]
     g = torch.Generator().manual_seed(5)
-    D = 6 if tr.codes_per_byte == 2 else 7
+    D = {"int4": 6, "int2": 12, "int3": 24}.get(name, 7)  # the smallest odd multiples of each packing's row
     shape = (3, 5, D)
     if tr.is_int:
         lo, hi = (tr.sym_min, tr.sym_max) if symmetric else (0, tr.asym_max)
@@ -411,7 +428,7 @@ def test_encode_decode_match_a_naive_loop(name, symmetric):
     else:
         q = (torch.randn(shape, generator=g) * (100 if name == "fp8_e4m3" else 1000)).clamp(tr.sym_min, tr.sym_max)
     stored = tr.encode(q, symmetric)
-    assert stored.dtype == tr.storage_for(symmetric) and stored.shape == (3, 5, D // tr.codes_per_byte)
+    assert stored.dtype == tr.storage_for(symmetric) and stored.shape == (3, 5, D * tr.bits // (8 * stored.element_size()))
     for row_q, row_s in zip(q.reshape(-1, D).tolist(), stored.reshape(-1, stored.shape[-1])):
         got = row_s.view(torch.uint8).tolist() if name == "fp8_e4m3" else row_s.tolist()
         assert got == _naive_stored(name, symmetric, row_q)
@@ -440,6 +457,64 @@ def test_byte_table_by_hand():
         DTYPES["fp16"].byte_table(True)
 
 
+@pytest.mark.parametrize("name", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_plane_tables_sum_to_the_codes_of_every_byte(name, symmetric):
+    """Decoding by table lookups (the ONNX graph's Gathers): per plane, a byte's row holds what it adds to each of
+    its channels; summed over planes they are the codes, checked against the naive bit loop for random rows."""
+    tr = DTYPES[name]
+    lo, hi = (tr.sym_min, tr.sym_max) if symmetric else (0, tr.asym_max)
+    D = 40 if name == "int3" else 12
+    q = torch.randint(int(lo), int(hi) + 1, (9, D), generator=torch.Generator().manual_seed(3)).float()
+    for row in q.tolist():
+        stored = _naive_stored(name, symmetric, row)
+        got = [0.0] * D
+        for table, (byte, width, _) in zip(tr.plane_tables(symmetric), tr.plane_layout(D)):
+            per = 8 // width
+            for c in range(D):
+                got[c] += table[stored[byte + c // per], c % per].item()
+        assert got == row
+    if name == "int3":
+        with pytest.raises(ValueError, match="bit planes"):
+            tr.byte_table(symmetric)
+    else:
+        assert torch.equal(tr.byte_table(symmetric), tr.plane_tables(symmetric)[0])
+
+
+@pytest.mark.parametrize("name,d,bits", [("int3", 64, 3.5), ("int2", 64, 2.5), ("int2", 128, 2.375), ("int3", 128, 3.5)])
+def test_fewbit_presets_pool_bits(name, d, bits):
+    """Issue 18's budgets at block 64: int3 <= 3.5 pool bits, int2 <= 2.5, scales and zero-points included, by hand:
+    keys 1 fp16 scale + 1 zero per channel per 64 tokens; int3 values 1 fp16 scale per 32 codes, int2 values an fp16
+    scale + zero per token row."""
+    fmt = PRESETS[name]
+    b = DTYPES[name].bits
+    k = b + 32 / 64
+    v = b + 16 / 32 if name == "int3" else b + 32 / d
+    assert fmt.pool_bits_per_element(d) == (k + v) / 2 == bits
+    assert fmt.sealed and fmt.block_size == 64 and fmt.sink_tokens == 4
+    assert fmt.k.packed_dim(d) == d * b // 8 and fmt.v.packed_dim(d) == d * b // 8
+
+
+def test_fewbit_round_trip_through_quantize_block_against_float64():
+    """int3 / int2 block-channel keys: the stored codes decode to within half a step of a float64 reference of the
+    same asymmetric per-channel quantization, at an odd number of tokens (rows) and a non-power-of-two head_dim."""
+    from trtkv.quant import dequantize, quantize_block
+
+    x = torch.randn(2, 3, 13, 24, generator=torch.Generator().manual_seed(7)) * 3
+    for name in ("int3", "int2"):
+        tf = parse_tensor_spec(f"{name}:bchannel:asym")
+        qt = quantize_block(x, tf)
+        assert qt.codes.shape == (2, 3, 13, 24 * DTYPES[name].bits // 8) and qt.codes.dtype == torch.uint8
+        got = dequantize(qt, tf).double()
+        xd = x.double()
+        mn, mx = xd.amin(-2, keepdim=True), xd.amax(-2, keepdim=True)
+        step = (mx - mn) / DTYPES[name].asym_max
+        ref = ((xd - mn) / step).round().clamp(0, DTYPES[name].asym_max) * step + mn
+        # fp16 scales / zeros: a code can land one step off at a rounding tie, never more
+        assert ((got - ref).abs() <= step * 1.01 + 1e-3).all()
+        assert (got - ref).abs().mean() < 0.05 * step.mean()
+
+
 def test_check_head_dim_names_each_rule():
     with pytest.raises(TrtkvError, match="int4 packs two codes per byte and needs an even head_dim, got 25"):
         parse_tensor_spec("int4:token").check_head_dim(25)
@@ -447,7 +522,11 @@ def test_check_head_dim_names_each_rule():
         parse_tensor_spec("int8:token:hadamard").check_head_dim(25)
     with pytest.raises(TrtkvError, match="group size 32 does not divide head_dim 48"):
         parse_tensor_spec("int8:g32").check_head_dim(48)
-    for spec, d in (("int4:token", 26), ("int8:token", 25), ("int8:g5", 25), ("fp8:tensor", 7), ("int4:g16:hadamard", 48), ("fp16", 3)):
+    with pytest.raises(TrtkvError, match=r"int3 packs bit planes \(2, 1\) and needs a head_dim that is a multiple of 8, got 20"):
+        parse_tensor_spec("int3:token").check_head_dim(20)
+    with pytest.raises(TrtkvError, match="int2 packs 4 codes per byte and needs a head_dim that is a multiple of 4, got 26"):
+        parse_tensor_spec("int2:token").check_head_dim(26)
+    for spec, d in (("int3:token", 24), ("int2:token", 20), ("int4:token", 26), ("int8:token", 25), ("int8:g5", 25), ("fp8:tensor", 7), ("int4:g16:hadamard", 48), ("fp16", 3)):
         parse_tensor_spec(spec).check_head_dim(d)  # fits: no error
 
 

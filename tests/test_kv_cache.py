@@ -35,6 +35,8 @@ FORMATS = {
     "k=int4:g8:sym,v=int4:g8:sym": torch.uint8,
     "k=fp8_e4m3:head:sym,v=fp8_e4m3:head:sym": torch.uint8,
     "k=int8:head:sym,v=int8:head:sym": torch.int8,
+    "k=int3:token:asym,v=int2:g8:sym": torch.uint8,  # bit planes: 3/8 byte per code; four codes per byte
+    "k=int2:token:sym,v=int3:token:asym": torch.uint8,
 }
 
 
@@ -53,7 +55,7 @@ def test_layer_stores_codes_and_reads_fake_quant(spec):
     assert stored.codes.dtype == FORMATS[spec]
     assert stored.codes.dtype in (torch.int8, torch.uint8)
     assert stored.codes.shape[:3] == (3, H, 6)
-    assert stored.codes.shape[-1] == (D // 2 if fmt.k.dtype == "int4" else D)
+    assert stored.codes.shape[-1] == {"int4": D // 2, "int3": 3 * D // 8, "int2": D // 4}.get(fmt.k.dtype, D)
     assert layer.k_store.open is None
     assert not hasattr(layer, "_full") and layer.keys.numel() == 0  # no full-precision shadow copy
     if fmt.k.is_dynamic:

@@ -178,10 +178,22 @@ def decode_stored(qt: QuantizedTensor, fmt: TensorFormat, d: int) -> np.ndarray:
     if fmt.dtype == "int8":
         assert raw.dtype == (torch.int8 if (fmt.symmetric or fmt.is_static) else torch.uint8)
         return raw.numpy().astype(np.float64)
+    sym = fmt.symmetric or fmt.is_static
+    if fmt.dtype in ("int3", "int2"):  # docs/kv-cache-format.md: int2 four codes per byte; int3 a 2-bit plane then a 1-bit plane
+        assert raw.dtype == torch.uint8 and raw.shape[-1] == d * (3 if fmt.dtype == "int3" else 2) // 8
+        by = raw.numpy()
+        out = np.zeros((*by.shape[:-1], d))
+        for idx in np.ndindex(*by.shape[:-1]):
+            for c in range(d):
+                code = (int(by[idx + (c // 4,)]) >> (2 * (c % 4))) & 3
+                if fmt.dtype == "int3":
+                    code |= ((int(by[idx + (d // 4 + c // 8,)]) >> (c % 8)) & 1) << 2
+                out[idx + (c,)] = code - ((4 if fmt.dtype == "int3" else 2) if sym else 0)
+        return out
     assert raw.dtype == torch.uint8 and raw.shape[-1] == d // 2
     by = raw.numpy()
     out = np.zeros((*by.shape[:-1], d))
-    offset = 8 if (fmt.symmetric or fmt.is_static) else 0
+    offset = 8 if sym else 0
     for idx in np.ndindex(*by.shape[:-1]):
         for c in range(d):
             b = int(by[idx + (c // 2,)])
@@ -863,3 +875,37 @@ def test_clip_ratio_scales_the_range_not_the_code_range():
     qt = quantize(x, fmt, TensorParams(clip=torch.tensor(0.5)), head_axis=-3)
     assert qt.scale.float().item() == pytest.approx(f16(0.5 * 4.0 / 127), rel=0)
     assert qt.codes.tolist() == [[[64, -127, 127, 32]]]
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int3", "int2"])
+def test_mse_block_channel_ranges_match_a_naive_search(dtype):
+    """``:mse`` block-channel keys: per (head, channel) the stored range is the CLIP_GRID shrink whose dequantized
+    block has the least squared error, found here by a plain per-channel float64 loop over the grid (odd block of 13
+    tokens, head_dim 24); never worse than min/max."""
+    from trtkv.formats import CLIP_GRID, DTYPES, parse_tensor_spec
+    from trtkv.quant import dequantize, quantize_block
+
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(3, 13, 24, generator=g) * torch.rand(24, generator=g) * 4
+    x[0, 2, 5] = 30.0  # an outlier token in one channel
+    tf, plain = parse_tensor_spec(f"{dtype}:bchannel:asym:mse"), parse_tensor_spec(f"{dtype}:bchannel:asym")
+    qt = quantize_block(x, tf, head_axis=-3)
+    got = dequantize(qt, tf, head_axis=-3).double()
+    qmax = DTYPES[dtype].asym_max
+    for h in range(3):
+        for c in range(24):
+            col = x[h, :, c].double()
+            mn, mx = col.min().item(), col.max().item()
+            best = None
+            for clip in CLIP_GRID:
+                zero = float(torch.tensor(mn + (mx - mn) * (1 - clip) / 2).half())
+                scale = float(torch.tensor((mx - mn) * clip / qmax).half())
+                q = ((col - zero) / scale).round().clamp(0, qmax) if scale > 0 else torch.zeros_like(col)
+                err = ((q * scale + zero - col) ** 2).sum().item()
+                if best is None or err < best[0] - 1e-9:
+                    best = (err, scale, zero)
+            assert float(qt.scale[h, c]) == pytest.approx(best[1], rel=1e-3) and float(qt.zero[h, c]) == pytest.approx(best[2], rel=1e-3, abs=1e-3)
+            assert ((got[h, :, c] - col) ** 2).sum().item() <= best[0] * (1 + 1e-4) + 1e-6
+    e_mse = (got - x.double()).square().sum().item()
+    e_plain = (dequantize(quantize_block(x, plain, head_axis=-3), plain, head_axis=-3).double() - x.double()).square().sum().item()
+    assert e_mse < e_plain

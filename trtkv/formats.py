@@ -1,7 +1,7 @@
 """KV cache formats: one validated definition used by calibration, eval, kernels, ONNX and plugins.
 
 A format is a table row, not code: the storage dtypes are rows of ``DTYPES`` (bits, code range,
-codes per byte), and a ``KVFormat`` combines one ``TensorFormat`` for K and one for V with the
+bit planes and packing), and a ``KVFormat`` combines one ``TensorFormat`` for K and one for V with the
 optional transforms. The quantization math that reads these rows lives once, in ``trtkv.quant``.
 """
 
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from trtkv.errors import TrtkvError
 
-StorageDtype = Literal["fp16", "fp8_e4m3", "int8", "int4"]
+StorageDtype = Literal["fp16", "fp8_e4m3", "int8", "int4", "int3", "int2"]
 Granularity = Literal["none", "per_tensor", "per_head", "per_channel", "per_token", "per_token_group", "per_block_channel"]
 
 STATIC_GRANULARITIES = ("per_tensor", "per_head", "per_channel")
@@ -27,6 +27,7 @@ DYNAMIC_GRANULARITIES = ("per_token", "per_token_group", "per_block_channel")
 # key layout); it exists only in formats with sealed blocks, because a block is quantized when it fills.
 SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the codes
 DEFAULT_BLOCK_SIZE = 64  # tokens per sealed block of a paged cache whose format names none (build-engine, plan)
+CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # range shrinks a ``mse`` block-channel search tries: 1.0 .. 0.5
 MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
 
 
@@ -59,14 +60,54 @@ class DtypeTraits:
     sym_min: float  # symmetric code range (signed codes; floats: the finite range)
     sym_max: float
     asym_max: int  # asymmetric codes are unsigned 0..asym_max (ints only)
-    codes_per_byte: int
     storage: torch.dtype  # dtype of the packed storage tensor in a pool (symmetric / static codes)
     storage_asym: torch.dtype | None = None  # asymmetric (unsigned) codes, when they differ from ``storage``
     code_offset: int = 0  # added to symmetric codes before they are stored (int4: +8, so nibbles are unsigned)
+    # Bit planes of a packed code, low bits first (ints below 8 bits): plane k holds bits
+    # ``sum(planes[:k]) ..`` of every code, 8 / planes[k] codes per byte, channel c at bit (c % per byte) * width.
+    # A token row stores its planes one after the other: int4 (4,) is two nibbles per byte, int2 (2,) four
+    # codes per byte, int3 (2, 1) a 2-bit plane (D/4 bytes) then a 1-bit plane (D/8 bytes), 3/8 byte per code.
+    planes: tuple[int, ...] = ()
 
     @property
     def packed_bytes_per_code(self) -> float:
         return self.bits / 8
+
+    @property
+    def packed(self) -> bool:
+        """Several codes (or code planes) share a byte: ints below 8 bits."""
+        return bool(self.planes)
+
+    @property
+    def codes_per_byte(self) -> int:
+        """Codes per storage element: 1 unpacked, 8 / bits for one-plane packings (int4: 2, int2: 4). A bit-plane
+        dtype (int3) has no whole number: ask ``packed_dim`` / ``row_align`` / ``planes`` instead."""
+        if not self.planes:
+            return 1
+        if len(self.planes) > 1:
+            raise ValueError(f"{self.name} is stored in bit planes {self.planes}: it has no whole number of codes per byte")
+        return 8 // self.planes[0]
+
+    @property
+    def row_align(self) -> int:
+        """head_dim must be a multiple of this for a token row to fill whole bytes in every plane (int3: 8)."""
+        align = 1
+        for width in self.planes:
+            align = max(align, 8 // width)  # widths divide 8: the largest codes-per-byte is the lcm
+        return align
+
+    def packed_dim(self, head_dim: int) -> int:
+        """Storage elements per token row of ``head_dim`` codes (int4: D/2, int3: 3D/8, int2: D/4)."""
+        return head_dim * self.bits // (8 * self.storage.itemsize)
+
+    def plane_layout(self, head_dim: int) -> list[tuple[int, int, int]]:
+        """``(byte offset in the row, bit width, lowest code bit)`` of each plane of a ``head_dim`` row."""
+        out, byte, low = [], 0, 0
+        for width in self.planes:
+            out.append((byte, width, low))
+            byte += head_dim * width // 8
+            low += width
+        return out
 
     def storage_for(self, symmetric: bool) -> torch.dtype:
         """Torch dtype of a pool's ``data`` tensor for symmetric (or static) / asymmetric codes."""
@@ -87,8 +128,8 @@ class DtypeTraits:
         if not self.is_int:  # fp8: the e4m3fn bit pattern (rounding to nearest even happens in this cast)
             return q.to(torch.float8_e4m3fn).view(torch.uint8)
         stored = q + self.offset(symmetric) if self.offset(symmetric) else q
-        if self.codes_per_byte == 2:
-            return pack_int4(stored.to(torch.uint8))
+        if self.packed:
+            return self._pack(stored.to(torch.uint8))
         return stored.to(self.storage_for(symmetric))
 
     def decode(self, codes: torch.Tensor, symmetric: bool) -> torch.Tensor:
@@ -97,19 +138,65 @@ class DtypeTraits:
             return codes.float()
         if not self.is_int:
             return codes.view(torch.float8_e4m3fn).float()
-        q = (unpack_int4(codes) if self.codes_per_byte == 2 else codes).float()
+        q = (self._unpack(codes) if self.packed else codes).float()
         return q - self.offset(symmetric) if self.offset(symmetric) else q
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Unsigned codes uint8 [..., D] -> bytes [..., packed_dim(D)], plane after plane (see ``planes``)."""
+        D = codes.shape[-1]
+        if D % self.row_align:
+            raise TrtkvError(f"{self.name} packing needs a last dimension that is a multiple of {self.row_align}, got {D}",
+                             f"use a head_dim that is a multiple of {self.row_align}")
+        out = []
+        for _, width, low in self.plane_layout(D):
+            per = 8 // width
+            bits = ((codes >> low) & ((1 << width) - 1)).reshape(*codes.shape[:-1], D // per, per)
+            shifts = torch.arange(per, dtype=torch.uint8, device=codes.device) * width
+            out.append((bits << shifts).sum(-1, dtype=torch.int32).to(torch.uint8))
+        return torch.cat(out, -1)
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``_pack``: bytes [..., packed_dim(D)] -> unsigned codes uint8 [..., D]."""
+        D = packed.shape[-1] * 8 // self.bits
+        codes = torch.zeros(*packed.shape[:-1], D, dtype=torch.uint8, device=packed.device)
+        for byte, width, low in self.plane_layout(D):
+            per = 8 // width
+            plane = packed[..., byte : byte + D // per]
+            shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * width
+            bits = ((plane.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).flatten(-2)
+            codes |= bits << low
+        return codes
 
     def byte_table(self, symmetric: bool) -> torch.Tensor:
         """float32 [256, codes_per_byte]: the code values stored in each byte 0..255 (the even channel first).
         fp8's two NaN patterns read as 0: they never occur, inputs are clamped to ±448."""
         if self.bits > 8:
             raise ValueError(f"{self.name} is not stored in bytes")
+        if len(self.planes) > 1:
+            raise ValueError(f"{self.name} is stored in bit planes {self.planes}: a byte holds parts of codes (use plane_tables)")
+        if self.planes:
+            return self.plane_tables(symmetric)[0]
         b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         if self.codes_per_byte == 1 and self.is_int:
             b = b.view(self.storage_for(symmetric))
         table = self.decode(b.reshape(256, 1), symmetric)
         return torch.nan_to_num(table, nan=0.0).reshape(256, self.codes_per_byte)
+
+
+    def plane_tables(self, symmetric: bool) -> list[torch.Tensor]:
+        """Per bit plane, float32 [256, 8 / width]: what each byte 0..255 of that plane adds to the code values of
+        its channels (bits shifted into place; the first plane also subtracts the symmetric offset), so a code is
+        the sum over planes of one lookup each (the ONNX graph's Gathers). Packed ints only."""
+        if not self.planes:
+            raise ValueError(f"{self.name} has no bit planes")
+        b = torch.arange(256, dtype=torch.int32)
+        out = []
+        for k, (_, width, low) in enumerate(self.plane_layout(8)):
+            per = 8 // width
+            shifts = torch.arange(per, dtype=torch.int32) * width
+            vals = (((b[:, None] >> shifts) & ((1 << width) - 1)) << low).float()
+            out.append(vals - self.offset(symmetric) if k == 0 else vals)
+        return out
 
 
 @dataclass(frozen=True)
@@ -137,10 +224,12 @@ ELEM_TYPES: dict[str, ElemType] = {
 }
 
 DTYPES: dict[str, DtypeTraits] = {
-    "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, 1, torch.float16),
-    "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, 1, torch.uint8),
-    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, 1, torch.int8, torch.uint8),
-    "int4": DtypeTraits("int4", 4, True, -8, 7, 15, 2, torch.uint8, code_offset=8),
+    "fp16": DtypeTraits("fp16", 16, False, -65504.0, 65504.0, 0, torch.float16),
+    "fp8_e4m3": DtypeTraits("fp8_e4m3", 8, False, -448.0, 448.0, 0, torch.uint8),
+    "int8": DtypeTraits("int8", 8, True, -128, 127, 255, torch.int8, torch.uint8),
+    "int4": DtypeTraits("int4", 4, True, -8, 7, 15, torch.uint8, code_offset=8, planes=(4,)),
+    "int3": DtypeTraits("int3", 3, True, -4, 3, 7, torch.uint8, code_offset=4, planes=(2, 1)),
+    "int2": DtypeTraits("int2", 2, True, -2, 1, 3, torch.uint8, code_offset=2, planes=(2,)),
 }
 
 
@@ -160,6 +249,9 @@ class TensorFormat(BaseModel):
     symmetric: bool = True
     smooth: bool = False  # divide by calibrated per-channel factors (folded into the query / output)
     hadamard: bool = False  # rotate head_dim with a normalized Hadamard matrix
+    # per_block_channel only: each channel's range in a sealed block is the MSE-best of ``CLIP_GRID`` shrinks of
+    # [min, max] (searched when the block is sealed; the stored scale / zero-point are the chosen ones, same bytes)
+    mse: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "TensorFormat":
@@ -177,6 +269,8 @@ class TensorFormat(BaseModel):
             raise ValueError("group_size only applies to per_token_group")
         if not self.symmetric and self.granularity in STATIC_GRANULARITIES:
             raise ValueError("asymmetric (zero-point) quantization is only supported for dynamic granularities")
+        if self.mse and self.granularity != "per_block_channel":
+            raise ValueError("mse (a range searched per sealed block and channel) needs per_block_channel (bchannel) scales")
         return self
 
     @property
@@ -222,14 +316,17 @@ class TensorFormat(BaseModel):
     def check_head_dim(self, head_dim: int) -> None:
         """The one place that says whether this storage fits a head_dim: TrtkvError naming the rule, else None."""
         self.groups(head_dim)  # a group size must divide head_dim
-        if head_dim % 2 and self.traits.codes_per_byte == 2:
-            raise TrtkvError(f"{self.dtype} packs two codes per byte and needs an even head_dim, got {head_dim}", "use int8 for this model")
+        align = self.traits.row_align
+        if head_dim % align:
+            what = "two codes per byte and needs an even head_dim" if align == 2 else \
+                f"{'bit planes ' + str(self.traits.planes) if len(self.traits.planes) > 1 else str(align) + ' codes per byte'} and needs a head_dim that is a multiple of {align}"
+            raise TrtkvError(f"{self.dtype} packs {what}, got {head_dim}", "use int8 for this model")
         if head_dim % 2 and self.hadamard:
             raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {head_dim}", "drop the hadamard transform for this model")
 
     def packed_dim(self, head_dim):
-        """Storage elements per token and head in a pool: head_dim, or head_dim / 2 for two codes per byte (int4)."""
-        return head_dim // self.traits.codes_per_byte
+        """Storage elements per token and head in a pool (the ``DTYPES`` row's packing: int4 D/2, int3 3D/8, int2 D/4)."""
+        return self.traits.packed_dim(head_dim)
 
     def scale_shape(self, lead: tuple, num_kv_heads, block_size, head_dim: int) -> tuple | None:
         """Shape of this format's dynamic scale (and zero-point) tensor after the ``lead`` axes, or None when it
@@ -258,7 +355,7 @@ class TensorFormat(BaseModel):
             self.granularity, f"g{self.group_size}"
         )
         parts = [self.dtype, gran, "sym" if self.symmetric else "asym"]
-        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard)) if on]
+        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard), ("mse", self.mse)) if on]
         return ":".join(parts)
 
 
@@ -393,6 +490,26 @@ PRESETS: dict[str, KVFormat] = {
             "Hadamard-rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay fp16",
         ),
         KVFormat(
+            name="int3",
+            k=_t("int3", "per_block_channel", symmetric=False),
+            v=_t("int3", "per_token_group", group_size=32, hadamard=True),
+            block_size=64,
+            sink_tokens=4,
+            description="int3 in sealed blocks of 64 (3.5 bits): keys asymmetric per channel over each block, values "
+            "Hadamard-rotated, symmetric groups of 32; codes in a 2-bit plane and a 1-bit plane; the open block and the "
+            "first 4 tokens stay fp16",
+        ),
+        KVFormat(
+            name="int2",
+            k=_t("int2", "per_block_channel", symmetric=False),
+            v=_t("int2", "per_token", symmetric=False, hadamard=True),
+            block_size=64,
+            sink_tokens=4,
+            description="int2 in sealed blocks of 64 (2.5 bits at head_dim 64): keys asymmetric per channel over each "
+            "block, values Hadamard-rotated, asymmetric per token; four codes per byte; the open block and the first 4 "
+            "tokens stay fp16",
+        ),
+        KVFormat(
             name="int4-token",
             k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
             v=_t("int4", "per_token", symmetric=False, hadamard=True),
@@ -411,7 +528,7 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard]`` (granularity: tensor|head|channel|token|gN|bchannel).
+    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard][:mse]`` (granularity: tensor|head|channel|token|gN|bchannel).
 
     Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
     """
@@ -425,7 +542,7 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             field = "granularity"
         elif word in ("sym", "asym"):
             field = "symmetry"
-        elif word in ("smooth", "hadamard"):
+        elif word in ("smooth", "hadamard", "mse"):
             field = word
         else:
             raise ValueError(f"unknown word {word!r}")

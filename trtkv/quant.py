@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import TensorFormat, pack_int4, unpack_int4  # noqa: F401  (re-exported: the codec lives in the DTYPES rows)
+from trtkv.formats import CLIP_GRID, TensorFormat, pack_int4, unpack_int4  # noqa: F401  (re-exported: the codec lives in the DTYPES rows)
 
 FP16_MAX = 65504.0
 
@@ -158,6 +158,26 @@ def _dynamic_codes(g: torch.Tensor, fmt: TensorFormat, clip, axis: int) -> Quant
     return QuantizedTensor(codes=q, scale=scale, zero=zero)
 
 
+def _searched_codes(xf: torch.Tensor, fmt: TensorFormat) -> QuantizedTensor:
+    """Block-channel codes with each channel's range the one of ``CLIP_GRID`` (shrinks of [min, max] about its centre,
+    or of [-amax, amax]) whose dequantized block is nearest ``xf`` in squared error; ties keep the wider range."""
+    best: QuantizedTensor | None = None
+    best_err = None
+    for c in CLIP_GRID:
+        qt = _dynamic_codes(xf, fmt, c, -2)
+        deq = qt.codes * qt.scale + (qt.zero if qt.zero is not None else 0)
+        err = (deq - xf).square().sum(-2, keepdim=True)
+        if best is None:
+            best, best_err = qt, err
+            continue
+        take = err < best_err
+        best = QuantizedTensor(codes=torch.where(take, qt.codes, best.codes), scale=torch.where(take, qt.scale, best.scale),
+                               zero=None if qt.zero is None else torch.where(take, qt.zero, best.zero))
+        best_err = torch.where(take, err, best_err)
+    assert best is not None
+    return best
+
+
 def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> QuantizedTensor:
     """Quantize K or V (head_dim last) into its stored form, each token on its own (see ``quantize_block``)."""
     if not fmt.is_quantized:
@@ -194,7 +214,7 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
     check_finite(x, "K/V input")
     xf = forward_transform(x.float(), fmt, params, head_axis)
     clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
-    qt = _dynamic_codes(xf, fmt, clip, -2)
+    qt = _searched_codes(xf, fmt) if fmt.mse else _dynamic_codes(xf, fmt, clip, -2)
     return QuantizedTensor(
         codes=fmt.traits.encode(qt.codes, fmt.symmetric),
         scale=qt.scale.squeeze(-2).half(),

@@ -96,6 +96,10 @@ def _check_values(op: OpSpec, a: Attrs) -> dict[str, TensorFormat]:
     if d is not None and LIMITS.head_dim_problem(d):
         raise _bad(op, "head_dim", d, LIMITS.head_dim_problem(d))
     for key, f in fmts.items():
+        if LIMITS.dtype_problem(f.dtype):
+            raise _bad(op, key, a[key], LIMITS.dtype_problem(f.dtype))
+        if f.mse:
+            raise _bad(op, key, a[key], "searches block-channel ranges (mse), which the seal kernel does not implement yet")
         try:
             f.check_head_dim(d)
         except TrtkvError as exc:

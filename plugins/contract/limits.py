@@ -23,6 +23,18 @@ class KernelLimits:
     partition_min: int = 16
     default_partition: int = 512
 
+    # storage dtypes the kernels decode and seal (DTYPES rows; int3 / int2 are eval, plan and ONNX-native only so far)
+    dtypes: tuple[str, ...] = ("fp16", "fp8_e4m3", "int8", "int4")
+
+    def dtype_problem(self, dtype: str) -> str | None:
+        if dtype in self.dtypes:
+            return None
+        return f"has storage {dtype}, which the Triton kernels do not implement yet (they take {', '.join(self.dtypes)})"
+
+    def takes(self, fmt) -> bool:
+        """Whether the kernels implement both tensor formats of a KVFormat (storage dtypes; no ``mse`` seal)."""
+        return all(self.dtype_problem(t.dtype) is None and not t.mse for t in (fmt.k, fmt.v))
+
     def head_dim_problem(self, d: int) -> str | None:
         if _is_pow2(d) and self.head_dim_min <= d <= self.head_dim_max:
             return None
