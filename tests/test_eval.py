@@ -106,7 +106,7 @@ def test_run_eval_needs_calibration_before_loading(monkeypatch):
     with pytest.raises(TrtkvError, match="--calibration"):
         run_eval("smollm2-135m", "builtin:pydoc", ["fp16", "int8-static"])
     with pytest.raises(TrtkvError, match="unknown KV format"):
-        run_eval("smollm2-135m", "builtin:pydoc", ["int3"])
+        run_eval("smollm2-135m", "builtin:pydoc", ["int5"])
 
 
 def test_write_json(tmp_path):
