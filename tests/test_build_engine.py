@@ -476,6 +476,7 @@ def test_plugin_attention_states_its_limits(tmp_path, tiny_dir, tiny_loaded):
 # --------------------------------------------------------------------------- TensorRT-RTX: every format's graph pattern
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["fp16", "int8", "fp8", "int4", "k=int8:token:asym,v=int4:g8:sym:hadamard"])
 def test_tensorrt_rtx_builds_every_pool_pattern(tmp_path, tiny_dir, tiny_loaded, tiny_cal, kv):
     """The tiny model's native network for each pool encoding (fp16, int8 Cast, fp8 LUT Gather, int4 and unsigned

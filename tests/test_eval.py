@@ -139,6 +139,7 @@ def test_run_eval_real_model_small(builtin_model, monkeypatch):
     assert base.windows == 2 and base.tokens == 2 * 127
 
 
+@pytest.mark.slow
 def test_run_eval_with_calibration_artifact(tiny_model, tmp_path):
     """End to end on a tiny saved model: calibrate a smoothed int4 format, then eval it from the artifact."""
     from trtkv.calibration.run import run_calibration

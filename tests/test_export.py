@@ -96,6 +96,7 @@ def _load_rank(path: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- vLLM
 
 
+@pytest.mark.slow
 def test_vllm_checkpoint_loads_in_transformers_with_original_logits_and_valid_scheme(tiny, tmp_path):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationStrategy
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -143,6 +144,7 @@ def test_vllm_checkpoint_loads_in_transformers_with_original_logits_and_valid_sc
     assert manifest["format"] == "fp8" and manifest["format_definition"]["k"]["dtype"] == "fp8_e4m3" and manifest["next_step"].startswith("vllm serve")
 
 
+@pytest.mark.slow
 def test_vllm_default_dtype_is_float16_and_weights_round_trip(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -398,6 +400,7 @@ def test_clipped_methods_stay_below_the_range_and_all_scales_positive(tiny, tmp_
 # --------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.slow
 def test_refusals_name_problem_and_fix(tiny, tmp_path):
     d, _, cal, _ = tiny("gqa")
     with pytest.raises(TrtkvError, match="INT4") as e:

@@ -138,6 +138,7 @@ def test_gemma3_record_has_a_rope_base_per_layer_type(family):
 # --------------------------------------------------------------------------- calibrate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])  # k_norm (Qwen3's too) and qkv_proj hooks; layer types
 def test_calibrate_runs_and_reports_layer_types(family, name, tmp_path):
     from trtkv.artifacts import load_calibration

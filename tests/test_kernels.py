@@ -297,6 +297,7 @@ DECODE_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,d,ratio,part,kvh", DECODE_CASES, ids=[f"{f}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in DECODE_CASES])
 def test_decode_matches_float64_reference(fmt, d, ratio, part, kvh):
     f = get_format(fmt)
@@ -311,6 +312,7 @@ def test_decode_matches_float64_reference(fmt, d, ratio, part, kvh):
     assert torch.isfinite(out32).all()
 
 
+@pytest.mark.slow
 def test_decode_ignores_garbage_bit_for_bit():
     """NaN / inf / random bytes in unused pool blocks, tail rows past the context and block-table entries
     past the sealed blocks leave the output unchanged to the bit."""
@@ -323,6 +325,7 @@ def test_decode_ignores_garbage_bit_for_bit():
     assert torch.equal(clean, dirty) and torch.isfinite(dirty).all()
 
 
+@pytest.mark.slow
 def test_decode_partition_size_does_not_change_the_result_beyond_rounding():
     case = _case("int8", 128, 8, [257, 600, 63], seed=2)
     q = torch.randn(3, case.heads, 128, generator=case.gen)
@@ -380,6 +383,7 @@ PREFILL_CASES = [  # (format, head_dim, gqa ratio, kv heads)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,d,ratio,kvh", PREFILL_CASES, ids=[f"{f}-d{d}-gqa{r}-h{h}" for f, d, r, h in PREFILL_CASES])
 def test_prefill_matches_float64_reference(fmt, d, ratio, kvh):
     f = get_format(fmt)

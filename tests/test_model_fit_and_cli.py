@@ -80,6 +80,7 @@ def test_defaults_that_cannot_fit_are_skipped_with_a_note_requested_ones_are_err
 TINY = [("llama", 32), ("qwen2", 32), ("llama", 48), ("qwen2", 48), ("llama", 80), ("qwen2", 80)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,head_dim", TINY, ids=[f"{a}-hd{d}" for a, d in TINY])
 def test_calibrate_and_plan_default_formats_on_any_head_dim(tiny_model, tmp_path, arch, head_dim):
     model_dir, _ = tiny_model(arch, with_tokenizer=True, head_dim=head_dim)
@@ -98,6 +99,7 @@ def test_calibrate_and_plan_default_formats_on_any_head_dim(tiny_model, tmp_path
         assert "note: int4 at head_dim" in res.output
 
 
+@pytest.mark.slow
 def test_calibrate_only_the_formats_asked_for(tiny_model, tmp_path):
     model_dir, _ = tiny_model("llama", with_tokenizer=True, head_dim=32)
     out = tmp_path / "cal"
@@ -109,6 +111,7 @@ def test_calibrate_only_the_formats_asked_for(tiny_model, tmp_path):
 # ----------------------------------------------------------------------------- cheap checks first
 
 
+@pytest.mark.slow
 def test_cheap_checks_come_before_the_weights(tiny_model, tmp_path, no_weights):
     model_dir, _ = tiny_model("qwen2", with_tokenizer=True, head_dim=48)
     a_file = tmp_path / "taken"
@@ -129,6 +132,7 @@ def test_cheap_checks_come_before_the_weights(tiny_model, tmp_path, no_weights):
     assert "lower --windows to at most" in res.output and "--samples" not in res.output
 
 
+@pytest.mark.slow
 def test_model_without_tokenizer_names_the_flag_and_tokenizer_flag_works(tiny_model, tmp_path):
     bare, _ = tiny_model("llama", head_dim=32)  # no tokenizer files
     with_tok, _ = tiny_model("llama", with_tokenizer=True, head_dim=32)
@@ -155,6 +159,7 @@ def test_loading_weights_shows_no_transformers_progress_bar(tiny_model, capfd):
 # ----------------------------------------------------------------------------- eval: meta, other models, tables
 
 
+@pytest.mark.slow
 def test_eval_json_meta_model_from_calibration_and_other_model(tiny_model, tmp_path):
     model_dir, _ = tiny_model("qwen2", with_tokenizer=True, head_dim=48)
     other_dir, _ = tiny_model("qwen2", with_tokenizer=True, head_dim=48, seed=1)  # same shape, other weights
@@ -245,6 +250,7 @@ def test_plan_names_the_assumed_gpu_and_keeps_specs_whole():
 # ----------------------------------------------------------------------------- CLI details
 
 
+@pytest.mark.slow
 def test_version_and_debug_after_the_subcommand():
     from trtkv import __version__
 
@@ -304,6 +310,7 @@ def test_absmax_plot_keeps_log_axis_over_decades():
 # ----------------------------------------------------------------------------- docs
 
 
+@pytest.mark.slow
 def test_preset_table_in_docs_is_generated_from_presets():
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "docs" / "gen_preset_table.py"), "--check"], capture_output=True, text=True)

@@ -90,6 +90,7 @@ def test_corrupt_gguf_errors(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_truncated_gguf_errors(tmp_path):
     real = resolve_model("smollm2-135m")
     cut = tmp_path / "cut.gguf"
@@ -152,6 +153,7 @@ def test_cuda_without_gpu_errors():
 # --------------------------------------------------------------------------- builtin model
 
 
+@pytest.mark.slow
 def test_builtin_model_info_from_metadata():
     info = model_info("smollm2-135m")
     assert (info.architecture, info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (

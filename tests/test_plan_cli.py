@@ -71,6 +71,7 @@ def test_plan_cli_json(tmp_path):
         (["plan", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_line_error(args, needle):
     proc = subprocess.run([sys.executable, "-m", "trtkv.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -79,6 +80,7 @@ def test_bad_input_is_one_line_error(args, needle):
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_debug_shows_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "trtkv.cli", "--debug", "plan", "--kv", "int5", "--layers", "1", "--kv-heads", "1", "--head-dim", "8"],

@@ -117,6 +117,7 @@ def test_stale_pool_and_tail_rows_never_leak(tiny_dir):
     assert torch.isfinite(got).all() and torch.equal(got, clean)
 
 
+@pytest.mark.slow
 def test_kernel_path_under_interpreter_equals_torch_path(tiny_dir, monkeypatch):
     """attention="kernels" (the CUDA path: Triton decode / prefill kernels) run on CPU under TRITON_INTERPRET=1,
     end to end on the 2-layer model with int4 (sinks, Hadamard V, per-block-channel K), vs the torch path."""
