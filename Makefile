@@ -39,8 +39,9 @@ quickstart: setup
 	$(BIN)/trtkv eval --model smollm2-135m --dataset builtin:pydoc --calibration $(OUT)/calibration \
 		--kv fp16 --kv int8 --kv int4 --windows 16 --json $(OUT)/eval.json
 
+# Two pytest workers, each taking whole modules (module fixtures such as a running server stay in one worker).
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The inner loop (docs/development.md): everything but the tests marked slow, model (the real SmolLM2) or server
 # (a real tritonserver); under 2 minutes on 2 cores.
