@@ -134,3 +134,21 @@ def tiny_models(tmp_path_factory):
         return built[key]
 
     return get
+
+
+SMALL_LLAMA = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # inside the kernels' limits
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster than an OpenMP pool on a shared machine (use from a module's autouse fixture)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny byte-level BPE tokenizer (``build_tiny_tokenizer``), built once."""
+    return build_tiny_tokenizer()

@@ -10,7 +10,7 @@ are evicted least recently released first when the pool needs them.
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import SMALL_LLAMA
 from test_runtime_faults import BS, greedy, make_llm
 
 from trtkv.formats import PRESETS
@@ -22,25 +22,13 @@ BASE = list(range(100, 118))  # 18 tokens: 4 full blocks of 4 and 2 more
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from conftest import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from conftest import build_tiny_tokenizer
-
-    return build_tiny_tokenizer()
+def model(tiny_models):
+    return tiny_models("llama", **SMALL_LLAMA)[1]
 
 
 def second_round(first_output: list[int]) -> list[tuple[list[int], int]]:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import SMALL_LLAMA
 
 from trtkv.formats import PRESETS, get_format
 from trtkv.runtime.block_manager import CacheBudget
@@ -22,26 +23,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 3
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster than an OpenMP pool on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from conftest import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from conftest import build_tiny_tokenizer
-
-    return build_tiny_tokenizer()
+def model(tiny_models):
+    return tiny_models("llama", **SMALL_LLAMA)[1]
 
 
 def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256, **config) -> LLMEngine:
