@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= trtkv-out
-export TRITON_CACHE_DIR ?= $(CURDIR)/.triton_cache
+# Compiled Triton kernels are cached per user, like the converted GGUF (~/.cache/trtkv): a fresh clone reuses them.
+# A cold cache adds the AOT compile of every kernel configuration (minutes) to the first `make test`.
+export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup quickstart test test-fast lint bench-accuracy gpu-check-dry-run clean
