@@ -242,6 +242,11 @@ def _partials(m_doc: str, l_doc: str, acc_doc: str) -> tuple[OpTensor, ...]:
     )
 
 
+def _attention_output(rows: str) -> tuple[OpTensor, ...]:
+    """The attention result both the decode reduce and the prefill return: fp16 ``[rows, q_heads, head_dim]``."""
+    return (OpTensor("out", 3, "float16", "output", f"[{rows}, q_heads, head_dim]", "attention output"),)
+
+
 DECODE_PARTITION = OpSpec(
     name="PagedDecodePartition",
     doc="Split-K decode attention, stage 1: partial softmax states of one new token per sequence (position "
@@ -265,7 +270,7 @@ DECODE_REDUCE = OpSpec(
         *_v_transform_consts(),
         OpTensor("hadamard", 2, "float32", "constant", "[head_dim, head_dim]", _HAD_DOC, _had("v")),
     ),
-    outputs=(OpTensor("out", 3, "float16", "output", "[batch, q_heads, head_dim]", "attention output"),),
+    outputs=_attention_output("batch"),
     attrs=(AttrSpec("v_format", str, "V tensor format spec"), *_A_HEADS, _A_PART),
 )
 
@@ -281,7 +286,7 @@ PREFILL = OpSpec(
                  "each sequence and no valid query sees them)"),
         *_cache_inputs("tokens"),
     ),
-    outputs=(OpTensor("out", 3, "float16", "output", "[tokens, q_heads, head_dim]", "attention output"),),
+    outputs=_attention_output("tokens"),
     attrs=(*_A_KV_FORMATS, *_A_HEADS, _A_BLOCK, _A_SINK, _A_SCALE, _A_PREC),
 )
 
