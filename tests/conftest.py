@@ -152,3 +152,9 @@ def one_thread():
 def tokenizer():
     """The tiny byte-level BPE tokenizer (``build_tiny_tokenizer``), built once."""
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def small_llama(tiny_models):
+    """A tiny random Llama inside the kernels' limits (``SMALL_LLAMA``), shared read-only by the runtime tests."""
+    return tiny_models("llama", **SMALL_LLAMA)[1]

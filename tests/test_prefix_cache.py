@@ -10,7 +10,6 @@ are evicted least recently released first when the pool needs them.
 from __future__ import annotations
 
 import pytest
-from conftest import SMALL_LLAMA
 from test_runtime_faults import BS, greedy, make_llm
 
 from trtkv.formats import PRESETS
@@ -21,14 +20,12 @@ from trtkv.runtime.sequence import SamplingParams, Sequence
 BASE = list(range(100, 118))  # 18 tokens: 4 full blocks of 4 and 2 more
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models("llama", **SMALL_LLAMA)[1]
+def model(small_llama):
+    return small_llama
 
 
 def second_round(first_output: list[int]) -> list[tuple[list[int], int]]:

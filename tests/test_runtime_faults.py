@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL_LLAMA
 
 from trtkv.formats import PRESETS, get_format
 from trtkv.runtime.block_manager import CacheBudget
@@ -22,14 +21,12 @@ BS = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50, 51, 52, 53, 54]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models("llama", **SMALL_LLAMA)[1]
+def model(small_llama):
+    return small_llama
 
 
 def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256, **config) -> LLMEngine:
