@@ -85,9 +85,9 @@ def post(server: TritonServer, path: str, body: dict, timeout: float = 60) -> tu
         conn.close()
 
 
-def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 30) -> tuple[http.client.HTTPConnection, list[dict]]:
-    """Start ``generate_stream`` on ``ensemble`` and read ``events`` SSE events; the connection stays open."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+def _stream(port: int, body: dict, events: int, timeout: float):
+    """Start ``generate_stream`` on ``ensemble`` at ``port`` and read ``events`` SSE events: (connection, response, events)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
@@ -97,6 +97,12 @@ def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 
         assert line, f"stream ended after {len(got)} events"
         if line.startswith(b"data:"):
             got.append(json.loads(line[5:]))
+    return conn, resp, got
+
+
+def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 30) -> tuple[http.client.HTTPConnection, list[dict]]:
+    """Start ``generate_stream`` on ``ensemble`` and read ``events`` SSE events; the connection stays open."""
+    conn, _, got = _stream(server.http_port, body, events, timeout)
     return conn, got
 
 
@@ -358,16 +364,7 @@ class Serve:
 
 def open_stream_resp(port: int, body: dict, events: int, timeout: float = 20):
     """``generate_stream`` on ``ensemble`` at ``port``; the response after ``events`` SSE events have been read."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()
-    got = []
-    while len(got) < events:
-        line = resp.readline()
-        assert line, f"stream ended after {len(got)} events"
-        if line.startswith(b"data:"):
-            got.append(json.loads(line[5:]))
+    _, resp, got = _stream(port, body, events, timeout)
     return resp, got
 
 
