@@ -16,7 +16,8 @@ Sections (the report, JSON + md, is rewritten after every section, so a cut run 
    equal the CPU engine's (float32, vectorized torch attention) for fp16 / int8 / int4, except at near-ties.
    ``--dry-run``: the tiny random model instead, kernels under the interpreter vs the torch path.
 
-CUDA graphs are not used (decode runs eagerly). Fits 9 minutes on an H200 by design (``--time-limit``, default
+Decode steps replay CUDA graphs (``TorchEngine(cuda_graphs=True)``, one per padded batch shape); each decode point
+also times the eager step and records the largest logit difference between the two (the dry run pads, eagerly). Fits 9 minutes on an H200 by design (``--time-limit``, default
 480 s: sections past the limit are skipped and say so). APIs: torch >= 2.11, triton >= 3.6, transformers >= 5.17.
 
     python bench/gpu_engine.py [--out bench/results] [--budget-gib 100] [--time-limit 480]
@@ -166,13 +167,16 @@ def decode_point(model, layout, shape: dict, batch: int, context: int, device, r
 
     L, bs = shape["layers"], layout.block_size
     cache, tables = synthetic_cache(layout, L, batch, context, device)
-    engine = TorchEngine(model, attention="kernels")
+    engine = TorchEngine(model, attention="kernels", cuda_graphs=True)  # on CPU (dry run): the padded steps, eagerly
+    eager = TorchEngine(model, attention="kernels", cuda_graphs=False)
     ctx = torch.full((batch,), context, dtype=torch.long, device=device)
     batch_in = StepBatch(
         input_ids=torch.randint(0, shape["vocab"], (batch, 1), device=device), context_lens=ctx,
         new_lens=torch.ones(batch, dtype=torch.long, device=device), block_tables=tables,
         slot_ids=torch.arange(batch, device=device))
-    step_s = _timed(lambda: engine.step(batch_in, cache), device, reps)
+    eager_s = _timed(lambda: eager.step(batch_in, cache), device, reps)
+    step_s = _timed(lambda: engine.step(batch_in, cache), device, reps)  # warm-up captures the graph
+    graph_diff = (engine.step(batch_in, cache).logits - eager.step(batch_in, cache).logits).abs().max().item()
     q = torch.randn(batch, shape["heads"], shape["head_dim"], device=device, dtype=model.dtype)
     kn = torch.randn(batch, shape["kv_heads"], shape["head_dim"], device=device, dtype=torch.float16)
 
@@ -190,6 +194,8 @@ def decode_point(model, layout, shape: dict, batch: int, context: int, device, r
     cache.seal_with_kernels = True
     seal_s = _timed(seal, device, 1)
     return {"batch": batch, "context": context, "step_ms": round(step_s * 1e3, 3), "tokens_per_s": round(batch / step_s, 1),
+            "eager_step_ms": round(eager_s * 1e3, 3), "cuda_graphs": engine.cuda_graphs and device.type == "cuda",
+            "graph_vs_eager_max_logit_diff": graph_diff,
             "attention_ms": round(attn_s * 1e3, 3), "weights_ms": round(max(step_s - attn_s, 0.0) * 1e3, 3),
             "seal_all_sequences_ms": round(seal_s * 1e3, 3), "seal_ms_per_step_amortized": round(seal_s * 1e3 / bs, 3)}
 
@@ -271,15 +277,15 @@ def render(d: dict) -> str:
     s = d["sections"]
     lines = [f"# Torch engine on the GPU{' (DRY RUN: CPU, tiny shapes, Triton interpreter)' if d['dry_run'] else ''} ({d['date']})", "",
              f"Command: `{d['command']}`  ", f"Machine: {d['machine']}  ", f"Versions: {d['versions']}  ",
-             f"Shape: {d['shape']}; KV budget {d['budget_gib']} GiB. CUDA graphs: not used.", ""]
+             f"Shape: {d['shape']}; KV budget {d['budget_gib']} GiB. Decode: CUDA graphs (eager step time beside it).", ""]
     if "capacity" in s:
         ctxs = [k for k in next(iter(s["capacity"].values())) if k.startswith("seqs_at_")]
         lines += ["## Capacity", "", "| format | B/token | " + " | ".join(ctxs) + " |", "|---" * (2 + len(ctxs)) + "|"]
         lines += [f"| {kv} | {v['bytes_per_token']:.0f} | " + " | ".join(str(v[c]) for c in ctxs) + " |" for kv, v in s["capacity"].items()]
         lines.append("")
     if "decode" in s:
-        lines += ["## Decode", "", "| format | batch | context | tok/s | step ms | weights ms | attention ms | seal ms (all seqs) |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['format']} | {r['batch']} ({r['batch_is']}) | {r['context']} | {r['tokens_per_s']} | {r['step_ms']} | {r['weights_ms']} | "
+        lines += ["## Decode", "", "| format | batch | context | tok/s | step ms | eager step ms | graph vs eager logits | weights ms | attention ms | seal ms (all seqs) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['format']} | {r['batch']} ({r['batch_is']}) | {r['context']} | {r['tokens_per_s']} | {r['step_ms']} | {r['eager_step_ms']} | {r['graph_vs_eager_max_logit_diff']:.2g} | {r['weights_ms']} | "
                   f"{r['attention_ms']} | {r['seal_all_sequences_ms']} |" for r in s["decode"]]
         lines.append("")
     for key in ("smollm2", "tiny_kernels_vs_cpu"):

@@ -36,6 +36,8 @@ from trtkv.runtime.verify import StaticBatch, greedy_decode
 BLOCK = 4
 KERNEL_BLOCK = 16  # the kernels' smallest block size (contract.LIMITS)
 FORMATS = ["fp16", "int8", "int4"]
+# besides the presets: scales folded into attention with a zero-point (int4-token V) and with groups of 32 (int4-g32)
+FOLDED = ["k=int8:token:asym,v=int4:token:asym:hadamard", "int4-g32"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def _prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("kv", FORMATS)
+@pytest.mark.parametrize("kv", FORMATS + FOLDED)
 def test_tiny_matches_onnxruntime_engine(tmp_path, tiny_dir, tiny_loaded, kv):
     out = build_engine(str(tiny_dir), None, kv, tmp_path / "eng", backend="onnxruntime", block_size=BLOCK, max_seq_len=64,
                        max_batch=4, loaded=tiny_loaded)
@@ -131,6 +133,27 @@ def test_kernel_path_under_interpreter_equals_torch_path(tiny_dir, monkeypatch):
     tor = TorchEngine(copy.deepcopy(model), attention="torch")
     want = _run(tor, PagedKVCache(lay, 2), prompts, 3)
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("attention", ["torch", pytest.param("kernels", marks=pytest.mark.slow)])
+def test_decode_at_graph_shapes_equals_unpadded(tiny_dir, monkeypatch, attention):
+    """What a CUDA graph replays (``cuda_graphs=True``; on CPU run eagerly): decode batches padded to power-of-two
+    rows and table columns (padding rows at context 0 in slot 0, -1 columns) give the real rows' logits and K/V rows."""
+    if attention == "kernels":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    block = KERNEL_BLOCK if attention == "kernels" else BLOCK
+    [fmt], _ = fit_formats(["int4"], 32)
+    lay = PagedKVLayout(fmt.with_block_size(block), 2, 32, block, 20, 3)
+    model = load_model(str(tiny_dir), device="cpu", dtype="float32").model
+    plain = TorchEngine(model, attention=attention, cuda_graphs=False)
+    padded = TorchEngine(copy.deepcopy(model), attention=attention, cuda_graphs=True)
+    seen = []
+    real_graph_shape = padded.graph_shape
+    padded.graph_shape = lambda b: seen.append(real_graph_shape(b)) or seen[-1]
+    prompts = _prompts(320, (2 * block + 3, block + 1, 5), seed=5)  # 3 rows -> 4; 3 / 2 / 1 table columns -> 4
+    want, got = (_run(e, PagedKVCache(lay, 2), prompts, 4) for e in (plain, padded))
+    assert seen and all(r == 4 and c >= 3 for r, c in seen)
+    assert (got - want).abs().max().item() < 1e-5
 
 
 def test_device_seal_path_writes_the_reference_bytes(tiny_dir, monkeypatch):

@@ -237,24 +237,27 @@ def dequantize(
     """
     if not fmt.is_quantized:
         return qt.codes.to(dtype)
-    q = fmt.traits.decode(qt.codes, fmt.symmetric or fmt.is_static)
+    sym = fmt.symmetric or fmt.is_static
+    c = fmt.traits.stored_values(qt.codes)  # codes + offset: the offset is folded into the zero-point below
+    off = fmt.traits.offset(sym)
     if fmt.is_static:
         assert params is not None and params.scale is not None
-        x = q * _per_head(params.scale, q.dim(), head_axis)
+        x = _affine(c, _per_head(params.scale, c.dim(), head_axis), None, off)
     elif fmt.is_block_wise:
-        assert qt.scale is not None
-        x = q * qt.scale.float().unsqueeze(-2)
-        if not fmt.symmetric:
-            assert qt.zero is not None
-            x = x + qt.zero.float().unsqueeze(-2)
+        assert qt.scale is not None and (sym or qt.zero is not None)
+        x = _affine(c, qt.scale.float().unsqueeze(-2), None if sym else qt.zero.float().unsqueeze(-2), off)
     else:
-        assert qt.scale is not None
-        g = _group(q, fmt) * qt.scale.float().unsqueeze(-1)
-        if not fmt.symmetric:
-            assert qt.zero is not None
-            g = g + qt.zero.float().unsqueeze(-1)
-        x = g.flatten(-2)
+        assert qt.scale is not None and (sym or qt.zero is not None)
+        x = _affine(_group(c, fmt), qt.scale.float().unsqueeze(-1), None if sym else qt.zero.float().unsqueeze(-1), off).flatten(-2)
     return (inverse_transform(x, fmt, params, head_axis) if transforms else x).to(dtype)
+
+
+def _affine(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """``(c - offset) * scale + zero`` in one pass over ``c`` (``addcmul``): dequantization is bandwidth-bound."""
+    shift = -offset * scale if offset else None
+    if zero is not None:
+        shift = zero if shift is None else shift + zero
+    return c * scale if shift is None else torch.addcmul(shift, c, scale)
 
 
 def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> torch.Tensor:

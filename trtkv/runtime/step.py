@@ -72,6 +72,24 @@ class StepBatch:
         )
 
 
+    def padded_to(self, batch: int, max_blocks: int) -> "StepBatch":
+        """This decode batch grown to ``batch`` rows and ``max_blocks`` table columns, the fixed shapes a captured
+        CUDA graph replays. Padding rows decode one token at context 0 in slot 0: they read nothing (no sealed
+        block, an empty open block) and the caller drops their outputs; table padding is -1 (never read)."""
+        B, T = self.input_ids.shape
+        if batch < B or max_blocks < self.block_tables.shape[1]:
+            raise ValueError(f"cannot pad a [{B}, {self.block_tables.shape[1]}] batch to [{batch}, {max_blocks}]")
+        grow = batch - B
+
+        def rows(t: torch.Tensor, fill: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((grow, *t.shape[1:]), fill)]) if grow else t
+
+        tables = self.block_tables
+        if max_blocks > tables.shape[1]:
+            tables = torch.cat([tables, tables.new_full((B, max_blocks - tables.shape[1]), -1)], 1)
+        return StepBatch(rows(self.input_ids, 0), rows(self.context_lens, 0), rows(self.new_lens, 1), rows(tables, -1), rows(self.slot_ids, 0))
+
+
 @dataclass
 class StepOutput:
     """The step network's outputs."""

@@ -26,6 +26,7 @@ model's (float32 on CPU). Supported: decoder-only families whose attention calls
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class TorchEngine(Engine):
 
     name = "torch"
 
-    def __init__(self, model, manifest: EngineManifest | None = None, *, attention: str = "auto", device=None):
+    def __init__(self, model, manifest: EngineManifest | None = None, *, attention: str = "auto", device=None,
+                 cuda_graphs: bool | None = None):
         if attention not in ATTENTION_MODES:
             raise TrtkvError(f"unknown torch-engine attention {attention!r}", f"use one of {', '.join(ATTENTION_MODES)}")
         self.model = model.eval()
@@ -92,6 +94,11 @@ class TorchEngine(Engine):
         self._decoder = model.get_decoder()
         self._head = model.get_output_embeddings()
         self._params: dict[int, list[TensorParams]] = {}
+        # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
+        # ``cuda_graphs=True`` runs the same padded fixed-shape steps eagerly)
+        self.cuda_graphs = (self.device.type == "cuda" and self.attention == "kernels") if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[tuple[int, int, int], _DecodeGraph] = {}
+        self._graph_pool = None
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, *, device=None, dtype: str | None = None, attention: str = "auto",
@@ -116,6 +123,12 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
+        B, T = batch.input_ids.shape
+        if self.cuda_graphs and T == 1 and B <= GRAPH_BUCKETS[-1]:
+            return self._graph_decode(batch, cache)
+        return self._step(batch, cache)
+
+    def _step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         dev = self.device
         batch = StepBatch(*(t.to(dev) for t in (batch.input_ids, batch.context_lens, batch.new_lens, batch.block_tables, batch.slot_ids)))
         B, T = batch.input_ids.shape
@@ -136,6 +149,45 @@ class TorchEngine(Engine):
         hidden = out.last_hidden_state[torch.arange(B, device=dev), batch.new_lens - 1]
         logits = self._head(hidden).float()
         return StepOutput(logits, st.new_k, st.new_v)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+
+    def graph_shape(self, batch: StepBatch) -> tuple[int, int]:
+        """(rows, block-table columns) a decode batch is padded to and replayed at: powers of two (a graph per
+        shape; the split-K decode grid grows with the columns, so they are not padded to the engine's maximum)."""
+        rows = next(b for b in GRAPH_BUCKETS if b >= batch.batch_size)
+        cols = 1 << max(0, int(batch.block_tables.shape[1]) - 1).bit_length()
+        if self.manifest is not None:
+            cols = max(min(cols, self.manifest.limits.max_blocks_per_seq), int(batch.block_tables.shape[1]))
+        return rows, cols
+
+    def _graph_decode(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
+        """Replay (capturing on first use) the decode graph of this batch's shape: the batch is copied into the
+        graph's fixed input tensors, padded (``StepBatch.padded_to``), and the real rows of the outputs returned.
+        Off CUDA the same padded step runs eagerly (what the tests check on CPU)."""
+        B = batch.batch_size
+        shape = self.graph_shape(batch)
+        padded = batch.padded_to(*shape)
+        o = self._replay(shape, padded, cache) if self.device.type == "cuda" else self._step(padded, cache)
+        if o is None:  # capture failed: graphs are off from now on
+            return self._step(batch, cache)
+        return StepOutput(o.logits[:B].clone(), o.new_k[:, :B].clone(), o.new_v[:, :B].clone())
+
+    def _replay(self, shape: tuple[int, int], padded: StepBatch, cache: PagedKVCache) -> StepOutput | None:  # pragma: no cover - CUDA only
+        g = self._graphs.get((*shape, id(cache)))
+        if g is None or g.cache is not cache:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph: replays never overlap
+            try:
+                g = self._graphs[(*shape, id(cache))] = _DecodeGraph.capture(self, padded, cache, self._graph_pool)
+            except Exception as e:  # a model whose forward cannot be captured
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs", stacklevel=3)
+                self.cuda_graphs = False
+                return None
+        for static, new in zip(dataclasses.astuple(g.inputs), dataclasses.astuple(padded)):
+            static.copy_(new, non_blocking=True)
+        g.graph.replay()
+        return g.outputs
 
     def layer_params(self, cache: PagedKVCache, layer: int) -> tuple[TensorParams, TensorParams]:
         """The cache's KV constants of ``layer`` on the engine's device (moved once per cache)."""
@@ -165,6 +217,33 @@ class TorchEngine(Engine):
         st.mask = torch.cat([st.kv_valid[:, None, :].expand(B, T, -1), causal[None].expand(B, T, T)], 2)[:, None]
 
 
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode batch sizes a CUDA graph is captured for
+
+
+@dataclass
+class _DecodeGraph:
+    """One captured decode step: fixed input tensors, the graph, and the output tensors its replays overwrite."""
+
+    cache: PagedKVCache  # the pools the graph reads (held: a graph must not outlive them)
+    inputs: StepBatch
+    graph: "torch.cuda.CUDAGraph"
+    outputs: StepOutput
+
+    @classmethod
+    def capture(cls, engine: "TorchEngine", batch: StepBatch, cache: PagedKVCache, pool) -> "_DecodeGraph":  # pragma: no cover - CUDA only
+        inputs = StepBatch(*(t.to(engine.device).clone() for t in dataclasses.astuple(batch)))
+        side = torch.cuda.Stream(engine.device)
+        side.wait_stream(torch.cuda.current_stream(engine.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, the allocator fills its pools
+            for _ in range(2):
+                engine._step(inputs, cache)
+        torch.cuda.current_stream(engine.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = engine._step(inputs, cache)
+        return cls(cache, inputs, graph, outputs)
+
+
 def _text_config(config):
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if get is not None else config
@@ -191,22 +270,91 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
     sealed = None
     if st.sealed_max:
         nb = st.sealed_max
-        flat = b.block_tables[:, :nb].clamp(min=0).reshape(-1)
-        qt = QuantizedTensor(
-            codes=pool.data[flat],
-            scale=None if pool.scale is None else pool.scale[flat],
-            zero=None if pool.zero is None else pool.zero[flat],
-        )
-        x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
+        x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
             sealed[:, 0, :, :sink] = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
         if not st.sealed_all_valid:  # other owners' blocks may hold NaN
             sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
-    rest = torch.cat([pool.tail[b.slot_ids, :, : st.open_max].to(dtype), new_rows], 2)
+    return sealed, _open_rows(st, layer, which, new_rows)
+
+
+def _open_rows(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> torch.Tensor:
+    """``[B, H, open_max + T, D]`` in model space: each slot's open block (stale rows zeroed), then ``new_rows``."""
+    pool = st.cache.pool(layer, which)
+    rest = torch.cat([pool.tail[st.batch.slot_ids, :, : st.open_max].to(new_rows.dtype), new_rows], 2)
     if st.open_max:
-        rest[:, :, : st.open_max].masked_fill_(st.kv_invalid[:, None, S:, None], 0)  # stale tail rows
-    return sealed, rest
+        rest[:, :, : st.open_max].masked_fill_(st.kv_invalid[:, None, st.sealed_max * st.cache.block_size :, None], 0)  # stale tail rows
+    return rest
+
+
+def sealed_blocks(st: _Step, pool) -> QuantizedTensor:
+    """The batch's first ``sealed_max`` blocks of ``pool``, gathered [B * sealed_max, ...] (``index_select``: the
+    advanced-index gather is 10-30x slower on CPU). Table entries < 0 read block 0; callers mask them."""
+    flat = st.batch.block_tables[:, : st.sealed_max].clamp(min=0).reshape(-1)
+    return QuantizedTensor(*(None if t is None else t.index_select(0, flat) for t in (pool.data, pool.scale, pool.zero)))
+
+
+def folds_key_scales(fmt) -> bool:
+    """Keys whose integer codes have one scale (+ zero) per channel per sealed block: attention folds the scales
+    into the query (``(q * s) . c + q . z``) instead of dequantizing every key (the int4 / int8 presets)."""
+    return fmt.is_quantized and fmt.is_block_wise and fmt.traits.is_int
+
+
+def _folded_key_scores(st: _Step, layer: int, qs: torch.Tensor) -> torch.Tensor:
+    """Scores ``[B, nb, H, n, bs]`` of the query ``qs`` [B, H, n, D] (stored channel space) against the sealed keys,
+    without dequantizing them: ``(c - off) * s + z`` per channel per block is folded into the query."""
+    cache, fmt = st.cache, st.cache.layout.tensor_format("k")
+    B, H, n, D = qs.shape
+    qt = sealed_blocks(st, cache.pool(layer, "k"))
+    nb = st.sealed_max
+    codes = fmt.traits.stored_values(qt.codes).view(B, nb, H, -1, D)
+    scale = qt.scale.float().view(B, nb, H, 1, D)
+    off = fmt.traits.offset(fmt.symmetric)
+    shift = (qt.zero.float().view(B, nb, H, 1, D) if qt.zero is not None else 0) - off * scale
+    qb = qs[:, None]  # [B, 1, H, n, D]
+    scores = (qb * scale) @ codes.transpose(-1, -2)
+    return scores + (qb * shift).sum(-1, keepdim=True)
+
+
+def folds_value_scales(fmt) -> bool:
+    """Values whose integer codes have a scale (+ zero) per token (group): attention folds the scales into the
+    probabilities (``sum_t p_t s_t c_t``) instead of dequantizing every value (the int4 / int8 presets)."""
+    return fmt.is_quantized and fmt.traits.is_int and not fmt.is_static and not fmt.is_block_wise
+
+
+def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: TensorParams) -> torch.Tensor:
+    """``sum_t p_t v_t`` [B, H, n, D] (model space) over the sealed values for block-major probabilities ``ps``
+    [B, nb, H, n, bs], without dequantizing them: ``v = (c - off) * s + z`` per token (group) gives
+    ``sum_t (p_t s_t) c_t + sum_t p_t (z_t - off * s_t)``. Positions ``< sink`` come from the sink rows."""
+    lay, fmt = st.cache.layout, st.cache.layout.tensor_format("v")
+    pool = st.cache.pool(layer, "v")
+    B, nb, H, n, bs = ps.shape
+    D, sink = lay.head_dim, lay.sink_tokens
+    groups = fmt.groups(D)
+    qt = sealed_blocks(st, pool)
+    codes = fmt.traits.stored_values(qt.codes).view(B, nb, H, bs, D)
+    scale = qt.scale.float().view(B, nb, H, bs, groups)
+    shift = (qt.zero.float().view(B, nb, H, bs, groups) if qt.zero is not None else 0) - fmt.traits.offset(fmt.symmetric) * scale
+    if not st.sealed_all_valid:  # other owners' blocks may hold NaN scales; their probabilities are 0
+        invalid = st.kv_invalid[:, : nb * bs].view(B, nb, 1, bs, 1)
+        scale, shift = scale.masked_fill(invalid, 0), shift.masked_fill(invalid, 0)
+    p_sink = None
+    if sink:
+        p_sink = ps[:, 0, :, :, :sink]
+        ps = ps.clone()
+        ps[:, 0, :, :, :sink] = 0
+    w = ps[..., None] * scale[:, :, :, None]  # [B, nb, H, n, bs, groups]
+    gs = D // groups
+    out = torch.cat([w[..., g] @ codes[..., g * gs : (g + 1) * gs] for g in range(groups)], -1).sum(1)
+    out = out + torch.einsum("xbhnt,xbhtg->xhng", ps, shift).repeat_interleave(gs, -1)
+    out = inverse_transform(out, fmt, params, head_axis=-3)
+    if p_sink is not None:
+        rows = pool.tail[st.batch.slot_ids, :, bs : bs + sink].to(out.dtype)
+        if not st.sealed_all_valid:  # a slot without a sealed block holds stale sink rows
+            rows = rows.masked_fill(st.kv_invalid[:, None, :sink, None], 0)
+        out = out + p_sink @ rows
+    return out
 
 
 def _fold_query(q: torch.Tensor, fmt, params: TensorParams) -> torch.Tensor:
@@ -229,21 +377,34 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torc
     lay = st.cache.layout
     kp, vp = st.engine.layer_params(st.cache, layer)
     qg = q.reshape(B, H, G * T, D)
-    ks, kr = context_kv(st, layer, "k", k16)
-    vs, vr = context_kv(st, layer, "v", v16)
+    kfmt = lay.tensor_format("k")
+    if st.sealed_max and folds_key_scales(kfmt):
+        ks, kr = None, _open_rows(st, layer, "k", k16)
+        sealed = _folded_key_scores(st, layer, _fold_query(qg, kfmt, kp))
+        if lay.sink_tokens:  # the first block's first rows are read from the sink rows (model space, fp16)
+            sink = st.cache.pool(layer, "k").tail[st.batch.slot_ids, :, lay.block_size : lay.block_size + lay.sink_tokens]
+            sealed[:, 0, :, :, : lay.sink_tokens] = qg @ sink.to(qg.dtype).transpose(-1, -2)
+    else:
+        ks, kr = context_kv(st, layer, "k", k16)
+        sealed = None if ks is None else _fold_query(qg, kfmt, kp)[:, None] @ ks.transpose(-1, -2)
+    vfmt = lay.tensor_format("v")
+    fold_v = bool(st.sealed_max) and folds_value_scales(vfmt)
+    vs, vr = (None, _open_rows(st, layer, "v", v16)) if fold_v else context_kv(st, layer, "v", v16)
     scores = qg @ kr.transpose(-1, -2)
     S = 0
-    if ks is not None:  # [B, 1, H, n, D] @ [B, nb, H, D, bs] -> [B, nb, H, n, bs] -> [B, H, n, nb * bs]
-        nb, bs = ks.shape[1], ks.shape[3]
+    if sealed is not None:  # [B, 1, H, n, D] @ [B, nb, H, D, bs] -> [B, nb, H, n, bs] -> [B, H, n, nb * bs]
+        nb, bs = sealed.shape[1], sealed.shape[4]
         S = nb * bs
-        sealed = (_fold_query(qg, lay.tensor_format("k"), kp)[:, None] @ ks.transpose(-1, -2)).permute(0, 2, 3, 1, 4)
-        scores = torch.cat([sealed.reshape(B, H, G * T, S), scores], -1)
+        scores = torch.cat([sealed.permute(0, 2, 3, 1, 4).reshape(B, H, G * T, S), scores], -1)
     mask = st.mask if G == 1 else st.mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
     p = (scores * scaling).masked_fill_(~mask, float("-inf")).softmax(-1)
     out = p[..., S:] @ vr
-    if vs is not None:  # [B, nb, H, n, bs] @ [B, nb, H, bs, D], summed over blocks
-        ps = p[..., :S].reshape(B, H, G * T, nb, bs).permute(0, 3, 1, 2, 4)
-        out = out + inverse_transform((ps @ vs).sum(1), lay.tensor_format("v"), vp, head_axis=-3)
+    if S:
+        ps = p[..., :S].reshape(B, H, G * T, nb, bs).permute(0, 3, 1, 2, 4)  # block-major [B, nb, H, n, bs]
+        if fold_v:
+            out = out + _folded_value_output(st, layer, ps, vp)
+        else:  # [B, nb, H, n, bs] @ [B, nb, H, bs, D], summed over blocks
+            out = out + inverse_transform((ps @ vs).sum(1), vfmt, vp, head_axis=-3)
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
