@@ -284,8 +284,11 @@ def render(d: dict) -> str:
         lines += [f"| {kv} | {v['bytes_per_token']:.0f} | " + " | ".join(str(v[c]) for c in ctxs) + " |" for kv, v in s["capacity"].items()]
         lines.append("")
     if "decode" in s:
-        lines += ["## Decode", "", "| format | batch | context | tok/s | step ms | eager step ms | graph vs eager logits | weights ms | attention ms | seal ms (all seqs) |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['format']} | {r['batch']} ({r['batch_is']}) | {r['context']} | {r['tokens_per_s']} | {r['step_ms']} | {r['eager_step_ms']} | {r['graph_vs_eager_max_logit_diff']:.2g} | {r['weights_ms']} | "
+        lines += ["## Decode", "",
+                  "| format | batch | context | tok/s | step ms | eager step ms | graph vs eager logits | weights ms | attention ms | seal ms (all seqs) |",
+                  "|---" * 10 + "|"]
+        lines += [f"| {r['format']} | {r['batch']} ({r['batch_is']}) | {r['context']} | {r['tokens_per_s']} | {r['step_ms']} | {r['eager_step_ms']} | "
+                  f"{r['graph_vs_eager_max_logit_diff']:.2g} | {r['weights_ms']} | "
                   f"{r['attention_ms']} | {r['seal_all_sequences_ms']} |" for r in s["decode"]]
         lines.append("")
     for key in ("smollm2", "tiny_kernels_vs_cpu"):
