@@ -36,6 +36,11 @@ def _version(dist: str) -> str | None:
         return None
 
 
+# The faster CPU engine, measured by bench/torch_engine.py (decode) and bench/serve.py (served streams): see
+# docs/torch-engine.md "CPU speed".
+CPU_DEFAULT_BACKEND = "onnxruntime"
+
+
 def gpu_present() -> bool:
     """True when NVML sees at least one NVIDIA GPU (nvidia-ml-py); False without the package or a driver."""
     try:
@@ -51,18 +56,19 @@ def gpu_present() -> bool:
 
 
 def resolve_backend(backend: str) -> str:
-    """``auto``: ``tensorrt`` when importable and a GPU is present, else ``onnxruntime`` (CPU engine)."""
+    """``auto``: ``tensorrt`` when importable and a GPU is present; ``torch`` on a CUDA machine without TensorRT
+    (the kernels run there; TensorRT-RTX plans do not cover SM90); else ``CPU_DEFAULT_BACKEND``."""
     if backend not in ENGINE_BACKENDS:
         raise TrtkvError(f"unknown backend {backend!r}", f"use one of {', '.join(ENGINE_BACKENDS)}")
     if backend != "auto":
         return backend
+    if not gpu_present():
+        return CPU_DEFAULT_BACKEND
     try:
         import tensorrt  # noqa: F401
-
-        have_trt = True
     except ImportError:
-        have_trt = False
-    return "tensorrt" if have_trt and gpu_present() else "onnxruntime"
+        return "torch"
+    return "tensorrt"
 
 
 class Stages:

@@ -39,15 +39,9 @@ _SOFTCAPPED = {"Gemma2ForCausalLM"}  # attention-logit soft-capping inside the s
 
 def check_model(info, attention: str, backend: str = "onnxruntime") -> None:
     """Refuse, before any weights load, a model (``trtkv.models.ModelInfo``) the engine would compute wrongly: the step
-    network for ONNX backends, the torch engine's paged attention (transformers' layers, no window or soft-capping yet)."""
+    network for ONNX backends (the torch engine runs transformers' own layers: every accepted family)."""
     arch = info.architecture
-    if backend == "torch":
-        if info.has_sliding_layers:
-            raise TrtkvError(f"{info.name} has sliding-window layers (window {info.sliding_window}) and the torch engine's paged "
-                             "attention reads the whole context", "build it with --backend onnxruntime (native attention has the window)")
-        if arch in _SOFTCAPPED:
-            raise TrtkvError(f"{arch} soft-caps its attention logits and the torch engine's paged attention does not",
-                             "build it with --backend onnxruntime")
+    if backend == "torch":  # transformers' own layers; windows and soft-capping reach its paged attention per call
         return
     if arch not in STEP_ARCHITECTURES:
         raise TrtkvError(

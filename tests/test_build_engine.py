@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -250,6 +251,22 @@ def test_existing_out_needs_force_and_failed_build_leaves_nothing(tmp_path, tiny
     assert shown.exit_code == 0 and "valid" in shown.output and "k=int8:bchannel:sym" in shown.output
     bad = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert bad.exit_code == 2 and "not an engine directory" in bad.output
+
+
+@pytest.mark.parametrize("gpu,trt,want", [(False, False, "cpu"), (False, True, "cpu"), (True, False, "torch"), (True, True, "tensorrt")])
+def test_auto_backend_follows_the_machine(monkeypatch, gpu, trt, want):
+    """--backend auto: TensorRT only with both a GPU and the package; a GPU without TensorRT (the H200 machine)
+    gets the torch engine; no GPU: the measured CPU default."""
+    import types
+
+    from trtkv.builder import build
+
+    monkeypatch.setattr(build, "gpu_present", lambda: gpu)
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt") if trt else None)
+    assert build.resolve_backend("auto") == (build.CPU_DEFAULT_BACKEND if want == "cpu" else want)
+    assert build.resolve_backend("onnxruntime") == "onnxruntime"
+    with pytest.raises(TrtkvError, match="unknown backend"):
+        build.resolve_backend("tensorrt-llm")
 
 
 def test_polygraphy_inspects_the_onnx(tmp_path, tiny_dir, tiny_loaded):

@@ -34,6 +34,8 @@ from trtkv.models import (
     model_info,
 )
 from trtkv.plan import GIB, ModelShape, layer_type_bytes, plan
+from trtkv.runtime.kv_pool import PagedKVCache
+from trtkv.runtime.torch_engine import TorchEngine
 
 WINDOW = 8
 # family -> (conftest arch, config overrides). Chosen so that every one also round-trips through GGUF: transformers'
@@ -270,7 +272,6 @@ class _Fp16Cache(DynamicCache):
 def test_engine_logits_match_transformers(family, name, kv, tmp_path):
     from trtkv.builder.build import build_engine
     from trtkv.runtime.backends import OnnxRuntimeEngine
-    from trtkv.runtime.kv_pool import PagedKVCache
     from trtkv.runtime.verify import StaticBatch
 
     d, model = family(name)
@@ -293,14 +294,22 @@ def test_engine_logits_match_transformers(family, name, kv, tmp_path):
             ref = model_logits(model, ids, m.kv_format, cache.params)
             assert (got - hf).abs().max().item() < 0.15
     assert (got - ref).abs().max().item() < 5e-4
+    # the torch engine (transformers' own layers, paged attention with the window / soft-cap each layer passes) on the
+    # same steps: both engines round this step's rows to fp16, so only summation order differs
+    torch_engine = TorchEngine(load_model(str(d), device="cpu", dtype="float32").model, m)
+    sb = StaticBatch(PagedKVCache.for_engine(m, out, num_blocks=16, num_slots=2), 2)
+    got_torch = torch.stack([sb.step(torch_engine, {i: [int(ids[i, t])] for i in range(2)}) for t in range(ids.shape[1])], 1)
+    assert (got_torch - got).abs().max().item() < (5e-4 if name == "gemma3" else 1e-4)  # Gemma 3's output norm amplifies: 2.6e-4
+    assert (got_torch - ref).abs().max().item() < 5e-4
     if kv == "int4":  # the runtime's prefill chunks + greedy decode past the window (blocks sealed mid-decode) give the reference's tokens
         from trtkv.evaluate import greedy_generate
         from trtkv.runtime.verify import greedy_decode
 
-        cache = PagedKVCache.for_engine(m, out, num_blocks=16, num_slots=2)
-        toks = greedy_decode(eng, cache, ids[:, :7].tolist(), 16)
         with torch.inference_mode():
-            assert torch.equal(toks, greedy_generate(model, ids[:, :7], m.kv_format, cache.params, new_tokens=16))
+            want = greedy_generate(model, ids[:, :7], m.kv_format, PagedKVCache.for_engine(m, out, num_blocks=1, num_slots=1).params, new_tokens=16)
+        for e in (eng, torch_engine):
+            cache = PagedKVCache.for_engine(m, out, num_blocks=16, num_slots=2)
+            assert torch.equal(greedy_decode(e, cache, ids[:, :7].tolist(), 16), want)
 
 
 def test_sliding_window_needs_native_attention(family, tmp_path):
@@ -311,19 +320,23 @@ def test_sliding_window_needs_native_attention(family, tmp_path):
     assert "--attention native" in e.value.fix
 
 
-def test_torch_engine_refuses_what_its_attention_lacks(family, tmp_path):
-    from types import SimpleNamespace
+def test_torch_engine_kernels_refuse_windows_and_soft_capping(family):
+    """The kernels have no window start or soft-cap: ``auto`` picks the torch ops for such models (on CUDA too), and
+    ``attention="kernels"`` fails at the first local / capped layer, naming it, instead of attending the whole context."""
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.runtime.torch_engine import kernels_lack
+    from trtkv.runtime.verify import greedy_decode
 
-    from trtkv.builder.build import build_engine
-    from trtkv.builder.step_network import check_model
-
-    with pytest.raises(TrtkvError, match="sliding-window layers .* torch engine") as e:
-        build_engine(str(family("mistral-sw")[0]), None, "int4", tmp_path / "eng", backend="torch", block_size=16)
-    assert "--backend onnxruntime" in e.value.fix and not (tmp_path / "eng").exists()
-    capped = SimpleNamespace(name="g", architecture="Gemma2ForCausalLM", has_sliding_layers=False, sliding_window=None)
-    with pytest.raises(TrtkvError, match="soft-caps .* torch engine"):
-        check_model(capped, "native", "torch")
-    check_model(SimpleNamespace(**{**vars(capped), "architecture": "Qwen3ForCausalLM"}), "native", "torch")  # no refusal
+    assert kernels_lack(family("qwen3")[1].config) is None
+    for name, what in (("mistral-sw", "sliding-window layers (window 8)"), ("gemma2", "soft-capping")):
+        model = load_model(str(family(name)[0]), device="cpu", dtype="float32").model
+        assert what in kernels_lack(model.config)
+        assert TorchEngine(model, attention="auto", device="cpu").attention == "torch"
+        [fmt], _ = fit_formats(["fp16"], model.config.head_dim)
+        lay = PagedKVLayout(fmt.with_block_size(16), model.config.num_key_value_heads, model.config.head_dim, 16, 4, 1)
+        with pytest.raises(TrtkvError, match="sliding window .* or soft-capping .* the kernels have neither") as e:
+            greedy_decode(TorchEngine(model, attention="kernels", device="cpu"), PagedKVCache(lay, model.config.num_hidden_layers), [[1, 2, 3]], 2)
+        assert "attention='torch'" in e.value.fix
 
 
 # --------------------------------------------------------------------------- plan

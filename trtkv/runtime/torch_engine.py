@@ -20,7 +20,9 @@ calls ``paged_attention`` with the query, key and value after RoPE (``[B, heads,
 
 Logits are taken at each sequence's last valid token (``new_lens - 1``) only. Compute dtype is the
 model's (float32 on CPU). Supported: decoder-only families whose attention calls the registry with
-``module.layer_idx`` (Llama, Mistral, Qwen2, SmolLM2 ...); sliding-window layers read the whole context.
+``module.layer_idx`` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM2 ...). A local layer's window and Gemma 2's
+soft-capping arrive as the call's ``sliding_window`` / ``softcap``: the torch ops mask and cap (the sealed blocks
+outside a window are still kept and read); the kernels have neither, so such models run the torch ops.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class _Step:
     sealed_max: int = 0
     open_max: int = 0
     cu_seqlens: torch.Tensor | None = None  # kernels, T > 1
+    key_pos: torch.Tensor | None = None  # [B, C + T] positions of the mask's keys (torch attention)
+    query_pos: torch.Tensor | None = None  # [B, T]
+    window_masks: dict = dataclasses.field(default_factory=dict)  # sliding window -> its mask, built once per step
 
 
 class TorchEngine(Engine):
@@ -86,13 +91,16 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.manifest = manifest
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.attention = ("kernels" if self.device.type == "cuda" else "torch") if attention == "auto" else attention
+        if attention == "auto":  # the kernels have no window start or soft-capping: such models take the torch ops
+            attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config) else "torch"
+        self.attention = attention
         self.dtype = next(model.parameters()).dtype
         register_attention()
         for cfg in {id(c): c for c in (model.config, _text_config(model.config))}.values():
             cfg._attn_implementation = ATTN_NAME
         self._decoder = model.get_decoder()
         self._head = model.get_output_embeddings()
+        self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
         # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
         # ``cuda_graphs=True`` runs the same padded fixed-shape steps eagerly)
@@ -148,6 +156,8 @@ class TorchEngine(Engine):
         out = self._decoder(input_ids=batch.input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: st})
         hidden = out.last_hidden_state[torch.arange(B, device=dev), batch.new_lens - 1]
         logits = self._head(hidden).float()
+        if self._final_softcap:  # Gemma 2: the causal-LM head caps its logits (the decoder + head bypass its forward)
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return StepOutput(logits, st.new_k, st.new_v)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
@@ -215,6 +225,22 @@ class TorchEngine(Engine):
         st.sealed_all_valid = bool((sealed == st.sealed_max).all())
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         st.mask = torch.cat([st.kv_valid[:, None, :].expand(B, T, -1), causal[None].expand(B, T, T)], 2)[:, None]
+        # positions of the keys in that order (sealed j -> j; open row i -> sealed tokens + i; new row t -> context + t)
+        # and of the queries: what a sliding window compares
+        keys = [torch.arange(st.sealed_max * bs, device=dev).expand(B, -1),
+                (sealed * bs)[:, None] + torch.arange(st.open_max, device=dev)[None, :],
+                b.context_lens[:, None] + torch.arange(T, device=dev)[None, :]]
+        st.key_pos = torch.cat(keys, 1)
+        st.query_pos = keys[2]
+
+    @staticmethod
+    def window_mask(st: _Step, window: int) -> torch.Tensor:
+        """``st.mask`` of a local layer: also ``key position > query position - window`` (transformers' rule)."""
+        got = st.window_masks.get(window)
+        if got is None:
+            inside = st.key_pos[:, None, :] > (st.query_pos - window)[:, :, None]  # [B, T, C + T]
+            got = st.window_masks[window] = st.mask & inside[:, None]
+        return got
 
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode batch sizes a CUDA graph is captured for
@@ -242,6 +268,16 @@ class _DecodeGraph:
         with torch.cuda.graph(graph, pool=pool):
             outputs = engine._step(inputs, cache)
         return cls(cache, inputs, graph, outputs)
+
+
+def kernels_lack(config) -> str | None:
+    """What of this model's attention trtkv's kernels do not implement (None: nothing)."""
+    cfg = _text_config(config)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention-logit soft-capping"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return f"sliding-window layers (window {cfg.sliding_window})"
+    return None
 
 
 def _text_config(config):
@@ -367,7 +403,8 @@ def _fold_query(q: torch.Tensor, fmt, params: TensorParams) -> torch.Tensor:
     return q
 
 
-def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torch.Tensor:
+def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Softmax attention over [sealed (stored space) | open block + new rows (model space)] keys: K's transforms
     folded into the query for the sealed part, V's undone once on the sealed part's output. GQA by folding each KV
     head's query group into the query axis (no K/V repeat)."""
@@ -396,8 +433,12 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float) -> torc
         nb, bs = sealed.shape[1], sealed.shape[4]
         S = nb * bs
         scores = torch.cat([sealed.permute(0, 2, 3, 1, 4).reshape(B, H, G * T, S), scores], -1)
-    mask = st.mask if G == 1 else st.mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
-    p = (scores * scaling).masked_fill_(~mask, float("-inf")).softmax(-1)
+    mask = st.mask if window is None else TorchEngine.window_mask(st, window)
+    mask = mask if G == 1 else mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
+    scores = scores * scaling
+    if softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask (as transformers does)
+        scores = torch.tanh(scores / softcap) * softcap
+    p = scores.masked_fill_(~mask, float("-inf")).softmax(-1)
     out = p[..., S:] @ vr
     if S:
         ps = p[..., :S].reshape(B, H, G * T, nb, bs).permute(0, 3, 1, 2, 4)  # block-major [B, nb, H, n, bs]
@@ -437,10 +478,15 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
     st.new_k[layer] = k16.transpose(1, 2)
     st.new_v[layer] = v16.transpose(1, 2)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # each family's attention module says whether this layer is local and soft-capped (Mistral, Qwen2/3, Gemma 2/3)
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     # this step's rows are attended as the fp16 values the open block will hold (the kernels take them in fp16)
     if st.engine.attention == "kernels":
+        if window or softcap:
+            raise TrtkvError(f"layer {layer} has a sliding window ({window}) or soft-capping ({softcap}) and the kernels have neither",
+                             "run the torch engine with attention='torch' (the default for such models)")
         return _kernel_attention(st, layer, query, k16, v16, scaling), None
-    return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling), None
+    return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
 
 
 _REGISTERED = False
