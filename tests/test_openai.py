@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,24 @@ def test_errors_have_openai_shape_and_status(served, kwargs, status, param):
     assert err.get("param") == param and err.get("message") and err.get("type")
     # the server keeps serving
     assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_min_tokens_and_ignore_eos_give_exactly_max_tokens(served):
+    """vLLM's extensions that benchmark clients send (`--extra-inputs ignore_eos:true`): the stop word that cuts the
+    sampled text is suppressed until min_tokens; ignore_eos means min_tokens = max_tokens."""
+    client, _, _ = served
+    kw = dict(model=MODEL, prompt="Sphinx of black quartz, judge", max_tokens=16, temperature=1.0, seed=7)
+    full = client.completions.create(**kw).choices[0].text
+    # a stop string that occurs once, in the first half of the sampled text
+    stop = next(full[i : i + k] for k in (3, 2) for i in range(1, len(full) // 2) if full.count(full[i : i + k]) == 1)
+    cut = client.completions.create(**kw, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 16
+    held = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 16})
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 16 and stop in held.choices[0].text
+    res = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert res.choices[0].finish_reason == "length" and res.usage.completion_tokens == 16
+    for extra, param in (({"min_tokens": 17}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(**kw, stop=[stop] if "ignore_eos" in extra else None, extra_body=extra)
+        assert exc.value.body.get("param", exc.value.body.get("error", {}).get("param")) == param
+
