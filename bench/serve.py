@@ -43,6 +43,17 @@ def prompt_of(tokenizer, n: int, salt: int) -> str:
     return tokenizer.decode(ids)
 
 
+def machine() -> dict:
+    """CPU model, cores, Python, and the load average when the benchmark starts (other jobs on a shared machine)."""
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -188,18 +199,12 @@ def main() -> int:
     results = {
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "kv_memory_gib": args.kv_memory,
         "max_seqs": args.max_seqs,
         "concurrency": args.concurrency,
         "engines": {},
     }
-    try:
-        results["machine"]["cpu"] = next(
-            line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     with tempfile.TemporaryDirectory(prefix="trtkv-bench-") as tmp:
         for name, d in engines.items():
             t0 = time.monotonic()
