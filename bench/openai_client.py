@@ -11,7 +11,10 @@ The benchmark starts the server as a user does (``trtkv serve ENGINE --openai-po
 ``--osl`` new tokens (``max_completion_tokens`` + ``ignore_eos``, which trtkv's front accepts as vLLM does), token
 counts from the server's ``usage`` (``--use-server-token-count``). Read from aiperf's own export
 (``profile_export_aiperf.json``): request throughput, output tokens/s, TTFT and inter-token latency percentiles,
-errors, output lengths. Results: ``--out``-<date>.{json,md} with both commands, the machine and its load average.
+errors, output lengths. Baseline in the same run, on the same server: the same load (concurrency, requests, prompt
+tokens as the server counted aiperf's templated prompts, exactly ``--osl`` new tokens) through Triton's own
+``generate_stream`` with ``bench/serve.py``'s client (``--no-baseline`` skips it): the difference is what the OpenAI
+layer and aiperf cost. Results: ``--out``-<date>.{json,md} with both commands, the machine and its load average.
 
     .venv/bin/python bench/openai_client.py --engine trtkv-out/engine-int4 [--concurrency 1 4 --requests 16 --isl 128 --osl 32]
 """
@@ -109,6 +112,7 @@ class Serve:
                     "--max-seqs", str(max_seqs), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                     "--openai-port", str(ports[3]), "--served-model-name", model]  # fmt: skip
         self.url = f"http://127.0.0.1:{ports[3]}"
+        self.triton_url = f"http://127.0.0.1:{ports[0]}"
         self.banner: list[str] = []
         self.proc: subprocess.Popen | None = None
 
@@ -138,6 +142,10 @@ class Serve:
         self.proc = None
 
 
+def args_osl(data: dict) -> str:
+    return f"{data['args']['osl']}-{data['args']['osl']}"
+
+
 def render(data: dict) -> str:
     a = data["args"]
     lines = [
@@ -161,6 +169,13 @@ def render(data: dict) -> str:
             f"{s['request_latency_ms']['p50']:.0f} | {s['osl']['min']:.0f}-{s['osl']['max']:.0f} | {s['isl']['min']:.0f}-{s['isl']['max']:.0f} | "
             f"{' / '.join(str(x) for x in lv['load_avg'])} |"
         )
+        b = lv.get("baseline_triton")
+        if b:
+            lines.append(
+                f"| {lv['concurrency']} (baseline: Triton `generate_stream`, bench/serve.py client) | {b['requests']} / {b['requests'] + len(b['errors'])} | "
+                f"{b['request_per_s']:.3f} | {b['tokens_per_s']:.2f} | {b['ttft_ms']['p50']:.0f} / {b['ttft_ms']['p99']:.0f} | "
+                f"{b['itl_ms']['p50']:.0f} / {b['itl_ms']['p99']:.0f} | - | {args_osl(data)} | {s['isl']['min']:.0f} (text) | {' / '.join(str(x) for x in b['load_avg'])} |"
+            )
     lines += ["", "aiperf command (first level): `" + " ".join(data["levels"][0]["aiperf_command"]) + "`" if data["levels"] else ""]
     return "\n".join(lines) + "\n"
 
@@ -168,7 +183,8 @@ def render(data: dict) -> str:
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from report import write_report
-    from serve import machine
+    from serve import machine, prompt_of, run_level
+    from transformers import AutoTokenizer
 
     from trtkv.manifest import load_manifest
 
@@ -182,6 +198,7 @@ def main() -> int:
     ap.add_argument("--kv-memory", type=float, default=0.5)
     ap.add_argument("--max-seqs", type=int, default=16)
     ap.add_argument("--model-name", default="smollm2")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the same load through Triton's generate_stream")
     ap.add_argument("--out", type=Path, default=Path("bench/results/openai-aiperf"))
     args = ap.parse_args()
     aiperf = find_aiperf()
@@ -211,10 +228,20 @@ def main() -> int:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"aiperf failed at concurrency {c} (exit {proc.returncode})")
             res = summarize(read_aiperf(art))
-            data["levels"].append({"concurrency": c, "aiperf_command": [Path(cmd[0]).name] + cmd[1:], "result": res,
-                                   "load_avg": [round(x, 2) for x in os.getloadavg()]})
+            level = {"concurrency": c, "aiperf_command": [Path(cmd[0]).name] + cmd[1:], "result": res, "load_avg": [round(x, 2) for x in os.getloadavg()]}
             print(f"c={c}: {res['request_per_s']:.3f} req/s, {res['output_tok_s']:.2f} tok/s, TTFT p50 {res['ttft_ms']['p50']:.0f} ms, "
                   f"ITL p50 {res['itl_ms']['p50']:.0f} ms, errors {res['error_rate_pct']}%", flush=True)
+            if not args.no_baseline:
+                tok = AutoTokenizer.from_pretrained(str(args.engine / "tokenizer"), local_files_only=True)
+                prompts = [prompt_of(tok, int(res["isl"]["min"]), 2000 + i) for i in range(args.requests)]
+                t0 = time.monotonic()
+                base = run_level(server.triton_url, prompts, c, max(1, args.requests // c), args.osl)
+                base["request_per_s"] = base["requests"] / (time.monotonic() - t0)
+                base["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+                level["baseline_triton"] = base
+                print(f"c={c} baseline (Triton generate_stream): {base['request_per_s']:.3f} req/s, {base['tokens_per_s']:.2f} tok/s, "
+                      f"TTFT p50 {base['ttft_ms']['p50']:.0f} ms, ITL p50 {base['itl_ms']['p50']:.0f} ms", flush=True)
+            data["levels"].append(level)
             write_report(stem, data, render(data))
     print(render(data))
     return 0
