@@ -9,7 +9,7 @@ OUT ?= trtkv-out
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-fast lint bench-accuracy gpu-check-dry-run clean
+.PHONY: setup quickstart test test-fast lint aiperf bench-accuracy gpu-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,16 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# NVIDIA's aiperf (genai-perf's successor, pure Python) in its own virtual environment: its pins (pyzmq~=26.4,
+# rich~=14.1, numpy 2, ~140 packages) do not belong in trtkv's. tests/test_openai.py drives the OpenAI endpoints with
+# it when .venv-aiperf exists (skips otherwise); bench/openai_client.py measures them with it.
+AIPERF_VENV ?= .venv-aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
 
 bench-accuracy: setup
 	$(BIN)/python bench/accuracy.py --rows presets

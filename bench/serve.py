@@ -10,9 +10,13 @@ For each engine: write the repository, start tritonserver on loopback, then
    new tokens: ``min_length`` = ``max_tokens``), measuring output tokens/s over the level's wall time,
    time to first token and inter-token latency (between streamed responses) percentiles.
 
-Results go to ``--out`` (JSON + Markdown, with the command and the machine).
+``--instances 1 2`` runs every engine once per instance count (python-model instances in one server, the same total
+``--kv-memory`` split among them); ``--admission-requests 0`` skips the admission part. The first row is the baseline
+of the ratios (fp16 when it is there). Results go to ``--out`` (JSON + Markdown, with the command, the machine and its
+load average before and after each level).
 
     python bench/serve.py --engine fp16=trtkv-out/engines/fp16 --engine int8=... --engine int4=... --kv-memory 0.17
+    python bench/serve.py --engine int4=DIR --instances 1 2 --admission-requests 0 --concurrency 8 --requests-per-stream 4
 """
 
 from __future__ import annotations
@@ -43,6 +47,17 @@ def prompt_of(tokenizer, n: int, salt: int) -> str:
     return tokenizer.decode(ids)
 
 
+def machine() -> dict:
+    """CPU model, cores, Python, and the load average when the benchmark starts (other jobs on a shared machine)."""
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -69,6 +84,7 @@ def run_level(url: str, prompts: list[str], concurrency: int, per_stream: int, m
             except Exception as exc:
                 errors.append(str(exc))
 
+    load0 = os.getloadavg()
     t0 = time.monotonic()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
     for t in threads:
@@ -88,10 +104,12 @@ def run_level(url: str, prompts: list[str], concurrency: int, per_stream: int, m
         "tokens_per_s": tokens / wall,
         "ttft_ms": {f"p{q}": 1000 * pct(ttft, q) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": 1000 * pct(itl, q) for q in (50, 90, 99)},
+        "load_avg_before": [round(x, 2) for x in load0],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
+def bench_engine(name: str, engine_dir: Path, args, workdir: Path, instances: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     from trtkv.manifest import load_manifest
@@ -99,32 +117,34 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
     m = load_manifest(engine_dir)
     tok = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"), local_files_only=True)
     opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, instance_kind="cpu",
-                       instances=args.instances)
+                       instances=instances)
     repo = write_repository(engine_dir, workdir / f"repo-{name}", opts, force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=workdir / f"server-{name}.log")
-    out = {"engine": str(engine_dir), "kv_spec": m.kv_spec, "block_size": m.limits.block_size, "model": m.model.name}
+    out = {"engine": str(engine_dir), "kv_spec": m.kv_spec, "block_size": m.limits.block_size, "model": m.model.name, "instances": instances,
+           "admission": None}
     with server:
         url = server.http_url
-        one_request(url, prompt_of(tok, 16, -1), 4, [])  # warm-up
+        run_level(url, [prompt_of(tok, 16, -1 - i) for i in range(instances)], instances, 1, 4)  # warm-up, one request per instance
         blocks = server.metric_values("trtkv_kv_blocks")
         out["pool_blocks"] = int(sum(blocks))
         out["bytes_per_block"] = m.bytes_per_block
         # 1. admission
         prompts = [prompt_of(tok, args.admission_prompt, i) for i in range(args.admission_requests)]
         t0 = time.monotonic()
-        level = run_level(url, prompts, args.admission_requests, 1, args.admission_max_tokens)
-        server.wait_for_metric("trtkv_requests", 1 + level["requests"], state="finished")  # warm-up + admission pushed
-        out["admission"] = {
-            "offered": args.admission_requests,
-            "prompt_tokens": args.admission_prompt,
-            "max_tokens": args.admission_max_tokens,
-            "completed": level["requests"],
-            "errors": level["errors"],
-            "seconds": time.monotonic() - t0,
-            "max_running": int(max(server.metric_values("trtkv_peak_running_sequences"))),
-            "preemptions": int(max(server.metric_values("trtkv_preemptions"))),
-        }
-        print(f"[{name}] admission: {out['admission']}", flush=True)
+        level = run_level(url, prompts, args.admission_requests, 1, args.admission_max_tokens) if prompts else None
+        if level is not None:
+            server.wait_for_metric("trtkv_requests", 1 + level["requests"], state="finished")  # warm-up + admission pushed
+            out["admission"] = {
+                "offered": args.admission_requests,
+                "prompt_tokens": args.admission_prompt,
+                "max_tokens": args.admission_max_tokens,
+                "completed": level["requests"],
+                "errors": level["errors"],
+                "seconds": time.monotonic() - t0,
+                "max_running": int(sum(server.metric_values("trtkv_peak_running_sequences"))),  # summed over instances
+                "preemptions": int(sum(server.metric_values("trtkv_preemptions"))),
+            }
+            print(f"[{name}] admission: {out['admission']}", flush=True)
         # 2. throughput
         prompts = [prompt_of(tok, args.prompt, 1000 + i) for i in range(64)]
         out["levels"] = []
@@ -133,37 +153,43 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path) -> dict:
             out["levels"].append(level)
             print(f"[{name}] c={c}: {level['tokens_per_s']:.1f} tok/s, ttft p50 {level['ttft_ms']['p50']:.0f} ms, itl p50 {level['itl_ms']['p50']:.0f} ms", flush=True)
         out["success_requests_metric"] = server.metric_values("nv_inference_request_success")
+        out["finished_per_instance"] = [int(v) for v in server.metric_values("trtkv_requests", state="finished")]  # how Triton spread them
     return out
 
 
 def render(results: dict) -> str:
     rows = results["engines"]
-    base = rows.get("fp16")
+    base_name = "fp16" if "fp16" in rows else next(iter(rows))
+    base = rows[base_name]
     lines = [
         f"# Serving benchmark ({results['machine']['cpu']}, {results['machine']['cores']} cores, no GPU)",
         "",
         f"Command: `{results['command']}`  ",
-        f"Date: {results['date']}; KV budget {results['kv_memory_gib']} GiB for every format; {results['max_seqs']} sequence slots.",
+        f"Date: {results['date']}; KV budget {results['kv_memory_gib']} GiB for every row (split among a server's instances); "
+        f"{results['max_seqs']} sequence slots per instance; load average at the start {results['machine'].get('load_avg_start')}.",
         "",
-        "| engine | KV format | pool blocks | max running seqs | vs fp16 | "
+        f"| engine | instances | KV format | pool blocks | max running seqs | vs {base_name} | "
         + " | ".join(f"tok/s @{c}" for c in results["concurrency"])
-        + " | TTFT p50/p90 ms @max | ITL p50/p90 ms @max |",
-        "|---|---|---|---|---|" + "---|" * len(results["concurrency"]) + "---|---|",
+        + " | TTFT p50/p90 ms @max | ITL p50/p90 ms @max | load avg before / after @max | requests finished per instance |",
+        "|---|---|---|---|---|---|" + "---|" * len(results["concurrency"]) + "---|---|---|---|",
     ]
     for name, r in rows.items():
-        adm = r["admission"]["max_running"]
-        ratio = adm / base["admission"]["max_running"] if base else float("nan")
+        adm = r["admission"]["max_running"] if r.get("admission") else None
+        base_adm = base["admission"]["max_running"] if base.get("admission") else None
+        ratio = f"{adm / base_adm:.2f}x" if adm and base_adm else "-"
         tps = []
         for lv in r["levels"]:
             s = f"{lv['tokens_per_s']:.1f}"
-            if base and name != "fp16":
+            if name != base_name:
                 b = next(x for x in base["levels"] if x["concurrency"] == lv["concurrency"])
                 s += f" ({lv['tokens_per_s'] / b['tokens_per_s']:.0%})"
             tps.append(s)
         last = r["levels"][-1]
+        load = f"{last['load_avg_before'][0]} / {last['load_avg_after'][0]}" if "load_avg_after" in last else "-"
         lines.append(
-            f"| {name} | `{r['kv_spec']}` | {r['pool_blocks']} | {adm} | {ratio:.2f}x | " + " | ".join(tps)
-            + f" | {last['ttft_ms']['p50']:.0f} / {last['ttft_ms']['p90']:.0f} | {last['itl_ms']['p50']:.0f} / {last['itl_ms']['p90']:.0f} |"
+            f"| {name} | {r.get('instances', 1)} | `{r['kv_spec']}` | {r['pool_blocks']} | {adm if adm is not None else '-'} | {ratio} | " + " | ".join(tps)
+            + f" | {last['ttft_ms']['p50']:.0f} / {last['ttft_ms']['p90']:.0f} | {last['itl_ms']['p50']:.0f} / {last['itl_ms']['p90']:.0f} | {load} | "
+            + f"{' + '.join(str(n) for n in r.get('finished_per_instance', [])) or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -174,7 +200,8 @@ def main() -> int:
     ap.add_argument("--kv-memory", type=float, default=0.17, help="KV budget in GiB, the same for every engine")
     ap.add_argument("--max-seqs", type=int, default=96)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--instances", type=int, default=1, help="python-model instances (engines) per server; --kv-memory is split among them")
+    ap.add_argument("--instances", type=int, nargs="+", default=[1],
+                    help="python-model instances (engines) per server, one server per value; --kv-memory is split among them")
     ap.add_argument("--admission-requests", type=int, default=100)
     ap.add_argument("--admission-prompt", type=int, default=80)
     ap.add_argument("--admission-max-tokens", type=int, default=4)
@@ -188,23 +215,19 @@ def main() -> int:
     results = {
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "kv_memory_gib": args.kv_memory,
         "max_seqs": args.max_seqs,
         "concurrency": args.concurrency,
         "engines": {},
     }
-    try:
-        results["machine"]["cpu"] = next(
-            line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     with tempfile.TemporaryDirectory(prefix="trtkv-bench-") as tmp:
         for name, d in engines.items():
-            t0 = time.monotonic()
-            results["engines"][name] = bench_engine(name, Path(d), args, Path(tmp))
-            results["engines"][name]["seconds"] = time.monotonic() - t0
+            for n in args.instances:
+                key = name if len(args.instances) == 1 else f"{name} x{n}"
+                t0 = time.monotonic()
+                results["engines"][key] = bench_engine(key.replace(" ", "-"), Path(d), args, Path(tmp), instances=n)
+                results["engines"][key]["seconds"] = time.monotonic() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     md = render(results)

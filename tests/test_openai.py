@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,56 @@ def test_errors_have_openai_shape_and_status(served, kwargs, status, param):
     assert err.get("param") == param and err.get("message") and err.get("type")
     # the server keeps serving
     assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_min_tokens_and_ignore_eos_give_exactly_max_tokens(served):
+    """vLLM's extensions that benchmark clients send (`--extra-inputs ignore_eos:true`): the stop word that cuts the
+    sampled text is suppressed until min_tokens; ignore_eos means min_tokens = max_tokens."""
+    client, _, _ = served
+    kw = dict(model=MODEL, prompt="Sphinx of black quartz, judge", max_tokens=16, temperature=1.0, seed=7)
+    full = client.completions.create(**kw).choices[0].text
+    # a stop string that occurs once, in the first half of the sampled text
+    stop = next(full[i : i + k] for k in (3, 2) for i in range(1, len(full) // 2) if full.count(full[i : i + k]) == 1)
+    cut = client.completions.create(**kw, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 16
+    held = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 16})
+    assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 16 and stop in held.choices[0].text
+    res = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert res.choices[0].finish_reason == "length" and res.usage.completion_tokens == 16
+    for extra, param in (({"min_tokens": 17}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(**kw, stop=[stop] if "ignore_eos" in extra else None, extra_body=extra)
+        assert exc.value.body.get("param", exc.value.body.get("error", {}).get("param")) == param
+
+
+def test_aiperf_openai_chat_mode_gets_every_token_it_asked_for(served, tmp_path):
+    """A benchmark client's OpenAI mode: NVIDIA's aiperf (genai-perf's successor; `make aiperf`) in chat streaming mode,
+    8 requests at concurrency 2, exactly 32 prompt and 16 new tokens each, judged from aiperf's own export files."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from openai_client import aiperf_command, find_aiperf, read_aiperf, run_aiperf
+
+    aiperf = find_aiperf()
+    if aiperf is None:
+        pytest.skip("aiperf is not installed: `make aiperf` creates .venv-aiperf (its pins conflict with trtkv's), or set TRTKV_AIPERF")
+    client, _, tok = served
+    tok.save_pretrained(str(tmp_path / "tokenizer"))
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    cmd = aiperf_command(aiperf, url, MODEL, tmp_path / "tokenizer", tmp_path / "aiperf", endpoint="chat", requests=8, concurrency=2, isl=32, osl=16)
+    proc = run_aiperf(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = read_aiperf(tmp_path / "aiperf")
+    s = res["summary"]
+    assert s["request_count"]["avg"] == 8 and s["request_error_rate"]["avg"] == 0 and not s.get("error_summary")
+    assert s["output_sequence_length"]["min"] == s["output_sequence_length"]["max"] == 16 and s["osl_mismatch_count"]["avg"] == 0
+    assert s["time_to_first_token"]["count"] == 8 and s["inter_token_latency"]["count"] == 8 and s["request_throughput"]["avg"] > 0
+    assert len(res["records"]) == 8
+    for rec in res["records"]:
+        sent = res["inputs"][rec["metadata"]["conversation_id"]]
+        (message,) = sent["messages"]
+        assert sent["max_completion_tokens"] == 16 and sent["stream"] is True
+        assert len(tok.encode(message["content"], add_special_tokens=False)) == 32  # what aiperf was asked to send
+        prompt = tok.apply_chat_template(sent["messages"], tokenize=False, add_generation_prompt=True)
+        m = rec["metrics"]
+        assert m["input_sequence_length"]["value"] == len(tok.encode(prompt))  # the server's usage: the templated prompt
+        assert m["output_sequence_length"]["value"] == m["usage_completion_tokens"]["value"] == 16
+        assert len(m["inter_chunk_latency"]["value"]) >= 1  # streamed in more than one chunk

@@ -47,6 +47,10 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[dict] = None
     logprobs: Any = None
+    # vLLM's extensions, which benchmark clients send to get exactly max_tokens tokens (aiperf / genai-perf
+    # `--extra-inputs ignore_eos:true`): end id and stop words are suppressed until min_tokens new tokens
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
 
 
 class CompletionRequest(_Common):
@@ -92,6 +96,10 @@ def _check(req: _Common, served: Served, max_tokens: int | None) -> list[str]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4:
         raise OpenAIError(400, f"stop takes at most 4 sequences, got {len(stops)}", param="stop")
+    if req.min_tokens > max_tokens:
+        raise OpenAIError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+    if req.ignore_eos and any(stops):
+        raise OpenAIError(400, "ignore_eos together with stop is not supported (ignore_eos also suppresses stop strings)", param="ignore_eos")
     return [s for s in stops if s]
 
 
@@ -102,6 +110,9 @@ def _triton_body(prompt: str, req: _Common, max_tokens: int, stops: list[str]) -
         body["stop_words"] = stops
     if req.seed is not None:
         body["seed"] = req.seed
+    min_tokens = max_tokens if req.ignore_eos else req.min_tokens  # the runtime has no separate ignore_eos input
+    if min_tokens:
+        body["min_tokens"] = min_tokens
     return body
 
 
