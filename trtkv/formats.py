@@ -161,16 +161,29 @@ class DtypeTraits:
         return torch.cat(out, -1)
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``_pack``: bytes [..., packed_dim(D)] -> unsigned codes uint8 [..., D]. Shifts by Python
-        ints (a broadcast shift tensor takes torch's slow path: 30x slower on CPU)."""
+        """Inverse of ``_pack``: bytes [..., packed_dim(D)] -> unsigned codes uint8 [..., D]."""
         D = packed.shape[-1] * 8 // self.bits
         codes = None
         for byte, width, low in self.plane_layout(D):
-            per, mask = 8 // width, (1 << width) - 1
-            plane = packed[..., byte : byte + D // per]
-            bits = torch.stack([(plane >> (i * width)) & mask if i else plane & mask for i in range(per)], -1).flatten(-2)
+            plane = packed[..., byte : byte + D * width // 8]
+            bits = torch.stack(self._fields(plane, width), -1).flatten(-2)
             codes = bits if codes is None else codes | (bits << low)
         return codes
+
+    def code_fields(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """The stored codes [..., packed_dim(D)] as ``n`` tensors [..., D / n], field ``i`` holding channels
+        ``i, i + n, i + 2n ...`` (unpacked dtypes: n = 1, the codes themselves; int4: the low and the high nibbles):
+        consumers that can take channels in that order (the torch engine's folded attention) skip the interleave."""
+        if len(self.planes) > 1:
+            raise ValueError(f"{self.name} is stored in bit planes {self.planes}: a code spans several fields")
+        return self._fields(codes, self.planes[0]) if self.planes else [codes]
+
+    @staticmethod
+    def _fields(plane: torch.Tensor, width: int) -> list[torch.Tensor]:
+        """The ``8 // width`` bit fields of each byte, low first. Shifts by Python ints (a broadcast shift tensor
+        takes torch's slow path: 30x slower on CPU); the top field needs no mask."""
+        per, mask = 8 // width, (1 << width) - 1
+        return [plane & mask if i == 0 else (plane >> (i * width)) if i == per - 1 else (plane >> (i * width)) & mask for i in range(per)]
 
     def byte_table(self, symmetric: bool) -> torch.Tensor:
         """float32 [256, codes_per_byte]: the code values stored in each byte 0..255 (the even channel first).

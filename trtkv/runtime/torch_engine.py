@@ -77,6 +77,7 @@ class _Step:
     key_pos: torch.Tensor | None = None  # [B, C + T] positions of the mask's keys (torch attention)
     query_pos: torch.Tensor | None = None  # [B, T]
     window_masks: dict = dataclasses.field(default_factory=dict)  # sliding window -> its mask, built once per step
+    biases: dict = dataclasses.field(default_factory=dict)  # window (None: global) -> additive mask (``_mask_bias``)
 
 
 class TorchEngine(Engine):
@@ -334,29 +335,50 @@ def sealed_blocks(st: _Step, pool) -> QuantizedTensor:
 def folds_key_scales(fmt) -> bool:
     """Keys whose integer codes have one scale (+ zero) per channel per sealed block: attention folds the scales
     into the query (``(q * s) . c + q . z``) instead of dequantizing every key (the int4 / int8 presets)."""
-    return fmt.is_quantized and fmt.is_block_wise and fmt.traits.is_int
+    return fmt.is_quantized and fmt.is_block_wise and fmt.traits.is_int and len(fmt.traits.planes) <= 1
+
+
+def _shift(fmt, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor | None:
+    """``z - off * s``: what ``(c - off) * s + z`` adds to ``c * s`` (None: nothing)."""
+    off = fmt.traits.offset(fmt.symmetric)
+    if off:
+        return -off * scale if zero is None else zero - off * scale
+    return zero
+
+
+def _fields(fmt, codes: torch.Tensor, shape) -> list[torch.Tensor]:
+    """The stored codes as float fields ``shape[:-1] + [D / n]`` (``DtypeTraits.code_fields``: channel ``i::n``)."""
+    fields = fmt.traits.code_fields(codes)
+    return [f.float().view(*shape[:-1], shape[-1] // len(fields)) for f in fields]
 
 
 def _folded_key_scores(st: _Step, layer: int, qs: torch.Tensor) -> torch.Tensor:
     """Scores ``[B, nb, H, n, bs]`` of the query ``qs`` [B, H, n, D] (stored channel space) against the sealed keys,
-    without dequantizing them: ``(c - off) * s + z`` per channel per block is folded into the query."""
+    without dequantizing them: ``(c - off) * s + z`` per channel per block is folded into the query, and packed
+    codes enter the product field by field (int4: the even channels' nibbles, then the odd ones')."""
     cache, fmt = st.cache, st.cache.layout.tensor_format("k")
     B, H, n, D = qs.shape
     qt = sealed_blocks(st, cache.pool(layer, "k"))
     nb = st.sealed_max
-    codes = fmt.traits.stored_values(qt.codes).view(B, nb, H, -1, D)
+    fields = _fields(fmt, qt.codes, (B, nb, H, -1, D))
     scale = qt.scale.float().view(B, nb, H, 1, D)
-    off = fmt.traits.offset(fmt.symmetric)
-    shift = (qt.zero.float().view(B, nb, H, 1, D) if qt.zero is not None else 0) - off * scale
+    shift = _shift(fmt, scale, None if qt.zero is None else qt.zero.float().view(B, nb, H, 1, D))
+    if not st.sealed_all_valid:  # blocks past a sequence's sealed ones are other owners': their scales may be NaN
+        bs = qt.codes.shape[-2]
+        invalid = st.kv_invalid[:, : nb * bs].view(B, nb, bs)[:, :, :1].view(B, nb, 1, 1, 1)
+        scale = scale.masked_fill(invalid, 0)
+        shift = None if shift is None else shift.masked_fill(invalid, 0)
     qb = qs[:, None]  # [B, 1, H, n, D]
-    scores = (qb * scale) @ codes.transpose(-1, -2)
-    return scores + (qb * shift).sum(-1, keepdim=True)
+    qsc = qb * scale
+    per = len(fields)
+    scores = qsc @ fields[0].transpose(-1, -2) if per == 1 else sum(qsc[..., i::per] @ f.transpose(-1, -2) for i, f in enumerate(fields))
+    return scores if shift is None else scores + (qb * shift).sum(-1, keepdim=True)
 
 
 def folds_value_scales(fmt) -> bool:
     """Values whose integer codes have a scale (+ zero) per token (group): attention folds the scales into the
     probabilities (``sum_t p_t s_t c_t``) instead of dequantizing every value (the int4 / int8 presets)."""
-    return fmt.is_quantized and fmt.traits.is_int and not fmt.is_static and not fmt.is_block_wise
+    return fmt.is_quantized and fmt.traits.is_int and not fmt.is_static and not fmt.is_block_wise and len(fmt.traits.planes) <= 1
 
 
 def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: TensorParams) -> torch.Tensor:
@@ -369,21 +391,31 @@ def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: Tensor
     D, sink = lay.head_dim, lay.sink_tokens
     groups = fmt.groups(D)
     qt = sealed_blocks(st, pool)
-    codes = fmt.traits.stored_values(qt.codes).view(B, nb, H, bs, D)
+    fields = _fields(fmt, qt.codes, (B, nb, H, bs, D))
     scale = qt.scale.float().view(B, nb, H, bs, groups)
-    shift = (qt.zero.float().view(B, nb, H, bs, groups) if qt.zero is not None else 0) - fmt.traits.offset(fmt.symmetric) * scale
+    shift = _shift(fmt, scale, None if qt.zero is None else qt.zero.float().view(B, nb, H, bs, groups))
     if not st.sealed_all_valid:  # other owners' blocks may hold NaN scales; their probabilities are 0
         invalid = st.kv_invalid[:, : nb * bs].view(B, nb, 1, bs, 1)
-        scale, shift = scale.masked_fill(invalid, 0), shift.masked_fill(invalid, 0)
+        scale = scale.masked_fill(invalid, 0)
+        shift = None if shift is None else shift.masked_fill(invalid, 0)
     p_sink = None
     if sink:
         p_sink = ps[:, 0, :, :, :sink]
         ps = ps.clone()
         ps[:, 0, :, :, :sink] = 0
-    w = ps[..., None] * scale[:, :, :, None]  # [B, nb, H, n, bs, groups]
-    gs = D // groups
-    out = torch.cat([w[..., g] @ codes[..., g * gs : (g + 1) * gs] for g in range(groups)], -1).sum(1)
-    out = out + torch.einsum("xbhnt,xbhtg->xhng", ps, shift).repeat_interleave(gs, -1)
+    per = len(fields)
+    gw = D // groups // per  # channels of one group in one field
+    w = ps[..., None] * scale[:, :, :, None] if groups > 1 else ps * scale[..., 0][:, :, :, None]  # [B, nb, H, n, bs(, groups)]
+    out = ps.new_empty(B, nb, H, n, D // per, per)
+    for i, f in enumerate(fields):
+        if groups == 1:
+            out[..., i] = w @ f
+        else:
+            for g in range(groups):
+                out[..., g * gw : (g + 1) * gw, i] = w[..., g] @ f[..., g * gw : (g + 1) * gw]
+    out = out.view(B, nb, H, n, D).sum(1)
+    if shift is not None:
+        out = out + torch.einsum("xbhnt,xbhtg->xhng", ps, shift).repeat_interleave(D // groups, -1)
     out = inverse_transform(out, fmt, params, head_axis=-3)
     if p_sink is not None:
         rows = pool.tail[st.batch.slot_ids, :, bs : bs + sink].to(out.dtype)
@@ -419,8 +451,10 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
         ks, kr = None, _open_rows(st, layer, "k", k16)
         sealed = _folded_key_scores(st, layer, _fold_query(qg, kfmt, kp))
         if lay.sink_tokens:  # the first block's first rows are read from the sink rows (model space, fp16)
-            sink = st.cache.pool(layer, "k").tail[st.batch.slot_ids, :, lay.block_size : lay.block_size + lay.sink_tokens]
-            sealed[:, 0, :, :, : lay.sink_tokens] = qg @ sink.to(qg.dtype).transpose(-1, -2)
+            sink = st.cache.pool(layer, "k").tail[st.batch.slot_ids, :, lay.block_size : lay.block_size + lay.sink_tokens].to(qg.dtype)
+            if not st.sealed_all_valid:  # a slot without a sealed block holds stale sink rows
+                sink = sink.masked_fill(st.kv_invalid[:, None, : lay.sink_tokens, None], 0)
+            sealed[:, 0, :, :, : lay.sink_tokens] = qg @ sink.transpose(-1, -2)
     else:
         ks, kr = context_kv(st, layer, "k", k16)
         sealed = None if ks is None else _fold_query(qg, kfmt, kp)[:, None] @ ks.transpose(-1, -2)
@@ -433,12 +467,10 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
         nb, bs = sealed.shape[1], sealed.shape[4]
         S = nb * bs
         scores = torch.cat([sealed.permute(0, 2, 3, 1, 4).reshape(B, H, G * T, S), scores], -1)
-    mask = st.mask if window is None else TorchEngine.window_mask(st, window)
-    mask = mask if G == 1 else mask[:, :, None].expand(B, 1, G, T, -1).reshape(B, 1, G * T, -1)
     scores = scores * scaling
     if softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask (as transformers does)
         scores = torch.tanh(scores / softcap) * softcap
-    p = scores.masked_fill_(~mask, float("-inf")).softmax(-1)
+    p = (scores + _mask_bias(st, window, G, scores.dtype)).softmax(-1)
     out = p[..., S:] @ vr
     if S:
         ps = p[..., :S].reshape(B, H, G * T, nb, bs).permute(0, 3, 1, 2, 4)  # block-major [B, nb, H, n, bs]
@@ -447,6 +479,18 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
         else:  # [B, nb, H, n, bs] @ [B, nb, H, bs, D], summed over blocks
             out = out + inverse_transform((ps @ vs).sum(1), vfmt, vp, head_axis=-3)
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
+
+
+def _mask_bias(st: _Step, window: int | None, G: int, dtype) -> torch.Tensor:
+    """0 / -inf [B, 1, G * T, C + T] of the step's mask (a local layer's: with its window), GQA rows repeated; built
+    once per step and reused by every layer (an add instead of a negation and a fill per layer)."""
+    got = st.biases.get(window)
+    if got is None:
+        mask = st.mask if window is None else TorchEngine.window_mask(st, window)
+        B, _, T, C = mask.shape
+        mask = mask if G == 1 else mask[:, :, None].expand(B, 1, G, T, C).reshape(B, 1, G * T, C)
+        got = st.biases[window] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return got
 
 
 def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float) -> torch.Tensor:
