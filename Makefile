@@ -55,8 +55,9 @@ lint: setup
 
 # NVIDIA's aiperf (genai-perf's successor, pure Python) in its own virtual environment: its pins (pyzmq~=26.4,
 # rich~=14.1, numpy 2, ~140 packages) do not belong in trtkv's. tests/test_openai.py drives the OpenAI endpoints with
-# it when .venv-aiperf exists (skips otherwise); bench/openai_client.py measures them with it.
-AIPERF_VENV ?= .venv-aiperf
+# it when installed (skips otherwise); bench/openai_client.py measures them with it. Per user, like the Triton cache:
+# installed once per machine (~2 min), a fresh clone finds it.
+AIPERF_VENV ?= $(HOME)/.cache/trtkv/aiperf-venv
 aiperf: $(AIPERF_VENV)/bin/aiperf
 $(AIPERF_VENV)/bin/aiperf:
 	$(PYTHON) -m venv $(AIPERF_VENV)

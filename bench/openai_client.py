@@ -2,7 +2,7 @@
 
 perf_analyzer / genai-perf need libcudart and do not run on a machine without CUDA; aiperf is pure Python. Its pins
 (pyzmq~=26.4, rich~=14.1, numpy>=2 in its resolution, ~140 packages) do not belong in trtkv's environment, so it lives
-in its own virtual environment and is called as a command: ``make aiperf`` creates ``.venv-aiperf``; or point
+in its own virtual environment and is called as a command: ``make aiperf`` creates ``~/.cache/trtkv/aiperf-venv``; or point
 ``$TRTKV_AIPERF`` at an ``aiperf`` executable (``find_aiperf``).
 
 The benchmark starts the server as a user does (``trtkv serve ENGINE --openai-port P``, a subprocess), then runs
@@ -35,11 +35,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 AIPERF_VERSION = "0.13.0"  # what `make aiperf` installs and the results were measured with
-AIPERF_VENV = ROOT / ".venv-aiperf"
+# `make aiperf`'s environment: per user, like the Triton kernel cache and the GGUF conversion (~/.cache/trtkv), so a
+# fresh clone on a machine that has it installs nothing
+AIPERF_VENV = Path(os.environ.get("TRTKV_CACHE", Path.home() / ".cache" / "trtkv")) / "aiperf-venv"
 
 
 def find_aiperf() -> str | None:
-    """The aiperf executable: ``$TRTKV_AIPERF``, else ``make aiperf``'s ``.venv-aiperf``, else ``aiperf`` on PATH."""
+    """The aiperf executable: ``$TRTKV_AIPERF``, else ``make aiperf``'s ``~/.cache/trtkv/aiperf-venv``, else ``aiperf`` on PATH."""
     env = os.environ.get("TRTKV_AIPERF")
     if env:
         return env if Path(env).is_file() else None
@@ -203,7 +205,7 @@ def main() -> int:
     args = ap.parse_args()
     aiperf = find_aiperf()
     if aiperf is None:
-        print("aiperf not found: run `make aiperf` (creates .venv-aiperf) or set TRTKV_AIPERF=/path/to/aiperf", file=sys.stderr)
+        print("aiperf not found: run `make aiperf` (creates ~/.cache/trtkv/aiperf-venv) or set TRTKV_AIPERF=/path/to/aiperf", file=sys.stderr)
         return 2
     data = {
         "command": "python " + " ".join(sys.argv),

@@ -175,7 +175,7 @@ def test_aiperf_openai_chat_mode_gets_every_token_it_asked_for(served, tmp_path)
 
     aiperf = find_aiperf()
     if aiperf is None:
-        pytest.skip("aiperf is not installed: `make aiperf` creates .venv-aiperf (its pins conflict with trtkv's), or set TRTKV_AIPERF")
+        pytest.skip("aiperf is not installed: `make aiperf` creates ~/.cache/trtkv/aiperf-venv (its pins conflict with trtkv's), or set TRTKV_AIPERF")
     client, _, tok = served
     tok.save_pretrained(str(tmp_path / "tokenizer"))
     url = str(client.base_url).rstrip("/").removesuffix("/v1")
