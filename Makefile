@@ -27,13 +27,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The whole pipeline on the builtin model, about 10 minutes on 2 cores: calibrate on the calib split,
-# build an int4 ONNX Runtime engine, serve it with the real Triton server, send one generate request,
+# build an int4 engine (--backend auto: the torch engine on CPU), serve it with the real Triton server, send one generate request,
 # stop the server, then measure fp16/int8/int4 accuracy on 16 held-out windows
 # (`make bench-accuracy` measures the full table).
 quickstart: setup
 	$(BIN)/trtkv calibrate --model smollm2-135m --dataset builtin:pydoc --out $(OUT)/calibration
 	$(BIN)/trtkv build-engine --model smollm2-135m --calibration $(OUT)/calibration --kv int4 \
-		--backend onnxruntime --out $(OUT)/engine-int4 --force
+		--out $(OUT)/engine-int4 --force
 	$(BIN)/trtkv inspect $(OUT)/engine-int4
 	$(BIN)/trtkv serve $(OUT)/engine-int4 --repo $(OUT)/triton_repo --kv-memory 0.5 & pid=$$!; \
 		$(BIN)/trtkv generate "def fibonacci(n):" --url http://127.0.0.1:8000 --wait 180 -n 32; rc=$$?; \
