@@ -110,14 +110,19 @@ def render(results: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The shared-prefix workload's options, the same offline (here) and through the server (prefix_cache_served.py)."""
     ap.add_argument("--engine", action="append", required=True, help="NAME=ENGINE_DIR (repeatable)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=1024, help="tokens of the shared system prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=RuntimeConfig.max_batched_tokens)
     ap.add_argument("--kv-memory", type=float, default=1.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefix-cache"))
     args = ap.parse_args()
     command = "python " + " ".join(sys.argv)

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefix_cache import workload_args
 from report import write_report
 from serve import machine, pct
 
@@ -156,12 +157,7 @@ def render(data: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append", required=True, help="NAME=ENGINE_DIR (repeatable)")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--prefix", type=int, default=1024, help="tokens of the shared system prompt")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--kv-memory", type=float, default=1.0)
+    workload_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefix-cache-served"))
     args = ap.parse_args()
     data = {
