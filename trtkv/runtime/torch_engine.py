@@ -10,11 +10,12 @@ projections, RoPE, norms and MLP run unchanged on the whole padded ``[B, T]`` ba
 calls ``paged_attention`` with the query, key and value after RoPE (``[B, heads, T, D]``). It
 
 * captures this step's K / V rows (fp16) into ``new_k / new_v [L, B, T, H, D]``,
-* attends over the sealed blocks (dequantized), the sink rows, the slot's open block and this step's
-  rows ``0 … t`` rounded to fp16 (what the open block will hold), causal within the step:
-  - ``attention="torch"`` (the CPU default): vectorized torch ops -- the batch's block tables gathered in
-    one index, dequantized with ``trtkv.quant.dequantize`` (bit operations for int4, no table lookups),
-    masked ``scaled_dot_product_attention`` with GQA;
+* attends over the sealed blocks, the sink rows, the slot's open block and this step's rows ``0 … t``
+  rounded to fp16 (what the open block will hold), causal within the step:
+  - ``attention="torch"`` (the CPU default): vectorized torch ops -- the batch's sealed blocks gathered with
+    ``index_select``; where the format allows (the int4 / int8 presets) their scales folded into the query
+    (keys) and the probabilities (values) so the codes are never dequantized, else ``trtkv.quant.dequantize``;
+    one additive mask per step, GQA folded into the query axis;
   - ``attention="kernels"`` (the CUDA default): trtkv's Triton kernels through ``torch.ops.trtkv``
     (split-K decode for ``T == 1``, paged prefill otherwise); on CPU it runs under ``TRITON_INTERPRET=1``.
 
