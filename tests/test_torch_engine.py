@@ -27,6 +27,7 @@ import torch
 from trtkv.builder.build import build_engine
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.formats import fit_formats
+from trtkv.manifest import load_manifest
 from trtkv.models import load_model
 from trtkv.runtime.backends import OnnxRuntimeEngine, TorchReferenceEngine
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -36,8 +37,9 @@ from trtkv.runtime.verify import StaticBatch, greedy_decode
 BLOCK = 4
 KERNEL_BLOCK = 16  # the kernels' smallest block size (contract.LIMITS)
 FORMATS = ["fp16", "int8", "int4"]
-# besides the presets: scales folded into attention with a zero-point (int4-token V) and with groups of 32 (int4-g32)
-FOLDED = ["k=int8:token:asym,v=int4:token:asym:hadamard", "int4-g32"]
+# besides the presets: scales folded into attention with a zero-point (int4-token V), groups of 32 (int4-g32), four 2-bit
+# fields per byte (int2) and the bit-plane int3 (dequantized)
+FOLDED = ["k=int8:token:asym,v=int4:token:asym:hadamard", "int4-g32", "int3", "int2"]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +156,21 @@ def test_decode_at_graph_shapes_equals_unpadded(tiny_dir, monkeypatch, attention
     want, got = (_run(e, PagedKVCache(lay, 2), prompts, 4) for e in (plain, padded))
     assert seen and all(r == 4 and c >= 3 for r, c in seen)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_auto_attention_takes_the_torch_ops_where_the_kernels_stop(tmp_path, tiny_dir, tiny_loaded):
+    """On CUDA ``auto`` picks the kernels only for what they implement: an int3 engine, or one with blocks of 4
+    (the kernels start at 16), gets the torch ops; an int4 engine with blocks of 16 the kernels."""
+    from trtkv.runtime.torch_engine import kernels_lack
+
+    def manifest(kv, block):
+        d = build_engine(str(tiny_dir), None, kv, tmp_path / f"{kv}-{block}", backend="torch", block_size=block, max_seq_len=64, loaded=tiny_loaded)
+        return load_manifest(d)
+
+    cfg = tiny_loaded.model.config
+    assert kernels_lack(cfg, manifest("int4", KERNEL_BLOCK)) is None
+    assert "int3" in kernels_lack(cfg, manifest("int3", KERNEL_BLOCK))
+    assert "block size" in kernels_lack(cfg, manifest("int4", BLOCK))
 
 
 def test_device_seal_path_writes_the_reference_bytes(tiny_dir, monkeypatch):

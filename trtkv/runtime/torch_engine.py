@@ -42,6 +42,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import load_model
 from trtkv.plugins import ops
+from trtkv.plugins.contract import LIMITS
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.backends import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -94,7 +95,7 @@ class TorchEngine(Engine):
         self.manifest = manifest
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if attention == "auto":  # the kernels have no window start or soft-capping: such models take the torch ops
-            attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config) else "torch"
+            attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config, manifest) else "torch"
         self.attention = attention
         self.dtype = next(model.parameters()).dtype
         register_attention()
@@ -272,8 +273,17 @@ class _DecodeGraph:
         return cls(cache, inputs, graph, outputs)
 
 
-def kernels_lack(config) -> str | None:
-    """What of this model's attention trtkv's kernels do not implement (None: nothing)."""
+def kernels_lack(config, manifest: EngineManifest | None = None) -> str | None:
+    """What of this model's attention (and of the engine's KV format / layout) trtkv's kernels do not implement
+    (None: nothing): such engines run the torch ops, on CUDA too."""
+    if manifest is not None:
+        lim = LIMITS
+        if not lim.takes(manifest.kv_format):
+            return f"KV format {manifest.kv_spec} (the kernels take {', '.join(lim.dtypes)}, no mse seal)"
+        for what, problem in (("block size", lim.block_size_problem(manifest.limits.block_size)),
+                              ("head_dim", lim.head_dim_problem(manifest.model.head_dim))):
+            if problem:
+                return f"{what} {problem}"
     cfg = _text_config(config)
     if getattr(cfg, "attn_logit_softcapping", None):
         return "attention-logit soft-capping"
