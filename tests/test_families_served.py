@@ -5,17 +5,7 @@ pytest-xdist (``--dist loadfile``) runs it beside test_families.py rather than a
 from __future__ import annotations
 
 import pytest
-from test_families import FAMILIES, STEP_NETWORK
-
-
-@pytest.fixture(scope="module")
-def family(tiny_models):
-    def get(name: str):
-        arch, kw = FAMILIES[name]
-        return tiny_models(arch, with_tokenizer=True, **kw)
-
-    return get
-
+from test_families import STEP_NETWORK, family  # noqa: F401 - family: test_families' fixture, used here too
 
 
 @pytest.mark.server
