@@ -10,7 +10,7 @@ from test_families import STEP_NETWORK, family  # noqa: F401 - family: test_fami
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_each_family_is_served_like_offline(family, tmp_path):
+def test_each_family_is_served_like_offline(family, tmp_path):  # noqa: F811 - family is the imported fixture
     """Every family: an int4 build (the torch engine, the CPU default, no calibration) -> ``trtkv serve``'s repository
     on the real tritonserver -> greedy generate over HTTP: the text equals the offline runtime's (LLMEngine), for
     continuations that run past the window of 8. The six servers start side by side (a start is mostly imports)."""
