@@ -60,6 +60,8 @@ def register(app: typer.Typer, handle_errors) -> None:
 
 
 def print_manifest(m, engine_dir: Path) -> None:
+    from trtkv.cache_layout import WindowRing
+
     md = m.model
     lim = m.limits
     console.print(f"[bold]engine[/] {engine_dir}  (schema {m.schema_version}, trtkv {m.trtkv_version}, built {m.created})  [green]valid[/]")
@@ -70,6 +72,12 @@ def print_manifest(m, engine_dir: Path) -> None:
                   f"<= {lim.max_new_tokens_per_step} new tokens/step, pool <= {lim.max_num_blocks} blocks (TensorRT profile)")
     console.print(f"bytes      {m.bytes_per_token:,.1f} B/token in the pool (K+V, all layers, scales included); {m.bytes_per_block:,} B/block; "
                   f"{m.tail_bytes_per_slot:,} B per sequence slot (fp16 open blocks)")
+    ring = WindowRing.of(md, lim.block_size)
+    if ring is not None:
+        lay, n_global = m.layout(1, 1), md.num_layers - len(ring.layers)
+        console.print(f"layers     {len(ring.layers)} sliding (window {ring.window}) + {n_global} global; with the torch engine the sliding layers "
+                      f"free passed blocks: a ring of {ring.ring_blocks} blocks per slot ({ring.bytes_per_slot(lay):,} B), and pool blocks hold "
+                      f"the global layers only ({lay.bytes_per_block() * n_global:,} B/block; --keep-window-blocks keeps every layer's)")
     cal = m.calibration
     console.print(f"calibration {cal.path or 'none'}" + (f" sha256 {cal.sha256[:16]} format {cal.format_name}" if cal.sha256 else ""))
     t = Table(title="pool layout (per layer; tensors stacked over layers)")

@@ -136,6 +136,33 @@ def tiny_models(tmp_path_factory):
     return get
 
 
+# The model families of tests/test_families.py (also served, and run over a window ring, by other test files).
+WINDOW = 8
+# family -> (conftest arch, config overrides). Chosen so that every one also round-trips through GGUF: transformers'
+# GGUF loader takes Qwen3's head_dim from its default (128) and Phi-3's from hidden / heads, and Gemma ties embeddings.
+FAMILIES = {
+    "qwen3": ("qwen3", dict(head_dim=128)),
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, tie_word_embeddings=True, query_pre_attn_scalar=20,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3", dict(sliding_window=WINDOW, tie_word_embeddings=True, num_hidden_layers=6, hidden_size=64,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64)),
+    "phi3": ("phi3", dict(hidden_size=96)),
+    "mistral-sw": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2-sw": ("qwen2", dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1)),
+}
+
+
+@pytest.fixture(scope="session")
+def family(tiny_models):
+    """``family(name) -> (dir, model)``: the tiny model of ``FAMILIES[name]`` with a tokenizer (built once per session)."""
+
+    def get(name: str):
+        arch, kw = FAMILIES[name]
+        return tiny_models(arch, with_tokenizer=True, **kw)
+
+    return get
+
+
 SMALL_LLAMA = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # inside the kernels' limits
 
 

@@ -19,7 +19,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_TEXT
+from conftest import FAMILIES, TINY_TEXT, WINDOW
 from transformers.cache_utils import DynamicCache
 
 from trtkv.errors import TrtkvError
@@ -37,19 +37,6 @@ from trtkv.plan import GIB, ModelShape, layer_type_bytes, plan
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.torch_engine import TorchEngine
 
-WINDOW = 8
-# family -> (conftest arch, config overrides). Chosen so that every one also round-trips through GGUF: transformers'
-# GGUF loader takes Qwen3's head_dim from its default (128) and Phi-3's from hidden / heads, and Gemma ties embeddings.
-FAMILIES = {
-    "qwen3": ("qwen3", dict(head_dim=128)),
-    "gemma2": ("gemma2", dict(sliding_window=WINDOW, tie_word_embeddings=True, query_pre_attn_scalar=20,
-                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    "gemma3": ("gemma3", dict(sliding_window=WINDOW, tie_word_embeddings=True, num_hidden_layers=6, hidden_size=64,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64)),
-    "phi3": ("phi3", dict(hidden_size=96)),
-    "mistral-sw": ("mistral", dict(sliding_window=WINDOW)),
-    "qwen2-sw": ("qwen2", dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1)),
-}
 LAYER_TYPES = {
     "qwen3": (FULL_ATTENTION,) * 2,
     "gemma2": (SLIDING_ATTENTION, FULL_ATTENTION),
@@ -60,15 +47,6 @@ LAYER_TYPES = {
 }
 STEP_NETWORK = ("qwen3", "gemma2", "gemma3", "phi3", "mistral-sw", "qwen2-sw")
 GGUF = {"qwen3": "QWEN3", "phi3": "PHI3", "gemma2": "GEMMA2", "gemma3": "GEMMA3"}  # families the GGUF loader knows
-
-
-@pytest.fixture(scope="module")
-def family(tiny_models):
-    def get(name: str):
-        arch, kw = FAMILIES[name]
-        return tiny_models(arch, with_tokenizer=True, **kw)
-
-    return get
 
 
 def _ids(n: int, length: int, vocab: int = 320, seed: int = 0) -> torch.Tensor:

@@ -5,12 +5,14 @@ pytest-xdist (``--dist loadfile``) runs it beside test_families.py rather than a
 from __future__ import annotations
 
 import pytest
-from test_families import STEP_NETWORK, family  # noqa: F401 - family: test_families' fixture, used here too
+from test_families import LAYER_TYPES, STEP_NETWORK
+
+from trtkv.models import SLIDING_ATTENTION
 
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_each_family_is_served_like_offline(family, tmp_path):  # noqa: F811 - family is the imported fixture
+def test_each_family_is_served_like_offline(family, tmp_path):
     """Every family: an int4 build (the torch engine, the CPU default, no calibration) -> ``trtkv serve``'s repository
     on the real tritonserver -> greedy generate over HTTP: the text equals the offline runtime's (LLMEngine), for
     continuations that run past the window of 8. The six servers start side by side (a start is mostly imports)."""
@@ -37,6 +39,11 @@ def test_each_family_is_served_like_offline(family, tmp_path):  # noqa: F811 - f
             list(pool.map(lambda s: s.start(timeout=300), servers.values()))
         got = {name: [generate(s.http_url, p, 16, min_length=16, exclude_input_in_output=True)["text_output"] for p in prompts]
                for name, s in servers.items()}
+        # the sliding families free their passed blocks (a window ring): said at start, KV bytes reported per layer type
+        for name, s in servers.items():
+            sliding = SLIDING_ATTENTION in LAYER_TYPES[name]
+            assert ("keep a ring of" in (tmp_path / name / "server.log").read_text()) == sliding, name
+            assert len(s.metric_values("trtkv_kv_bytes_used", layer_type="sliding_attention")) == 1, name
     finally:
         for s in servers.values():
             s.stop()

@@ -25,6 +25,7 @@ MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = mo
 BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
 PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests")]
+FreeWindowOpt = Annotated[bool, typer.Option("--free-window-blocks/--keep-window-blocks", help="sliding-window layers free blocks their window has passed (torch engine; no prefix caching then)")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton model instances) in this server; the KV budget is split among them")]
 
 # The repository's runtime options: `triton-repo` and `serve` both write a repository, so both take these (declared once).
@@ -35,6 +36,7 @@ REPO_OPTIONS = (
     ("max_batched_tokens", BatchedTokensOpt, RuntimeConfig.max_batched_tokens),
     ("backend", BackendOpt, "auto"),
     ("prefix_cache", PrefixCacheOpt, RuntimeConfig.enable_prefix_caching),
+    ("free_window_blocks", FreeWindowOpt, RuntimeConfig.free_window_blocks),
     ("instances", InstancesOpt, 1),
     ("instance_kind", Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")], "auto"),
     ("copy_engine", Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")], False),
@@ -51,7 +53,7 @@ def with_repo_options(command):
     return command
 
 
-def _repo_options(*, kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, prefix_cache, instances, instance_kind, copy_engine):
+def _repo_options(*, kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, prefix_cache, free_window_blocks, instances, instance_kind, copy_engine):
     from trtkv.triton_repo.repository import RepoOptions
 
     if kv_memory is not None and kv_memory <= 0:
@@ -68,6 +70,7 @@ def _repo_options(*, kv_memory, kv_fraction, max_seqs, max_batched_tokens, backe
         instances=instances,
         copy_engine=copy_engine,
         enable_prefix_caching=prefix_cache,
+        free_window_blocks=free_window_blocks,
     )
 
 
@@ -81,7 +84,7 @@ def _pool_summary(m, opts) -> str:
         return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
     from trtkv.triton_repo.repository import instance_budget
 
-    cfg = RuntimeConfig(kv_memory_gib=instance_budget(opts, "cpu"), max_seqs=opts.max_seqs)
+    cfg = RuntimeConfig(kv_memory_gib=instance_budget(opts, "cpu"), max_seqs=opts.max_seqs, free_window_blocks=opts.free_window_blocks)
     each = "" if opts.instances == 1 else f"{opts.instances} instances, each "
     return f"KV format {m.kv_spec}: {each}{plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
 

@@ -87,6 +87,10 @@ class _Metrics:
             "aborted": requests.Metric(labels={**lab, "state": "cancelled"}),
             "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
         }
+        kv_bytes = fam("trtkv_kv_bytes_used", "KV bytes the running sequences hold (sealed blocks + open blocks) by layer type")
+        self.g |= {
+            f"kv_bytes_used_{t}": kv_bytes.Metric(labels={**lab, "layer_type": t}) for t in ("full_attention", "sliding_attention")
+        }
         self._last = 0.0
         self._pushed_finished = -1
 
@@ -167,11 +171,12 @@ class TritonPythonModel:
             backend=params.get("backend") or "auto",
             device=params.get("device") or "auto",
             enable_prefix_caching=params.get("enable_prefix_caching", "1" if RuntimeConfig.enable_prefix_caching else "0") != "0",
+            free_window_blocks=params.get("free_window_blocks", "1" if RuntimeConfig.free_window_blocks else "0") != "0",
         )
         self.logger = pb_utils.Logger
         self.engine = LLMEngine.from_engine_dir(engine_dir, config)
         stats = self.engine.stats()
-        self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.budget.describe()}")
+        self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.describe_cache()}")
         self.metrics = None
         try:
             self.metrics = _Metrics(self.engine.manifest.kv_format.name, args.get("model_instance_name", ""))

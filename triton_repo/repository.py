@@ -48,6 +48,7 @@ class RepoOptions:
     max_batched_tokens: int = RuntimeConfig.max_batched_tokens
     backend: str = "auto"
     enable_prefix_caching: bool = RuntimeConfig.enable_prefix_caching
+    free_window_blocks: bool = RuntimeConfig.free_window_blocks
     instance_kind: str = "auto"  # auto | cpu | gpu
     instances: int = 1  # model instances = engines, each with its share of the KV budget (instance_budget)
     max_batch_size: int = 64
@@ -103,6 +104,7 @@ def llm_config(engine_ref: str, opts: RepoOptions, kind: str) -> str:
         "max_batched_tokens": str(opts.max_batched_tokens),
         "backend": opts.backend,
         "enable_prefix_caching": "1" if opts.enable_prefix_caching else "0",
+        "free_window_blocks": "1" if opts.free_window_blocks else "0",
         "device": "cuda" if kind == "gpu" else "cpu",
         **{k: str(v) for k, v in opts.extra.items()},
     }

@@ -126,6 +126,61 @@ class PagedKVLayout:
         )
 
 
+def first_window_block(context_len, window: int, block_size: int):
+    """The first sealed block a sliding layer of ``window`` tokens still reads when its next query sits at position
+    ``context_len`` (an int or a tensor of them): keys at positions ``> context_len - window`` (transformers' rule)
+    are read, so blocks wholly below ``context_len - window + 1`` never are again."""
+    first = (context_len - window + 1) // block_size
+    return first.clamp(min=0) if isinstance(first, torch.Tensor) else max(0, first)
+
+
+def window_ring_blocks(window: int, block_size: int) -> int:
+    """The most sealed blocks a sliding layer reads in one step (``context//bs - first_window_block``, over every
+    context; periodic in ``block_size`` past the window): the ring each sequence slot keeps (``WindowRing``)."""
+    return max(c // block_size - first_window_block(c, window, block_size) for c in range(window + 2 * block_size))
+
+
+@dataclass(frozen=True)
+class WindowRing:
+    """The sliding layers' sealed blocks, freed as the window moves past them.
+
+    A sliding layer never reads a sealed block wholly outside its window again, so it needs at most
+    ``ring_blocks = window_ring_blocks(window, block_size)`` of a sequence's sealed blocks at once. Each sequence
+    slot owns that many blocks per sliding layer, in a ring: the sequence's sealed block ``i`` lives in ring block
+    ``slot * ring_blocks + i % ring_blocks`` of the sliding layers' pools, overwriting block ``i - ring_blocks``, which
+    no query reads any more. The global layers keep every sealed block in the pool the block tables address. So a
+    sliding layer holds at most its window plus one block of tokens per sequence, at a fixed cost per slot, with no
+    block table and nothing to allocate: the step contract is unchanged (the ring block follows from the slot).
+    """
+
+    layers: tuple[int, ...]  # the sliding layers
+    window: int
+    block_size: int
+
+    @classmethod
+    def of(cls, model, block_size: int) -> "WindowRing | None":
+        """The ring of a ``trtkv.models.ModelInfo``'s sliding layers (None: the model has none)."""
+        layers = tuple(i for i in range(model.num_layers) if model.is_sliding(i))
+        if not layers or not model.sliding_window:
+            return None
+        return cls(layers, int(model.sliding_window), block_size)
+
+    @property
+    def ring_blocks(self) -> int:
+        return window_ring_blocks(self.window, self.block_size)
+
+    def block(self, slot, index):
+        """Ring block of a sequence's sealed block ``index`` in slot ``slot`` (ints or tensors)."""
+        return slot * self.ring_blocks + index % self.ring_blocks
+
+    def first_block(self, context_len):
+        return first_window_block(context_len, self.window, self.block_size)
+
+    def bytes_per_slot(self, layout: "PagedKVLayout") -> int:
+        """One slot's ring blocks, K and V, every sliding layer."""
+        return self.ring_blocks * layout.bytes_per_block() * len(self.layers)
+
+
 def storage_dtype(t: TensorFormat) -> torch.dtype:
     """Torch dtype of a pool's ``data`` tensor: the ``DTYPES`` row's storage for the format's symmetry."""
     return t.storage.torch

@@ -7,15 +7,18 @@ Bytes per token always come from the format definition (``KVFormat.kv_bytes_per_
 hard-coded compression factor, so a new format is planned correctly the moment it is defined.
 
 Sliding-window layers (Gemma 2/3, Mistral / Qwen2 with ``sliding_window``) only read the newest ``window``
-tokens, so the paged cache frees their sealed blocks that fall out of the window: such a layer holds, per
-sequence, the sealed blocks that still overlap the window (at most window + one block of tokens) plus its open
-block. ``layer_type_bytes`` counts that per layer type, and ``plan`` sizes batches with it.
+tokens, so the runtime's cache frees their sealed blocks that fall out of the window (``trtkv.cache_layout.WindowRing``):
+such a layer holds, per sequence, the sealed blocks that still overlap the window plus its open block, in a ring of
+``window_ring_blocks`` blocks that each sequence slot owns (at most window + one block of tokens).
+``layer_type_bytes`` counts the ring's bytes per layer type -- what the runtime's budget reserves -- and ``plan`` sizes
+batches with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtkv.cache_layout import first_window_block, window_ring_blocks
 from trtkv.errors import TrtkvError
 from trtkv.formats import DEFAULT_BLOCK_SIZE, PRESETS, KVFormat
 from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION
@@ -69,16 +72,17 @@ class LayerTypeBytes:
     layer_type: str
     layers: int
     tokens_held: int  # per layer: every token for a global layer; the blocks still in the window + the open block for a local one
-    bytes_per_sequence: float  # K + V over this type's layers: pool blocks + fp16 open blocks
+    bytes_per_sequence: float  # K + V over this type's layers: pool blocks (a local layer: its slot's ring) + fp16 open blocks
 
 
 def layer_type_bytes(shape: ModelShape, fmt: KVFormat, context_len: int) -> list[LayerTypeBytes]:
     """Bytes one sequence of ``context_len`` tokens holds per layer type in format ``fmt``.
 
     A global layer holds every token (``kv_bytes_per_token`` at the context length: sealed blocks + open block).
-    A sliding layer of window W, with blocks of ``bs`` tokens (the format's own, else ``DEFAULT_BLOCK_SIZE``), keeps
+    A sliding layer of window W, with blocks of ``bs`` tokens (the format's own, else ``DEFAULT_BLOCK_SIZE``), holds
     the sealed blocks that still hold a position the next query reads (positions >= context - W + 1) and its open
-    block: ``context//bs - (context - W + 1)//bs`` blocks, at most ``W/bs + 1``, so at most W + one block of tokens.
+    block: ``context//bs - first_window_block(context)`` blocks, in a ring of ``window_ring_blocks(W, bs)`` blocks (at most
+    W + one block of tokens) that the runtime reserves per sequence slot: the bytes counted here.
     """
     H, D = shape.num_kv_heads, shape.head_dim
     out = []
@@ -88,8 +92,8 @@ def layer_type_bytes(shape: ModelShape, fmt: KVFormat, context_len: int) -> list
             continue
         paged = fmt if fmt.sealed else fmt.with_block_size(DEFAULT_BLOCK_SIZE)
         bs = paged.block_size
-        kept = context_len // bs - max(0, (context_len - shape.sliding_window + 1) // bs)
-        pool = kept * bs * paged.kv_bytes_per_token(n, H, D)  # sealed blocks still in the window
+        kept = context_len // bs - first_window_block(context_len, shape.sliding_window, bs)
+        pool = window_ring_blocks(shape.sliding_window, bs) * bs * paged.kv_bytes_per_token(n, H, D)  # the slot's ring
         out.append(LayerTypeBytes(kind, n, kept * bs + context_len % bs, pool + paged.tail_bytes_per_slot(n, H, D)))
     return out
 

@@ -43,6 +43,9 @@ class Engine(ABC):
             "block_tables": batch.block_tables,
             "slot_ids": batch.slot_ids,
         }
+        if cache.ring is not None:
+            raise TrtkvError(f"the {self.name} engine reads every layer's blocks through the block tables; this cache frees the sliding "
+                             "layers' (a window ring)", "build the cache without a ring (RuntimeConfig.free_window_blocks=False), or use the torch engine")
         declared = {t.name: t.dtype for t in self.manifest.inputs} if self.manifest is not None else {}
         for name, t in cache.tensors.items():  # native graphs declare uint8 pools int8: a zero-copy view
             out[name] = t.view(torch.int8) if t.dtype == torch.uint8 and declared.get(name, "int8") == "int8" else t

@@ -37,16 +37,19 @@ class CacheBudget:
     num_blocks: int
 
     @classmethod
-    def plan(cls, budget_bytes: int, *, bytes_per_block: int, bytes_per_slot: int, block_size: int, num_slots: int) -> "CacheBudget":
+    def plan(cls, budget_bytes: int, *, bytes_per_block: int, bytes_per_slot: int, block_size: int, num_slots: int,
+             blocks_when_free: int = 0) -> "CacheBudget":
+        """``bytes_per_block`` 0 (every layer keeps a window ring, nothing in the block tables' pool): the pool gets
+        ``blocks_when_free`` blocks, which cost nothing (the block tables still count each sequence's sealed blocks)."""
         if num_slots < 1:
             raise TrtkvError(f"need at least one sequence slot, got {num_slots}", "pass --max-seqs 1 or more")
         slot_bytes = num_slots * bytes_per_slot
-        num_blocks = (budget_bytes - slot_bytes) // bytes_per_block
+        num_blocks = (budget_bytes - slot_bytes) // bytes_per_block if bytes_per_block else blocks_when_free * (budget_bytes >= slot_bytes)
         if num_blocks < 1:
             need = (slot_bytes + bytes_per_block) / GIB
             raise TrtkvError(
                 f"a KV budget of {budget_bytes / GIB:.3f} GiB does not hold {num_slots} sequence slots "
-                f"({slot_bytes / GIB:.3f} GiB of open blocks) and one pool block",
+                f"({slot_bytes / GIB:.3f} GiB of open blocks and window rings) and one pool block",
                 f"raise --kv-memory to at least {need:.3f} GiB or lower --max-seqs",
             )
         return cls(budget_bytes, bytes_per_block, bytes_per_slot, block_size, num_slots, int(num_blocks))

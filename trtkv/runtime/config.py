@@ -20,3 +20,6 @@ class RuntimeConfig:
     # share sealed blocks between requests with a common prompt prefix (runtime/prefix_cache.py); on by default:
     # a hit gives the same outputs as recomputing (tests/test_prefix_cache.py, every preset format)
     enable_prefix_caching: bool = True
+    # sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing): the torch
+    # engine only; prefix caching is then off for such a model (a hit would need the freed blocks)
+    free_window_blocks: bool = True

@@ -7,6 +7,11 @@ Tensors (the step network's cache inputs, docs/kv-cache-format.md "The engine st
     v_scale, v_zero
     k_tail, v_tail    [L, num_slots, H, block_size + sink, D]       fp16 open blocks, then sink rows
 
+With a ``WindowRing`` (trtkv.cache_layout: the sliding layers free the blocks their window has passed) the sliding
+layers' pools are separate tensors, ``k_data@ring`` ... ``[L_sliding, num_slots * ring_blocks, ...]``, and
+``k_data`` ... hold the global layers only; ``pool(layer, which)`` hides the difference. Only the torch engine
+reads such a cache (its step contract is the same: the ring block follows from the slot).
+
 Shapes and dtypes come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
 ``write_new_rows`` copies every sequence's new K/V rows into its open block and, when the open block is
 full, seals it with ``trtkv.cache_layout.seal_open_block`` (the reference quantizer) into the pool block the
@@ -20,13 +25,14 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, seal_open_block
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
 
 POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
+RING = "@ring"  # suffix of the sliding layers' pool tensors in a cache with a WindowRing
 
 
 def load_kv_params(engine_dir: str | Path, num_layers: int) -> list[LayerParams]:
@@ -49,24 +55,39 @@ class PagedKVCache:
         num_layers: int,
         params: list[LayerParams] | None = None,
         device: torch.device | str = "cpu",
+        ring: WindowRing | None = None,
     ):
         self.layout = layout
         self.num_layers = num_layers
+        self.ring = ring
         self.params = params or [LayerParams() for _ in range(num_layers)]
         if len(self.params) != num_layers:
             raise TrtkvError(f"{len(self.params)} layer params for {num_layers} layers", "use the engine's kv_params.safetensors")
+        if ring is not None and ring.block_size != layout.block_size:
+            raise ValueError(f"a window ring of {ring.block_size}-token blocks for a cache of {layout.block_size}")
+        # layer -> (tensor-name suffix, index in those stacked tensors): the sliding layers of a ring apart
+        local = set(ring.layers) if ring is not None else set()
+        order = {"": [i for i in range(num_layers) if i not in local], RING: [i for i in range(num_layers) if i in local]}
+        self._where = {layer: (suffix, j) for suffix, layers in order.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
         self.seal_with_kernels = torch.device(device).type == "cuda"  # the Triton seal kernel, in place (seal_device.py)
         for which in ("k", "v"):
             pool = layout.allocate(which, device)
-            for field in ("data", "scale", "zero", "tail"):
-                t = getattr(pool, field)
-                if t is not None:
-                    self.tensors[f"{which}_{field}"] = torch.zeros((num_layers, *t.shape), dtype=t.dtype, device=device)
+            self.tensors[f"{which}_tail"] = torch.zeros((num_layers, *pool.tail.shape), dtype=pool.tail.dtype, device=device)
+            for suffix, layers in order.items():
+                if suffix == RING and not layers:
+                    continue
+                blocks = layout.num_slots * ring.ring_blocks if suffix == RING else layout.num_blocks
+                for field in ("data", "scale", "zero"):
+                    t = getattr(pool, field)
+                    if t is not None:
+                        self.tensors[f"{which}_{field}{suffix}"] = torch.zeros((len(layers), blocks, *t.shape[1:]), dtype=t.dtype, device=device)
 
     @classmethod
-    def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None) -> "PagedKVCache":
-        """A cache for the engine in ``engine_dir`` (its layout and baked KV constants); ``backend``: the one that runs it (default: the manifest's)."""
+    def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None,
+                   ring: WindowRing | None = None) -> "PagedKVCache":
+        """A cache for the engine in ``engine_dir`` (its layout and baked KV constants); ``backend``: the one that runs it
+        (default: the manifest's); ``ring``: the sliding layers' window ring (the torch engine only)."""
         lim = manifest.limits
         if num_blocks > lim.max_num_blocks or num_slots > lim.max_num_slots:
             if not accepts_any_shape(backend or manifest.backend):
@@ -75,17 +96,33 @@ class PagedKVCache:
                     "use a smaller pool or rebuild with a larger --max-batch / --max-seq-len",
                 )
         layout = manifest.layout(num_blocks, num_slots)
-        return cls(layout, manifest.model.num_layers, load_kv_params(engine_dir, manifest.model.num_layers), device)
+        return cls(layout, manifest.model.num_layers, load_kv_params(engine_dir, manifest.model.num_layers), device, ring)
 
     @property
     def block_size(self) -> int:
         return self.layout.block_size
 
+    def is_ringed(self, layer: int) -> bool:
+        """True when ``layer``'s sealed blocks live in the window ring (addressed by slot), not the block tables' pool."""
+        return self._where[layer][0] == RING
+
     def pool(self, layer: int, which: str) -> KVPool:
-        """Views of one layer's K or V pool (writes go into the stacked tensors)."""
-        get = lambda f: self.tensors.get(f"{which}_{f}")
-        sel = lambda t: None if t is None else t[layer]
-        return KVPool(data=sel(get("data")), scale=sel(get("scale")), zero=sel(get("zero")), tail=sel(get("tail")))
+        """Views of one layer's K or V pool (writes go into the stacked tensors); a ringed layer's pool blocks are its
+        ring blocks (``WindowRing.block``)."""
+        suffix, j = self._where[layer]
+        get = lambda f: self.tensors.get(f"{which}_{f}{suffix}")
+        sel = lambda t: None if t is None else t[j]
+        return KVPool(data=sel(get("data")), scale=sel(get("scale")), zero=sel(get("zero")), tail=self.tensors[f"{which}_tail"][layer])
+
+    def slot_index(self, name: str, slot: int) -> slice | None:
+        """The entries of cache tensor ``name`` (second axis) that sequence slot ``slot`` owns: its open block, its ring
+        blocks; None for a pool tensor addressed by the block tables."""
+        if name.endswith("_tail"):
+            return slice(slot, slot + 1)
+        if name.endswith(RING):
+            r = self.ring.ring_blocks
+            return slice(slot * r, (slot + 1) * r)
+        return None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -122,11 +159,17 @@ class PagedKVCache:
 
     def seal(self, slot: int, block: int, block_index: int) -> None:
         """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool
-        block ``block`` (``cache_layout.seal_open_block``: a first block also fills the slot's sink rows)."""
+        block ``block`` (``cache_layout.seal_open_block``: a first block also fills the slot's sink rows); a ringed
+        layer seals into its ring block instead."""
         if self.seal_with_kernels:
             seal_open_block_kernels(self, slot, block, block_index)
             return
         for layer in range(self.num_layers):
+            target = self.seal_target(layer, slot, block, block_index)
             for which in ("k", "v"):
                 pool = self.pool(layer, which)
-                seal_open_block(self.layout, which, pool, slot, block, block_index, getattr(self.params[layer], which))
+                seal_open_block(self.layout, which, pool, slot, target, block_index, getattr(self.params[layer], which))
+
+    def seal_target(self, layer: int, slot: int, block: int, block_index: int) -> int:
+        """The block of ``layer``'s pool that a seal of pool block ``block`` (the sequence's ``block_index``) writes."""
+        return self.ring.block(slot, block_index) if self.is_ringed(layer) else block

@@ -20,8 +20,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from trtkv.cache_layout import WindowRing
 from trtkv.errors import TrtkvError
 from trtkv.manifest import accepts_any_shape
+from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION
 from trtkv.runtime.block_manager import GIB, BlockManager, CacheBudget
 from trtkv.runtime.config import RuntimeConfig
 from trtkv.runtime.prefix_cache import PrefixCache
@@ -87,7 +89,9 @@ class LLMEngine:
         self.budget = budget
         lim = manifest.limits
         self.max_batch = budget.num_slots if accepts_any_shape(getattr(engine, "name", "")) else lim.max_batch
-        prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine), cache) if config.enable_prefix_caching else None
+        # a window ring frees the sliding layers' blocks a prefix hit would need: no prefix caching with one
+        self.prefix_caching = config.enable_prefix_caching and cache.ring is None
+        prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine), cache) if self.prefix_caching else None
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size, prefix)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -122,7 +126,8 @@ class LLMEngine:
             torch.set_num_threads(1)
         device = getattr(engine, "device", torch.device("cpu"))
         budget = plan_budget(manifest, config, device, engine.name)
-        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device, backend=engine.name)
+        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device, backend=engine.name,
+                                        ring=window_ring(manifest, config, engine.name))
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / TOKENIZER_DIR), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -295,6 +300,30 @@ class LLMEngine:
         return [final[s.request_id] for s in seqs]
 
     # ------------------------------------------------------------------ status
+    def layer_type_bytes(self) -> dict[str, int]:
+        """KV bytes the running sequences hold, per layer type (``kv_bytes_used_<type>``): the sealed blocks (a global
+        layer: its used pool blocks; a ringed sliding layer: the ring blocks its window still covers) and the used
+        slots' open blocks."""
+        cache, ring = self.cache, self.cache.ring
+        lay = cache.layout
+        per_block, per_slot = lay.bytes_per_block(), lay.tail_bytes_per_slot()
+        running = [s for s in self.scheduler.running if s.slot is not None]
+        in_window = 0 if ring is None else sum(s.num_cached // lay.block_size - int(ring.first_block(s.num_cached)) for s in running)
+        types = tuple(getattr(self.manifest.model, "layer_types", ()) or ())
+        out = {f"kv_bytes_used_{t}": 0 for t in (FULL_ATTENTION, SLIDING_ATTENTION)}
+        for layer in range(cache.num_layers):
+            blocks = in_window if cache.is_ringed(layer) else self.block_manager.num_used_blocks
+            out[f"kv_bytes_used_{types[layer] if types else FULL_ATTENTION}"] += blocks * per_block + len(running) * per_slot
+        return out
+
+    def describe_cache(self) -> str:
+        """The budget's split, and the window ring when the sliding layers free their blocks (the server's start line)."""
+        ring = self.cache.ring
+        if ring is None:
+            return self.budget.describe()
+        return (f"{self.budget.describe()}; sliding layers ({len(ring.layers)} of {self.cache.num_layers}, window {ring.window}) keep a ring "
+                f"of {ring.ring_blocks} blocks per slot, prefix caching {'on' if self.prefix_caching else 'off'}")
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
@@ -312,6 +341,8 @@ class LLMEngine:
             "slots_used": bm.num_slots - bm.num_free_slots,
             "bytes_per_block": self.budget.bytes_per_block,
             "bytes_per_slot": self.budget.bytes_per_slot,
+            **self.layer_type_bytes(),
+            "prefix_caching": self.prefix_caching,
             "kv_budget_bytes": self.budget.budget_bytes,
             "pool_tokens": self.budget.pool_tokens,
             "running": len(self.scheduler.running),
@@ -355,17 +386,33 @@ def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     return best
 
 
+def window_ring(manifest, config: RuntimeConfig, backend: str) -> WindowRing | None:
+    """The sliding layers' window ring when this runtime frees their passed blocks: with ``free_window_blocks`` and the
+    torch engine (the ONNX / TensorRT step networks read every layer through the block tables)."""
+    if backend != "torch" or not config.free_window_blocks:
+        return None
+    return WindowRing.of(manifest.model, manifest.limits.block_size)
+
+
 def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: str) -> CacheBudget:
-    """Slots and pool blocks of ``config``'s budget for ``manifest``'s engine run by ``backend`` (the server and the CLI banner)."""
+    """Slots and pool blocks of ``config``'s budget for ``manifest``'s engine run by ``backend`` (the server and the CLI banner).
+    With a window ring the pool blocks hold the global layers only, and each slot also pays for its ring blocks."""
     lim = manifest.limits
     any_shape = accepts_any_shape(backend)
     num_slots = config.max_seqs if any_shape else min(config.max_seqs, lim.max_batch, lim.max_num_slots)
+    bytes_per_block, bytes_per_slot = manifest.bytes_per_block, manifest.tail_bytes_per_slot
+    ring = window_ring(manifest, config, backend)
+    if ring is not None:
+        layout = manifest.layout(1, 1)
+        bytes_per_block = layout.bytes_per_block() * (manifest.model.num_layers - len(ring.layers))
+        bytes_per_slot += ring.bytes_per_slot(layout)
     budget = CacheBudget.plan(
         resolve_kv_budget(config, device),
-        bytes_per_block=manifest.bytes_per_block,
-        bytes_per_slot=manifest.tail_bytes_per_slot,
+        bytes_per_block=bytes_per_block,
+        bytes_per_slot=bytes_per_slot,
         block_size=lim.block_size,
         num_slots=num_slots,
+        blocks_when_free=num_slots * lim.max_blocks_per_seq,
     )
     if not any_shape and budget.num_blocks > lim.max_num_blocks:
         budget = CacheBudget(budget.budget_bytes, budget.bytes_per_block, budget.bytes_per_slot, budget.block_size, num_slots, lim.max_num_blocks)

@@ -46,6 +46,7 @@ from collections import OrderedDict
 
 import torch
 
+from trtkv.errors import TrtkvError
 from trtkv.runtime.sequence import Sequence
 
 SINK_TENSORS = ("k_tail", "v_tail")
@@ -60,6 +61,9 @@ class PrefixCache:
     """Keys, reference counts and the LRU of cached blocks of one pool (the block manager calls it)."""
 
     def __init__(self, block_size: int, salt: str, cache=None):
+        if getattr(cache, "ring", None) is not None:  # a hit would need the sliding layers' blocks the ring has freed
+            raise TrtkvError("prefix caching needs every layer's sealed blocks, and this cache frees the sliding layers' (a window ring)",
+                             "serve with --keep-window-blocks to cache prefixes, or with --no-prefix-cache")
         self.block_size = block_size
         self.root = hashlib.blake2b(salt.encode(), digest_size=16).digest()
         self.cache = cache  # the PagedKVCache, for sink rows (None: no sink rows to keep)

@@ -20,7 +20,7 @@ def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> N
     """Seal open block ``slot`` (its sequence's block ``block_index``) of every layer into pool block ``block``."""
     lay = cache.layout
     bs, sink = lay.block_size, lay.sink_tokens
-    blocks = torch.tensor([block], dtype=torch.long, device=cache.tensors["k_tail"].device)
+    dev = cache.tensors["k_tail"].device
     for which in ("k", "v"):
         tail = cache.tensors[f"{which}_tail"]
         if block_index == 0 and sink:
@@ -32,4 +32,5 @@ def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> N
             if block_index == 0 and sink:
                 rows = without_sink(rows, sink)
             p = getattr(cache.params[layer], which)
+            blocks = torch.tensor([cache.seal_target(layer, slot, block, block_index)], dtype=torch.long, device=dev)
             torch.ops.trtkv.seal_blocks(rows, blocks, pool.data, pool.scale, pool.zero, spec, p.scale, p.smooth, p.clip)

@@ -5,7 +5,8 @@ different chunking than the steps that first produced them; the rows then differ
 and a quantized format (int4 above all) can round one of them to a different code — the same prompt
 gave a different output once preempted (issue 15). Sealed blocks and the open block are exact, so
 they are copied out instead: ``swap_out`` saves the sequence's sealed pool blocks and its slot's open
-block (sink rows included) before the block manager frees them; ``swap_in`` writes them into the
+block (sink rows included) -- and, in a cache with a window ring, its slot's ring blocks -- before the block
+manager frees them; ``swap_in`` writes them into the
 blocks and slot the sequence is given when it is admitted again and restores ``num_cached``, so the
 sequence resumes exactly where it stopped. The copies live in host memory until then (or until the
 request is aborted).
@@ -20,14 +21,12 @@ import torch
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.sequence import Sequence
 
-SLOT_TENSORS = ("k_tail", "v_tail")  # indexed [L, slot, ...]; every other cache tensor is [L, block, ...]
-
 
 @dataclass
 class SwappedKV:
     num_cached: int
     num_blocks: int  # sealed blocks saved (== num_cached // block_size)
-    tensors: dict[str, torch.Tensor]  # name -> [L, num_blocks, ...] or, for open blocks, [L, ...]
+    tensors: dict[str, torch.Tensor]  # name -> [L, num_blocks, ...], or the slot's entries (``PagedKVCache.slot_index``)
 
 
 class Swapper:
@@ -50,8 +49,9 @@ class Swapper:
         blocks = torch.tensor(seq.block_table[:n], dtype=torch.long)
         saved = {}
         for name, t in self.cache.tensors.items():
-            if name in SLOT_TENSORS:
-                saved[name] = t[:, seq.slot].to("cpu", copy=True)
+            own = self.cache.slot_index(name, seq.slot)
+            if own is not None:
+                saved[name] = t[:, own].to("cpu", copy=True)
             else:
                 saved[name] = t[:, blocks.to(t.device)].to("cpu", copy=True)
         self.saved[seq.seq_id] = SwappedKV(seq.num_cached, n, saved)
@@ -62,8 +62,9 @@ class Swapper:
         assert len(seq.block_table) >= s.num_blocks and seq.slot is not None, seq
         blocks = torch.tensor(seq.block_table[: s.num_blocks], dtype=torch.long)
         for name, t in self.cache.tensors.items():
-            if name in SLOT_TENSORS:
-                t[:, seq.slot] = s.tensors[name].to(t.device)
+            own = self.cache.slot_index(name, seq.slot)
+            if own is not None:
+                t[:, own] = s.tensors[name].to(t.device)
             else:
                 t[:, blocks.to(t.device)] = s.tensors[name].to(t.device)
         seq.num_cached = s.num_cached

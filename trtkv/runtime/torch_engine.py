@@ -22,8 +22,10 @@ calls ``paged_attention`` with the query, key and value after RoPE (``[B, heads,
 Logits are taken at each sequence's last valid token (``new_lens - 1``) only. Compute dtype is the
 model's (float32 on CPU). Supported: decoder-only families whose attention calls the registry with
 ``module.layer_idx`` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM2 ...). A local layer's window and Gemma 2's
-soft-capping arrive as the call's ``sliding_window`` / ``softcap``: the torch ops mask and cap (the sealed blocks
-outside a window are still kept and read); the kernels have neither, so such models run the torch ops.
+soft-capping arrive as the call's ``sliding_window`` / ``softcap``: the torch ops mask and cap; the kernels have
+neither, so such models run the torch ops. In a cache with a window ring (``trtkv.cache_layout.WindowRing``, the
+runtime's default for such models) a local layer reads only the ring blocks its window still covers, through a view
+of the step (``_ring_view``) whose block table is the ring's; otherwise it reads every sealed block, masked.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class _Step:
     query_pos: torch.Tensor | None = None  # [B, T]
     window_masks: dict = dataclasses.field(default_factory=dict)  # sliding window -> its mask, built once per step
     biases: dict = dataclasses.field(default_factory=dict)  # window (None: global) -> additive mask (``_mask_bias``)
+    # a ring view's: [B] bool, True where gathered column 0 is the sequence's first block (its sink rows apply);
+    # None: true for every sequence (the block tables start at block 0)
+    sink_ok: torch.Tensor | None = None
+    ring: "_Step | None" = None  # the view of this step the ringed (sliding) layers read, built once per step
 
 
 class TorchEngine(Engine):
@@ -210,31 +216,48 @@ class TorchEngine(Engine):
             self._params = {id(cache): got}
         return got[layer]
 
-    def _torch_masks(self, st: _Step) -> None:
-        """Key validity and the [B, 1, T, C + T] attention mask of the torch path (C: gathered context keys)."""
+    def _torch_masks(self, st: _Step, first: torch.Tensor | None = None) -> None:
+        """Key validity and the [B, 1, T, C + T] attention mask of the torch path (C: gathered context keys); ``first``
+        [B]: the gathered sealed blocks start at each sequence's block ``first`` (a ring view), not block 0."""
         b, bs = st.batch, st.cache.block_size
         sealed = b.context_lens // bs
         opened = b.context_lens - sealed * bs
-        st.sealed_max, st.open_max = int(sealed.max()), int(opened.max())
+        held = sealed if first is None else sealed - first
+        st.sealed_max, st.open_max = int(held.max()), int(opened.max())
         dev = self.device
         kv_valid = []
         if st.sealed_max:
-            kv_valid.append(torch.arange(st.sealed_max * bs, device=dev)[None, :] < (sealed * bs)[:, None])
+            kv_valid.append(torch.arange(st.sealed_max * bs, device=dev)[None, :] < (held * bs)[:, None])
         if st.open_max:
             kv_valid.append(torch.arange(st.open_max, device=dev)[None, :] < opened[:, None])
         B, T = b.input_ids.shape
         st.kv_valid = torch.cat(kv_valid, 1) if kv_valid else torch.zeros(B, 0, dtype=torch.bool, device=dev)
         st.kv_invalid = ~st.kv_valid
-        st.sealed_all_valid = bool((sealed == st.sealed_max).all())
+        st.sealed_all_valid = bool((held == st.sealed_max).all())
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         st.mask = torch.cat([st.kv_valid[:, None, :].expand(B, T, -1), causal[None].expand(B, T, T)], 2)[:, None]
         # positions of the keys in that order (sealed j -> j; open row i -> sealed tokens + i; new row t -> context + t)
         # and of the queries: what a sliding window compares
-        keys = [torch.arange(st.sealed_max * bs, device=dev).expand(B, -1),
+        keys = [torch.arange(st.sealed_max * bs, device=dev).expand(B, -1) + (0 if first is None else first[:, None] * bs),
                 (sealed * bs)[:, None] + torch.arange(st.open_max, device=dev)[None, :],
                 b.context_lens[:, None] + torch.arange(T, device=dev)[None, :]]
         st.key_pos = torch.cat(keys, 1)
         st.query_pos = keys[2]
+
+    def _ring_view(self, st: _Step) -> _Step:
+        """The step as a ringed layer reads it: each sequence's sealed blocks from ``first_block`` (the first its window
+        covers) on, addressed in the ring (``WindowRing.block``), with their own mask and key positions."""
+        if st.ring is None:
+            ring, b = st.cache.ring, st.batch
+            sealed = b.context_lens // ring.block_size
+            first = ring.first_block(b.context_lens)
+            cols = first[:, None] + torch.arange(max(1, int((sealed - first).max())), device=self.device)[None, :]
+            tables = ring.block(b.slot_ids[:, None], cols)  # columns past a sequence's sealed blocks are masked
+            view = _Step(engine=self, batch=StepBatch(b.input_ids, b.context_lens, b.new_lens, tables, b.slot_ids), cache=st.cache,
+                         new_k=st.new_k, new_v=st.new_v, valid=st.valid, sink_ok=first == 0)
+            self._torch_masks(view, first)
+            st.ring = view
+        return st.ring
 
     @staticmethod
     def window_mask(st: _Step, window: int) -> torch.Tensor:
@@ -321,7 +344,8 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
         x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
-            sealed[:, 0, :, :sink] = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
+            rows = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
+            sealed[:, 0, :, :sink] = _where_sink(st, rows, sealed[:, 0, :, :sink])
         if not st.sealed_all_valid:  # other owners' blocks may hold NaN
             sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
     return sealed, _open_rows(st, layer, which, new_rows)
@@ -341,6 +365,14 @@ def sealed_blocks(st: _Step, pool) -> QuantizedTensor:
     advanced-index gather is 10-30x slower on CPU). Table entries < 0 read block 0; callers mask them."""
     flat = st.batch.block_tables[:, : st.sealed_max].clamp(min=0).reshape(-1)
     return QuantizedTensor(*(None if t is None else t.index_select(0, flat) for t in (pool.data, pool.scale, pool.zero)))
+
+
+def _where_sink(st: _Step, from_sink: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """``from_sink`` (computed from the sink rows) for the sequences whose gathered column 0 is their first block,
+    ``gathered`` for the others (a ring view past the window's first block: no sink rows apply)."""
+    if st.sink_ok is None:
+        return from_sink
+    return torch.where(st.sink_ok.view(-1, *(1,) * (from_sink.dim() - 1)), from_sink, gathered)
 
 
 def folds_key_scales(fmt) -> bool:
@@ -411,10 +443,10 @@ def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: Tensor
         scale = scale.masked_fill(invalid, 0)
         shift = None if shift is None else shift.masked_fill(invalid, 0)
     p_sink = None
-    if sink:
-        p_sink = ps[:, 0, :, :, :sink]
+    if sink:  # the sink positions' probabilities go to the sink rows (where column 0 is the sequence's first block)
+        p_sink = _where_sink(st, ps[:, 0, :, :, :sink], torch.zeros_like(ps[:, 0, :, :, :sink]))
         ps = ps.clone()
-        ps[:, 0, :, :, :sink] = 0
+        ps[:, 0, :, :, :sink] -= p_sink
     per = len(fields)
     if groups == 1:  # one scale per token: into the probabilities
         w = ps * scale[..., 0][:, :, :, None]  # [B, nb, H, n, bs]
@@ -466,7 +498,7 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
             sink = st.cache.pool(layer, "k").tail[st.batch.slot_ids, :, lay.block_size : lay.block_size + lay.sink_tokens].to(qg.dtype)
             if not st.sealed_all_valid:  # a slot without a sealed block holds stale sink rows
                 sink = sink.masked_fill(st.kv_invalid[:, None, : lay.sink_tokens, None], 0)
-            sealed[:, 0, :, :, : lay.sink_tokens] = qg @ sink.transpose(-1, -2)
+            sealed[:, 0, :, :, : lay.sink_tokens] = _where_sink(st, qg @ sink.transpose(-1, -2), sealed[:, 0, :, :, : lay.sink_tokens])
     else:
         ks, kr = context_kv(st, layer, "k", k16)
         sealed = None if ks is None else _fold_query(qg, kfmt, kp)[:, None] @ ks.transpose(-1, -2)
@@ -536,6 +568,11 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     # each family's attention module says whether this layer is local and soft-capped (Mistral, Qwen2/3, Gemma 2/3)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if st.cache.is_ringed(layer):  # the ring holds only what the cache's window covers
+        if window != st.cache.ring.window:
+            raise TrtkvError(f"layer {layer} attends over a window of {window} but the cache keeps a ring for {st.cache.ring.window}",
+                             "build the cache from the engine's manifest (WindowRing.of(manifest.model, block_size))")
+        st = st.engine._ring_view(st)
     # this step's rows are attended as the fp16 values the open block will hold (the kernels take them in fp16)
     if st.engine.attention == "kernels":
         if window or softcap:
