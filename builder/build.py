@@ -149,7 +149,12 @@ def build_engine(
     trt = import_tensorrt(backend) if backend not in ("onnxruntime", "torch") else None
     if max_batch < 1 or max_seq_len < 1:
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
+    if calibration is not None:  # a format the calibration holds by name (e.g. a --budget choice) is its definition
+        kv = load_calibration(calibration).definition(kv)
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
+    if base_fmt.is_per_layer and backend != "torch":
+        raise TrtkvError(f"KV format {base_fmt.name} stores each layer its own way, which only the torch engine reads "
+                         "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch")
     bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads
     att = get_backend(attention)
@@ -335,8 +340,8 @@ def _manifest(tmp, loaded, fmt, backend, attention, dtype, limits, layout1, inpu
         v_pool=pool_spec(layout1, "v"),
         inputs=inputs,
         outputs=outputs,
-        bytes_per_token=layout1.bytes_per_block() * L / limits.block_size,
-        bytes_per_block=layout1.bytes_per_block() * L,
+        bytes_per_token=layout1.block_bytes(range(L)) / limits.block_size,
+        bytes_per_block=layout1.block_bytes(range(L)),
         tail_bytes_per_slot=layout1.tail_bytes_per_slot() * L,
         calibration=CalibrationRef(**cal_ref),
         files=files,

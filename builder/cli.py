@@ -59,6 +59,17 @@ def register(app: typer.Typer, handle_errors) -> None:
         print_manifest(m, engine_dir)
 
 
+def _runs(items: list[str]) -> list[tuple[int, int, str]]:
+    """(first, last, item) for each run of equal consecutive items."""
+    out: list[tuple[int, int, str]] = []
+    for i, it in enumerate(items):
+        if out and out[-1][2] == it:
+            out[-1] = (out[-1][0], i, it)
+        else:
+            out.append((i, i, it))
+    return out
+
+
 def print_manifest(m, engine_dir: Path) -> None:
     from trtkv.cache_layout import WindowRing
 
@@ -66,7 +77,13 @@ def print_manifest(m, engine_dir: Path) -> None:
     lim = m.limits
     console.print(f"[bold]engine[/] {engine_dir}  (schema {m.schema_version}, trtkv {m.trtkv_version}, built {m.created})  [green]valid[/]")
     console.print(f"model      {md.name} ({md.architecture}) sha256 {md.sha256[:16]}  {md.num_layers} layers, {md.num_heads} heads / {md.num_kv_heads} KV heads x {md.head_dim}, vocab {md.vocab_size}")
-    console.print(f"kv format  {m.kv_spec}  ({m.kv_format.name})")
+    fmt = m.kv_format
+    console.print(f"kv format  {fmt.spec() if not fmt.is_per_layer else fmt.name + ' (per layer, below)'}  ({fmt.name})")
+    if fmt.is_per_layer:
+        for which in ("k", "v"):
+            runs = _runs([getattr(f, which).short() for f in fmt.layer_formats()])
+            console.print(f"  {which.upper()} per layer  " + "; ".join(f"layers {a}-{b}: {s}" if a != b else f"layer {a}: {s}" for a, b, s in runs))
+        console.print(f"  pool bits  {fmt.pool_bits_per_element(md.head_dim):.3f} per element (mean over layers); the K / V pool tables below are layer 0's")
     console.print(f"backend    {m.backend} · {m.attention} attention · {m.dtype} · opset {m.opset}")
     console.print(f"limits     batch <= {lim.max_batch}, seq <= {lim.max_seq_len}, block {lim.block_size}, <= {lim.max_blocks_per_seq} blocks/seq, "
                   f"<= {lim.max_new_tokens_per_step} new tokens/step, pool <= {lim.max_num_blocks} blocks (TensorRT profile)")
@@ -77,7 +94,8 @@ def print_manifest(m, engine_dir: Path) -> None:
         lay, n_global = m.layout(1, 1), md.num_layers - len(ring.layers)
         console.print(f"layers     {len(ring.layers)} sliding (window {ring.window}) + {n_global} global; with the torch engine the sliding layers "
                       f"free passed blocks: a ring of {ring.ring_blocks} blocks per slot ({ring.bytes_per_slot(lay):,} B), and pool blocks hold "
-                      f"the global layers only ({lay.bytes_per_block() * n_global:,} B/block; --keep-window-blocks keeps every layer's)")
+                      f"the global layers only ({lay.block_bytes(i for i in range(md.num_layers) if i not in ring.layers):,} B/block; "
+                      "--keep-window-blocks keeps every layer's)")
     cal = m.calibration
     console.print(f"calibration {cal.path or 'none'}" + (f" sha256 {cal.sha256[:16]} format {cal.format_name}" if cal.sha256 else ""))
     t = Table(title="pool layout (per layer; tensors stacked over layers)")

@@ -27,7 +27,8 @@ def _name(dtype: torch.dtype) -> str:
 
 def step_specs(layout, num_layers: int, vocab_size: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The step contract's inputs and outputs as the torch engine takes them (pools in their storage dtype),
-    every shape asked of the ``PagedKVLayout``."""
+    every shape asked of the ``PagedKVLayout`` (a per-layer format: layer 0's; each layer group has its own pools)."""
+    layout = layout.layer(0)
     L, H, D = num_layers, layout.num_kv_heads, layout.head_dim
     ins = [
         TensorSpec(name="input_ids", shape=["batch", "new_tokens"], dtype="int64"),

@@ -32,9 +32,13 @@ def register(app: typer.Typer, handle_errors) -> None:
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
         tokenizer: TokenizerOpt = None,
+        budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this accuracy budget: kl=NATS or ppl=PERCENT (e.g. kl=0.01)")] = None,
+        budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink)")] = "int4,int3,int2",
+        budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = 4,
+        budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",
         debug: DebugOpt = False,
     ) -> None:
-        """Collect K/V statistics on calibration text and choose scales for each KV format."""
+        """Collect K/V statistics on calibration text and choose scales for each KV format (and, with --budget, per-layer bits)."""
         from trtkv.calibration.run import run_calibration
 
         if method not in ("max", "percentile", "mse"):
@@ -53,6 +57,10 @@ def register(app: typer.Typer, handle_errors) -> None:
             text_field=text_field,
             batch_size=batch_size,
             tokenizer=tokenizer,
+            budget=budget,
+            budget_formats=[f.strip() for f in budget_formats.split(",") if f.strip()],
+            budget_windows=budget_windows,
+            budget_name=budget_name,
         )
         console.print(f"calibration written to [bold]{path}[/]")
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from trtkv import __version__
 from trtkv.artifacts import CalibrationRecipe, FormatCalibration, LayerChoice, LayerParams, ModelIdentity, json_floats, save_calibration
+from trtkv.calibration.budget import DEFAULT_BUDGET_WINDOWS, Budget, Scorer, check_candidates, choose_layer_bits, render_choice
 from trtkv.calibration.export import export_all
 from trtkv.calibration.report import render_report
 from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
@@ -17,6 +18,7 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, fit_formats, get_format
 
 DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
+DEFAULT_BUDGET_FORMATS = ("int4", "int3", "int2")  # what --budget chooses among when --budget-formats is not given
 
 
 def wants_params(fmt: KVFormat, method: str) -> bool:
@@ -115,12 +117,18 @@ def run_calibration(
     reservoir: int = DEFAULT_RESERVOIR,
     loaded: Any = None,
     tokenizer: str | Path | None = None,
+    budget: str | None = None,
+    budget_formats: Sequence[str] = DEFAULT_BUDGET_FORMATS,
+    budget_windows: int = DEFAULT_BUDGET_WINDOWS,
+    budget_name: str = "budget",
 ) -> Path:
     """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
 
     Calibrates ``formats`` (default: ``DEFAULT_FORMATS``), fitted to the model's head_dim; returns the
     artifact path. ``loaded`` (a ``trtkv.models.LoadedModel`` of ``model``) skips loading the model
-    again; ``tokenizer`` is a directory with tokenizer files for a model that has none.
+    again; ``tokenizer`` is a directory with tokenizer files for a model that has none. ``budget`` (``kl=...`` or
+    ``ppl=...%``) also chooses per-layer K / V storage among ``budget_formats`` on ``budget_windows`` of the calibration
+    windows (calibration/budget.py) and saves it as format ``budget_name``.
 
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
@@ -139,6 +147,13 @@ def run_calibration(
         raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact (an existing artifact directory is replaced)")
     info = loaded.info if loaded is not None else model_info(model)
     fmts, notes = resolve_formats(formats, info.head_dim)
+    want_budget = Budget.parse(budget) if budget is not None else None
+    candidates: list[KVFormat] = []
+    if want_budget is not None:
+        if budget_windows < 1:
+            raise TrtkvError(f"--budget-windows must be at least 1, got {budget_windows}", "pass e.g. --budget-windows 4")
+        candidates = check_candidates(resolve_formats(list(budget_formats), info.head_dim)[0])
+        fmts += [c for c in candidates if c.name not in {f.name for f in fmts}]
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:
         resolve_dtype(dtype, resolve_device(device))
@@ -160,6 +175,21 @@ def run_calibration(
     knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha)
     params, entries, ratios, errors = calibrate_formats(stats, fmts, method, **knobs)
     search_s = time.perf_counter() - t0
+    choice = None
+    if want_budget is not None:
+        t0 = time.perf_counter()
+        console.print(f"[bold]budget[/] {want_budget}: measuring {loaded.info.num_layers} layers x K/V x {len(candidates) - 1} narrower formats "
+                      f"on {min(budget_windows, windows.shape[0])} windows")
+        scorer = Scorer(loaded.model, windows[:budget_windows].to(loaded.device), batch_size)
+        choice = choose_layer_bits(scorer, candidates, params, want_budget, num_layers=loaded.info.num_layers, head_dim=loaded.info.head_dim,
+                                   name=budget_name)
+        if any(t is not None for lp in choice.params for tp in (lp.k, lp.v) for t in (tp.scale, tp.smooth, tp.clip)):
+            params[budget_name] = choice.params
+        entries[budget_name] = FormatCalibration(definition=choice.fmt, method="budget", layers=layer_choices(choice.params, {}),
+                                                 **choice.recipe_fields())
+        console.print(f"  {budget_name}: {choice.fmt.pool_bits_per_element(loaded.info.head_dim):.3f} pool bits (start "
+                      f"{choice.start_bits:.3f}); measured KL {choice.measured.kl:.5f}, Δppl {choice.measured.ppl_delta_pct:+.3f} % "
+                      f"({time.perf_counter() - t0:.0f} s)")
 
     exports: dict[str, list[str]] = {}
     files: dict[str, bytes] = {}
@@ -185,12 +215,14 @@ def run_calibration(
                  "static_grid": [round(x, 4) for x in default_static_grid().tolist()],
                  "clip_grid": [round(x, 4) for x in default_clip_grid().tolist()]},
         formats=entries,
-        requested_formats=[f.name for f in fmts],
+        requested_formats=[f.name for f in fmts] + ([budget_name] if choice is not None else []),
         throughput={"tokens": float(stats.count), "seconds": round(stats.seconds, 3), "tokens_per_s": round(tokens_per_s, 1),
                     "search_seconds": round(search_s, 3)},
         exports=exports,
     )
     files.update(render_report(recipe, stats, ratios, errors, exports))
+    if choice is not None:
+        files["report.md"] = files["report.md"] + b"\n" + render_choice(choice, loaded.info.head_dim).encode()
     path = save_calibration(out, recipe, params, stats.to_tensors(), files)
 
     console.print(f"{stats.count:,} tokens in {stats.seconds:.1f} s ({tokens_per_s:,.0f} tokens/s); scale search {search_s:.1f} s")

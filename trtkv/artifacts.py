@@ -296,6 +296,12 @@ class Calibration:
                 f"calibrate this model (trtkv calibrate --model {got.name}), or pass --allow-other-model to reuse the scales",
             )
 
+    def definition(self, fmt: str | KVFormat) -> str | KVFormat:
+        """The artifact's own definition for a format name it holds (e.g. a ``--budget`` choice), else ``fmt``."""
+        if isinstance(fmt, str) and fmt in self.recipe.formats:
+            return self.recipe.formats[fmt].definition
+        return fmt
+
     def _resolve(self, fmt: str | KVFormat) -> tuple[str, KVFormat]:
         if isinstance(fmt, str) and fmt in self.recipe.formats:
             return fmt, self.recipe.formats[fmt].definition

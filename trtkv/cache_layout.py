@@ -24,6 +24,7 @@ Static scales and smoothing factors are per-layer constants (``TensorParams``), 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,10 +70,21 @@ class PagedKVLayout:
                 f"use block size {self.fmt.block_size}, or the format with block={self.block_size}",
             )
         object.__setattr__(self, "fmt", self.fmt.with_block_size(self.block_size))
-        for t in (self.fmt.k, self.fmt.v):
-            t.check_head_dim(self.head_dim)
+        for f in self.fmt.layer_formats():
+            for t in (f.k, f.v):
+                t.check_head_dim(self.head_dim)
+
+    def layer(self, i: int) -> "PagedKVLayout":
+        """Layer ``i``'s layout: a per-layer format's own storage for that layer (this layout otherwise)."""
+        return dataclasses.replace(self, fmt=self.fmt.layer(i)) if self.fmt.is_per_layer else self
+
+    def block_bytes(self, layers) -> int:
+        """Bytes of one pool block of K and V over ``layers`` (indices), each layer in its own storage."""
+        return sum(self.layer(i).bytes_per_block() for i in layers)
 
     def tensor_format(self, which: Which) -> TensorFormat:
+        if self.fmt.is_per_layer:  # a programming error: shapes and codes are per layer
+            raise ValueError(f"format {self.fmt.name} stores each layer its own way: use layout.layer(i)")
         return self.fmt.k if which == "k" else self.fmt.v
 
     def packed_dim(self, which: Which) -> int:
@@ -178,7 +190,7 @@ class WindowRing:
 
     def bytes_per_slot(self, layout: "PagedKVLayout") -> int:
         """One slot's ring blocks, K and V, every sliding layer."""
-        return self.ring_blocks * layout.bytes_per_block() * len(self.layers)
+        return self.ring_blocks * layout.block_bytes(self.layers)
 
 
 def storage_dtype(t: TensorFormat) -> torch.dtype:

@@ -352,6 +352,12 @@ def run_eval(
     from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype
 
     specs = list(formats) if formats else list(DEFAULT_FORMATS)
+    artifact = None
+    if calibration is not None:  # also supplies clip ratios of dynamic formats calibrated with --method mse
+        from trtkv.artifacts import load_calibration
+
+        artifact = load_calibration(calibration)
+        specs = [artifact.definition(s) for s in specs]  # names of the artifact's formats (e.g. a --budget choice)
     parsed = [get_format(f) for f in specs]  # validate before loading anything
     skipped = []
     if not formats and calibration is None:  # defaults: leave out what needs a calibration, and say so
@@ -364,11 +370,6 @@ def run_eval(
             f"KV format(s) {', '.join(needs)} need calibrated scales or smoothing factors",
             "pass --calibration DIR (made by `trtkv calibrate --model MODEL --dataset DATA --out DIR`)",
         )
-    artifact = None
-    if calibration is not None:  # also supplies clip ratios of dynamic formats calibrated with --method mse
-        from trtkv.artifacts import load_calibration
-
-        artifact = load_calibration(calibration)
     if model is None:
         model = model_from_calibration(artifact) if artifact is not None else DEFAULT_MODEL
     info0 = model_info(model)

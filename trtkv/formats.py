@@ -377,8 +377,26 @@ class TensorFormat(BaseModel):
         return ":".join(parts)
 
 
+class LayerStorage(BaseModel):
+    """One layer's K and V storage in a per-layer format (``KVFormat.layers``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k: TensorFormat
+    v: TensorFormat
+
+    def short(self) -> str:
+        return f"{self.k.short()}/{self.v.short()}"
+
+
 class KVFormat(BaseModel):
-    """A complete KV cache format: K and V storage plus cache-level options."""
+    """A complete KV cache format: K and V storage plus cache-level options.
+
+    ``layers`` (an accuracy budget's choice, ``trtkv calibrate --budget``): each layer's own K and V storage, with the
+    format's block size and sink tokens; ``k`` / ``v`` are then layer 0's. ``layer(i)`` is layer ``i``'s format and
+    every byte count sums over the layers, so a per-layer format travels wherever a format does; the paged cache keeps
+    one pool group per distinct layer storage.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -394,9 +412,18 @@ class KVFormat(BaseModel):
     sink_tokens: int = Field(default=0, ge=0, le=MAX_SINK_TOKENS)
     shared_kv_scale: bool = False  # one static scale for K and V together (TensorRT-LLM's convention)
     description: str = ""
+    layers: tuple[LayerStorage, ...] = ()  # per-layer K / V storage; () = every layer stores k / v
 
     @model_validator(mode="after")
     def _check(self) -> "KVFormat":
+        if self.layers:
+            if (self.k, self.v) != (self.layers[0].k, self.layers[0].v):
+                raise ValueError("a per-layer format's k / v must be its layer 0's")
+            if self.shared_kv_scale:
+                raise ValueError("shared_kv_scale is per-tensor static: not for a per-layer format")
+            for i, ls in enumerate(self.layers):
+                if self.block_size is None and (ls.k.is_block_wise or ls.v.is_block_wise):
+                    raise ValueError(f"layer {i}: per_block_channel (bchannel) scales need sealed blocks: add block=N")
         if self.shared_kv_scale and not (self.k.is_static and self.v.is_static and self.k.granularity == self.v.granularity == "per_tensor"):
             raise ValueError("shared_kv_scale needs per_tensor static scales on both K and V")
         if self.block_size is None and (self.k.is_block_wise or self.v.is_block_wise):
@@ -404,6 +431,31 @@ class KVFormat(BaseModel):
         if self.sink_tokens and (self.block_size is None or self.sink_tokens >= self.block_size):
             raise ValueError(f"sink={self.sink_tokens} needs sealed blocks of more than {self.sink_tokens} tokens: add block=N (e.g. block=64)")
         return self
+
+    @property
+    def is_per_layer(self) -> bool:
+        return bool(self.layers)
+
+    @property
+    def num_layers(self) -> int | None:
+        """Layers a per-layer format is for (None: any number)."""
+        return len(self.layers) or None
+
+    def layer(self, i: int) -> "KVFormat":
+        """Layer ``i``'s format: this one, or, for a per-layer format, one with that layer's K / V storage."""
+        if not self.layers:
+            return self
+        ls = self.layers[i]
+        return KVFormat(name=f"{self.name}[{i}]", k=ls.k, v=ls.v, block_size=self.block_size, sink_tokens=self.sink_tokens)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse a per-layer format made for another number of layers."""
+        if self.layers and len(self.layers) != num_layers:
+            raise TrtkvError(f"KV format {self.name} has storage for {len(self.layers)} layers but the model has {num_layers}",
+                             "calibrate this model with --budget (a per-layer choice is for one model)")
+
+    def layer_formats(self) -> list["KVFormat"]:
+        return [self.layer(i) for i in range(len(self.layers))] if self.layers else [self]
 
     @property
     def tail_rows(self) -> int:
@@ -426,15 +478,17 @@ class KVFormat(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(t.is_static or t.smooth for t in (self.k, self.v))
+        return any(t.is_static or t.smooth for f in self.layer_formats() for t in (f.k, f.v))
 
     @property
     def is_quantized(self) -> bool:
-        return self.k.is_quantized or self.v.is_quantized
+        return any(t.is_quantized for f in self.layer_formats() for t in (f.k, f.v))
 
     def pool_bits_per_element(self, head_dim: int) -> float:
-        """Bits per K/V element in the pool (sealed blocks), scales and zero-points included."""
-        return (self.k.bits_per_element(head_dim, self.block_size) + self.v.bits_per_element(head_dim, self.block_size)) / 2
+        """Bits per K/V element in the pool (sealed blocks), scales and zero-points included (a per-layer format:
+        the mean over its layers, which all hold the same number of elements)."""
+        per = [(f.k.bits_per_element(head_dim, self.block_size) + f.v.bits_per_element(head_dim, self.block_size)) / 2 for f in self.layer_formats()]
+        return sum(per) / len(per)
 
     def bits_per_element(self, head_dim: int, context_len: int | None = None) -> float:
         """Mean storage bits per K/V element of one sequence of ``context_len`` tokens, its fp16 open block included.
@@ -470,6 +524,8 @@ class KVFormat(BaseModel):
             out += f",sink={self.sink_tokens}"
         if self.shared_kv_scale:
             out += ",shared"
+        if self.layers:
+            out += ",layers=" + "|".join(ls.short() for ls in self.layers)
         return out
 
 
@@ -612,6 +668,9 @@ def get_format(spec: str | KVFormat) -> KVFormat:
                 fields["sink_tokens"] = int(value)
             elif key == "shared" and not value:
                 fields["shared_kv_scale"] = True
+            elif key == "layers":  # k_spec/v_spec per layer, separated by |
+                fields["layers"] = tuple(LayerStorage(k=parse_tensor_spec(ks), v=parse_tensor_spec(vs))
+                                         for ks, _, vs in (item.partition("/") for item in value.split("|")))
             else:
                 raise ValueError(f"unknown field {key!r}")
         return KVFormat(**fields)

@@ -262,7 +262,8 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A transformers cache storing every layer's K/V in ``fmt`` (a preset name, spec string or KVFormat).
+    """A transformers cache storing every layer's K/V in ``fmt`` (a preset name, spec string or KVFormat; a per-layer
+    format stores each layer in its own ``fmt.layer(i)``).
 
     ``params`` are the calibrated per-layer constants (``LayerParams`` with ``.k`` / ``.v`` ``TensorParams``),
     required by formats with static scales or smoothing. Pass the cache as ``model(..., cache=cache)``
@@ -271,6 +272,7 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, fmt: str | KVFormat, num_layers: int, params: "Sequence[LayerParams] | None" = None):
         self.fmt = get_format(fmt)
+        self.fmt.check_layers(num_layers)
         if params is not None and len(params) != num_layers:
             raise TrtkvError(
                 f"calibration has {len(params)} layers but the model has {num_layers}",
@@ -281,7 +283,7 @@ class QuantizedKVCache(Cache):
                 f"KV format {self.fmt.name!r} needs calibrated scales or smoothing factors",
                 "run `trtkv calibrate` and pass --calibration",
             )
-        layers = [QuantizedKVLayer(self.fmt, None if params is None else params[i]) for i in range(num_layers)]
+        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i]) for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

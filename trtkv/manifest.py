@@ -171,7 +171,9 @@ class EngineManifest(BaseModel):
 
 
 def pool_spec(layout, which: str) -> PoolSpec:
-    """The manifest's description of one pool, read from a ``PagedKVLayout``."""
+    """The manifest's description of one pool, read from a ``PagedKVLayout`` (a per-layer format: layer 0's; the
+    format's ``layers`` say the rest)."""
+    layout = layout.layer(0)
     t = layout.tensor_format(which)
     shape = layout.scale_shape(which)  # None, [NB, H, D] per block and channel, or [NB, H, bs, groups] per token
     kind = "none" if shape is None else ("per_block" if t.is_block_wise else "per_token")
@@ -227,7 +229,7 @@ def validate_manifest(m: EngineManifest, root: Path | None = None) -> None:
         if spec != want:
             raise TrtkvError(f"manifest: {which}_pool {spec.model_dump()} does not match the format's layout {want.model_dump()}", _REBUILD)
     L = m.model.num_layers
-    if m.bytes_per_block != lay.bytes_per_block() * L or m.tail_bytes_per_slot != lay.tail_bytes_per_slot() * L:
+    if m.bytes_per_block != lay.block_bytes(range(L)) or m.tail_bytes_per_slot != lay.tail_bytes_per_slot() * L:
         raise TrtkvError("manifest: byte counts do not match the format's layout", _REBUILD)
     names = {t.name for t in m.inputs}
     for need in ("input_ids", "context_lens", "new_lens", "block_tables", "slot_ids", "k_data", "v_data", "k_tail", "v_tail"):

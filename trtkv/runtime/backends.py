@@ -43,9 +43,10 @@ class Engine(ABC):
             "block_tables": batch.block_tables,
             "slot_ids": batch.slot_ids,
         }
-        if cache.ring is not None:
-            raise TrtkvError(f"the {self.name} engine reads every layer's blocks through the block tables; this cache frees the sliding "
-                             "layers' (a window ring)", "build the cache without a ring (RuntimeConfig.free_window_blocks=False), or use the torch engine")
+        if cache.is_grouped:
+            raise TrtkvError(f"the {self.name} engine reads every layer from one stack of pools through the block tables; this cache "
+                             "frees the sliding layers' blocks (a window ring) or stores layers apart (a per-layer format)",
+                             "build the cache without a ring (RuntimeConfig.free_window_blocks=False), or use the torch engine")
         declared = {t.name: t.dtype for t in self.manifest.inputs} if self.manifest is not None else {}
         for name, t in cache.tensors.items():  # native graphs declare uint8 pools int8: a zero-copy view
             out[name] = t.view(torch.int8) if t.dtype == torch.uint8 and declared.get(name, "int8") == "int8" else t
@@ -161,6 +162,9 @@ class TorchReferenceEngine(Engine):
 
         from trtkv.cache_layout import gather_paged
 
+        if cache.ring is not None:
+            raise TrtkvError("the reference engine reads sealed blocks through the block tables; a window ring addresses them by slot",
+                             "compare against a cache that keeps every block (no ring)")
         lay, L = cache.layout, cache.num_layers
         B, T = batch.input_ids.shape
         H, D = lay.num_kv_heads, lay.head_dim
@@ -174,7 +178,7 @@ class TorchReferenceEngine(Engine):
             if c:
                 for layer in range(L):
                     kv = [
-                        gather_paged(lay, w, cache.pool(layer, w), batch.block_tables[b], c, getattr(cache.params[layer], w), slot=slot)
+                        gather_paged(cache.layout_of(layer), w, cache.pool(layer, w), batch.block_tables[b], c, getattr(cache.params[layer], w), slot=slot)
                         for w in ("k", "v")
                     ]
                     dc.update(kv[0].transpose(0, 1)[None].to(dtype), kv[1].transpose(0, 1)[None].to(dtype), layer)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block
+from trtkv.cache_layout import TAIL_DTYPE, KVPool, PagedKVLayout, WindowRing, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.runtime.seal_device import seal_open_block_kernels
@@ -65,23 +65,29 @@ class PagedKVCache:
             raise TrtkvError(f"{len(self.params)} layer params for {num_layers} layers", "use the engine's kv_params.safetensors")
         if ring is not None and ring.block_size != layout.block_size:
             raise ValueError(f"a window ring of {ring.block_size}-token blocks for a cache of {layout.block_size}")
-        # layer -> (tensor-name suffix, index in those stacked tensors): the sliding layers of a ring apart
+        layout.fmt.check_layers(num_layers)
+        # pool groups: layers with one storage (a per-layer format's distinct K / V storages, ``@gN``), the sliding layers
+        # of a ring apart (``@ring``); layer -> (tensor-name suffix, index in that group's stacked tensors)
         local = set(ring.layers) if ring is not None else set()
-        order = {"": [i for i in range(num_layers) if i not in local], RING: [i for i in range(num_layers) if i in local]}
-        self._where = {layer: (suffix, j) for suffix, layers in order.items() for j, layer in enumerate(layers)}
+        storages = list(dict.fromkeys((f.k, f.v) for f in layout.fmt.layer_formats()))
+        groups: dict[str, list[int]] = {}
+        for i in range(num_layers):
+            lay = layout.layer(i)
+            suffix = (f"@g{storages.index((lay.fmt.k, lay.fmt.v))}" if layout.fmt.is_per_layer else "") + (RING if i in local else "")
+            groups.setdefault(suffix, []).append(i)
+        self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
         self.seal_with_kernels = torch.device(device).type == "cuda"  # the Triton seal kernel, in place (seal_device.py)
         for which in ("k", "v"):
-            pool = layout.allocate(which, device)
-            self.tensors[f"{which}_tail"] = torch.zeros((num_layers, *pool.tail.shape), dtype=pool.tail.dtype, device=device)
-            for suffix, layers in order.items():
-                if suffix == RING and not layers:
-                    continue
-                blocks = layout.num_slots * ring.ring_blocks if suffix == RING else layout.num_blocks
-                for field in ("data", "scale", "zero"):
-                    t = getattr(pool, field)
-                    if t is not None:
-                        self.tensors[f"{which}_{field}{suffix}"] = torch.zeros((len(layers), blocks, *t.shape[1:]), dtype=t.dtype, device=device)
+            tail = layout.tail_shape()
+            self.tensors[f"{which}_tail"] = torch.zeros((num_layers, *tail), dtype=TAIL_DTYPE, device=device)
+            for suffix, layers in groups.items():
+                blocks = layout.num_slots * ring.ring_blocks if suffix.endswith(RING) else layout.num_blocks
+                lay = layout.layer(layers[0])
+                for field, shape, dtype in (("data", lay.data_shape(which), lay.data_dtype(which)),
+                                            ("scale", lay.scale_shape(which), torch.float16), ("zero", lay.zero_shape(which), torch.float16)):
+                    if shape is not None:
+                        self.tensors[f"{which}_{field}{suffix}"] = torch.zeros((len(layers), blocks, *shape[1:]), dtype=dtype, device=device)
 
     @classmethod
     def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None,
@@ -101,6 +107,16 @@ class PagedKVCache:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    def layout_of(self, layer: int) -> PagedKVLayout:
+        """The layout of ``layer``'s pools (its own storage under a per-layer format)."""
+        return self.layout.layer(layer)
+
+    @property
+    def is_grouped(self) -> bool:
+        """True when the layers' pools are not one stack (a window ring or a per-layer format): only the torch engine
+        reads such a cache."""
+        return self.ring is not None or self.layout.fmt.is_per_layer
 
     def is_ringed(self, layer: int) -> bool:
         """True when ``layer``'s sealed blocks live in the window ring (addressed by slot), not the block tables' pool."""
@@ -168,7 +184,7 @@ class PagedKVCache:
             target = self.seal_target(layer, slot, block, block_index)
             for which in ("k", "v"):
                 pool = self.pool(layer, which)
-                seal_open_block(self.layout, which, pool, slot, target, block_index, getattr(self.params[layer], which))
+                seal_open_block(self.layout_of(layer), which, pool, slot, target, block_index, getattr(self.params[layer], which))
 
     def seal_target(self, layer: int, slot: int, block: int, block_index: int) -> int:
         """The block of ``layer``'s pool that a seal of pool block ``block`` (the sequence's ``block_index``) writes."""

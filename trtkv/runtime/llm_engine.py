@@ -306,14 +306,14 @@ class LLMEngine:
         slots' open blocks."""
         cache, ring = self.cache, self.cache.ring
         lay = cache.layout
-        per_block, per_slot = lay.bytes_per_block(), lay.tail_bytes_per_slot()
+        per_slot = lay.tail_bytes_per_slot()
         running = [s for s in self.scheduler.running if s.slot is not None]
         in_window = 0 if ring is None else sum(s.num_cached // lay.block_size - int(ring.first_block(s.num_cached)) for s in running)
         types = tuple(getattr(self.manifest.model, "layer_types", ()) or ())
         out = {f"kv_bytes_used_{t}": 0 for t in (FULL_ATTENTION, SLIDING_ATTENTION)}
         for layer in range(cache.num_layers):
             blocks = in_window if cache.is_ringed(layer) else self.block_manager.num_used_blocks
-            out[f"kv_bytes_used_{types[layer] if types else FULL_ATTENTION}"] += blocks * per_block + len(running) * per_slot
+            out[f"kv_bytes_used_{types[layer] if types else FULL_ATTENTION}"] += blocks * lay.layer(layer).bytes_per_block() + len(running) * per_slot
         return out
 
     def describe_cache(self) -> str:
@@ -404,7 +404,7 @@ def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: 
     ring = window_ring(manifest, config, backend)
     if ring is not None:
         layout = manifest.layout(1, 1)
-        bytes_per_block = layout.bytes_per_block() * (manifest.model.num_layers - len(ring.layers))
+        bytes_per_block = layout.block_bytes(i for i in range(manifest.model.num_layers) if i not in ring.layers)
         bytes_per_slot += ring.bytes_per_slot(layout)
     budget = CacheBudget.plan(
         resolve_kv_budget(config, device),

@@ -18,15 +18,14 @@ from trtkv.plugins import ops  # noqa: F401  (registers torch.ops.trtkv.*)
 
 def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> None:
     """Seal open block ``slot`` (its sequence's block ``block_index``) of every layer into pool block ``block``."""
-    lay = cache.layout
-    bs, sink = lay.block_size, lay.sink_tokens
+    bs, sink = cache.layout.block_size, cache.layout.sink_tokens
     dev = cache.tensors["k_tail"].device
     for which in ("k", "v"):
         tail = cache.tensors[f"{which}_tail"]
         if block_index == 0 and sink:
             tail[:, slot, :, bs : bs + sink] = tail[:, slot, :, :sink]
-        spec = lay.tensor_format(which).short()
         for layer in range(cache.num_layers):
+            spec = cache.layout_of(layer).tensor_format(which).short()
             pool = cache.pool(layer, which)
             rows = pool.tail[slot : slot + 1, :, :bs].float()
             if block_index == 0 and sink:

@@ -331,7 +331,7 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
 
     Context rows that do not exist are zero (``st.kv_valid`` says which exist)."""
     cache, b = st.cache, st.batch
-    lay: PagedKVLayout = cache.layout
+    lay: PagedKVLayout = cache.layout_of(layer)
     pool = cache.pool(layer, which)
     fmt = lay.tensor_format(which)
     params = st.engine.layer_params(cache, layer)[0 if which == "k" else 1]
@@ -399,7 +399,7 @@ def _folded_key_scores(st: _Step, layer: int, qs: torch.Tensor) -> torch.Tensor:
     """Scores ``[B, nb, H, n, bs]`` of the query ``qs`` [B, H, n, D] (stored channel space) against the sealed keys,
     without dequantizing them: ``(c - off) * s + z`` per channel per block is folded into the query, and packed
     codes enter the product field by field (int4: the even channels' nibbles, then the odd ones')."""
-    cache, fmt = st.cache, st.cache.layout.tensor_format("k")
+    cache, fmt = st.cache, st.cache.layout_of(layer).tensor_format("k")
     B, H, n, D = qs.shape
     qt = sealed_blocks(st, cache.pool(layer, "k"))
     nb = st.sealed_max
@@ -429,7 +429,8 @@ def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: Tensor
     """``sum_t p_t v_t`` [B, H, n, D] (model space) over the sealed values for block-major probabilities ``ps``
     [B, nb, H, n, bs], without dequantizing them: ``v = (c - off) * s + z`` per token (group) gives
     ``sum_t (p_t s_t) c_t + sum_t p_t (z_t - off * s_t)``. Positions ``< sink`` come from the sink rows."""
-    lay, fmt = st.cache.layout, st.cache.layout.tensor_format("v")
+    lay = st.cache.layout_of(layer)
+    fmt = lay.tensor_format("v")
     pool = st.cache.pool(layer, "v")
     B, nb, H, n, bs = ps.shape
     D, sink = lay.head_dim, lay.sink_tokens
@@ -487,7 +488,7 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
     B, Hq, T, D = q.shape
     H = k16.shape[1]
     G = Hq // H
-    lay = st.cache.layout
+    lay = st.cache.layout_of(layer)
     kp, vp = st.engine.layer_params(st.cache, layer)
     qg = q.reshape(B, H, G * T, D)
     kfmt = lay.tensor_format("k")
@@ -543,11 +544,11 @@ def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float) -> torch.T
     kpool, vpool = cache.pool(layer, "k"), cache.pool(layer, "v")
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, heads, D]
     if qh.shape[1] == 1:
-        out = ops.decode_attention(qh[:, 0].contiguous(), cache.layout, kpool, vpool, kh[:, 0].contiguous(), vh[:, 0].contiguous(),
+        out = ops.decode_attention(qh[:, 0].contiguous(), cache.layout_of(layer), kpool, vpool, kh[:, 0].contiguous(), vh[:, 0].contiguous(),
                                    b.block_tables, b.context_lens, b.slot_ids, kp, vp, sm_scale=scaling)
         return out[:, None]
     valid = st.valid
-    packed = ops.prefill_attention(qh[valid].contiguous(), st.cu_seqlens, cache.layout, kpool, vpool, kh[valid].contiguous(),
+    packed = ops.prefill_attention(qh[valid].contiguous(), st.cu_seqlens, cache.layout_of(layer), kpool, vpool, kh[valid].contiguous(),
                                    vh[valid].contiguous(), b.block_tables, b.context_lens, b.slot_ids, kp, vp, sm_scale=scaling,
                                    max_seqlen_q=qh.shape[1])
     out = torch.zeros_like(qh)

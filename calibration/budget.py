@@ -1,0 +1,265 @@
+"""Per-layer K / V bits under an accuracy budget: ``trtkv calibrate --budget kl=0.01 --budget-formats int4,int3,int2``.
+
+Layers and K / V are not equally sensitive to quantization, so a cache that gives each (layer, side) the fewest bits
+its error allows beats one format everywhere. The search, on the calibration split (never the eval split):
+
+1. **Candidates.** Formats that seal blocks the same way (same block size and sink tokens), ordered by pool bits; a
+   (layer, side) takes one of their tensor formats for its side. The widest candidate everywhere is the start, and
+   must fit the budget.
+2. **Sensitivity.** For every layer, side and narrower candidate: the cost (KL or Δppl against the unquantized
+   model) of the start with only that (layer, side) narrowed, minus the start's cost -- measured, with the real
+   quantized cache (``trtkv.kv_cache``), on ``windows`` calibration windows.
+3. **Choice.** Greedy by cost per bit saved: the next narrower step of some (layer, side) (steps of one (layer, side)
+   in order), while the predicted cost (start + the chosen steps' costs, taken as additive) stays within the budget.
+4. **Check.** The chosen per-layer format is measured on the same windows; while the measured cost is over the
+   budget the last quarter of the steps is undone and it is measured again. The report gives the choice, the
+   predicted and the measured cost; ``trtkv eval`` measures it on held-out windows like any other format.
+
+The result is a per-layer ``KVFormat`` (``KVFormat.layers``) saved in the recipe under ``--budget-name`` (default
+``budget``), with the per-layer calibrated constants of the candidates it took.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from trtkv.artifacts import LayerParams
+from trtkv.errors import TrtkvError
+from trtkv.evaluate import kl_divergence, model_logits, token_nll
+from trtkv.formats import KVFormat, LayerStorage
+from trtkv.quant import TensorParams
+
+BUDGET_HELP = "give the budget as kl=NATS (mean KL vs the unquantized model, e.g. kl=0.01) or ppl=PERCENT (e.g. ppl=1%)"
+DEFAULT_BUDGET_WINDOWS = 4
+SIDES = ("k", "v")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a KV cache may cost: mean KL (nats) or perplexity increase (%) against the unquantized model."""
+
+    metric: Literal["kl", "ppl"]
+    limit: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        key, _, value = text.partition("=")
+        key, value = key.strip().lower(), value.strip().rstrip("%")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise TrtkvError(f"invalid accuracy budget {text!r}", BUDGET_HELP) from None
+        if key not in ("kl", "ppl") or not limit > 0 or not math.isfinite(limit):
+            raise TrtkvError(f"invalid accuracy budget {text!r}", BUDGET_HELP)
+        return cls(key, limit)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"kl={self.limit:g}" if self.metric == "kl" else f"ppl={self.limit:g}%"
+
+
+@dataclass(frozen=True)
+class Score:
+    kl: float  # mean KL(unquantized || quantized) per predicted position, nats
+    ppl_delta_pct: float
+
+    def of(self, metric: str) -> float:
+        return self.kl if metric == "kl" else self.ppl_delta_pct
+
+
+class Scorer:
+    """KL and Δppl of a KV format on fixed windows, the unquantized logits computed once."""
+
+    def __init__(self, model, windows: torch.Tensor, batch_size: int = 4):
+        self.model = model
+        self.batches = [windows[i : i + batch_size] for i in range(0, windows.shape[0], batch_size)]
+        with torch.inference_mode():
+            self.refs = [torch.log_softmax(model_logits(model, ids, "fp16")[:, :-1].float(), -1) for ids in self.batches]
+        nll = torch.cat([-r.gather(-1, ids[:, 1:, None]).squeeze(-1).flatten() for r, ids in zip(self.refs, self.batches)])
+        self.base_nll = nll.double().mean().item()
+        self.calls = 0
+
+    def __call__(self, fmt: KVFormat, params: list[LayerParams] | None) -> Score:
+        self.calls += 1
+        kl, nll, n = 0.0, 0.0, 0
+        with torch.inference_mode():
+            for ref, ids in zip(self.refs, self.batches):
+                logits = model_logits(self.model, ids, fmt, params)[:, :-1]
+                kl += kl_divergence(ref, logits).double().sum().item()
+                nll += token_nll(logits, ids[:, 1:]).double().sum().item()
+                n += ids[:, 1:].numel()
+        return Score(kl / n, 100.0 * (math.exp(nll / n - self.base_nll) - 1.0))
+
+
+@dataclass
+class BudgetChoice:
+    """What the search chose, and why."""
+
+    budget: Budget
+    candidates: list[str]
+    fmt: KVFormat
+    params: list[LayerParams]
+    levels: list[dict[str, int]]  # per layer: {"k": candidate index, "v": candidate index}
+    start: Score  # the widest candidate everywhere
+    predicted: float  # in the budget's metric
+    measured: Score
+    start_bits: float = 0.0  # pool bits per element of the start
+    sensitivity: dict[str, list[list[float]]] = field(default_factory=dict)  # side -> [layer][candidate] cost over the start
+    scored: int = 0  # formats measured by the search
+
+    def recipe_fields(self) -> dict:
+        """What recipe.json keeps of the search (FormatCalibration extra fields)."""
+        names = self.candidates
+        return {
+            "budget": str(self.budget),
+            "candidates": names,
+            "choice": [{"layer": i, "k": names[lv["k"]], "v": names[lv["v"]]} for i, lv in enumerate(self.levels)],
+            "start": {"kl": self.start.kl, "ppl_delta_pct": self.start.ppl_delta_pct},
+            "predicted": self.predicted,
+            "start_bits": self.start_bits,
+            "measured": {"kl": self.measured.kl, "ppl_delta_pct": self.measured.ppl_delta_pct},
+            "sensitivity": self.sensitivity,
+            "formats_measured": self.scored,
+        }
+
+
+def check_candidates(candidates: Sequence[KVFormat]) -> list[KVFormat]:
+    """Candidates ordered widest first; refused unless they seal blocks alike (block size, sink tokens) and are
+    plain (not per-layer) formats."""
+    if len(candidates) < 2:
+        raise TrtkvError("--budget needs at least two --budget-formats to choose between", "e.g. --budget-formats int4,int3,int2")
+    first = candidates[0]
+    for c in candidates:
+        if c.is_per_layer or c.shared_kv_scale:
+            raise TrtkvError(f"budget candidate {c.name} is a per-layer or shared-scale format", "give plain formats, e.g. int4,int3,int2")
+        if (c.block_size, c.sink_tokens) != (first.block_size, first.sink_tokens):
+            raise TrtkvError(
+                f"budget candidates {first.name} (block {first.block_size}, sink {first.sink_tokens}) and {c.name} (block {c.block_size}, "
+                f"sink {c.sink_tokens}) seal blocks differently", "give candidates with the same block= and sink= (e.g. the int4, int3, int2 presets)")
+    return sorted(candidates, key=lambda c: -c.pool_bits_per_element(64))
+
+
+def per_layer_format(name: str, candidates: Sequence[KVFormat], levels: Sequence[dict[str, int]]) -> KVFormat:
+    """The per-layer format of ``levels`` (per layer, a candidate index for K and one for V)."""
+    layers = tuple(LayerStorage(k=candidates[lv["k"]].k, v=candidates[lv["v"]].v) for lv in levels)
+    base = candidates[0]
+    return KVFormat(name=name, k=layers[0].k, v=layers[0].v, block_size=base.block_size, sink_tokens=base.sink_tokens, layers=layers,
+                    description=f"per-layer K / V storage chosen under an accuracy budget from {', '.join(c.name for c in candidates)}")
+
+
+def per_layer_params(candidates: Sequence[KVFormat], params: dict[str, list[LayerParams] | None], levels: Sequence[dict[str, int]]) -> list[LayerParams]:
+    """Each layer's constants from the candidate each of its sides took (none where that candidate has none)."""
+    out = []
+    for i, lv in enumerate(levels):
+        side = {}
+        for s in SIDES:
+            got = params.get(candidates[lv[s]].name)
+            tp = getattr(got[i], s) if got else TensorParams()  # copied: the artifact stores each format's tensors apart
+            side[s] = TensorParams(*(None if t is None else t.clone() for t in (tp.scale, tp.smooth, tp.clip)))
+        out.append(LayerParams(k=side["k"], v=side["v"]))
+    return out
+
+
+def choose_layer_bits(
+    score: Callable[[KVFormat, list[LayerParams]], Score],
+    candidates: Sequence[KVFormat],
+    params: dict[str, list[LayerParams] | None],
+    budget: Budget,
+    *,
+    num_layers: int,
+    head_dim: int,
+    name: str = "budget",
+    on_progress: Callable[[int, int], None] | None = None,
+) -> BudgetChoice:
+    """The per-layer format with the fewest bits whose measured cost ``score`` stays within ``budget`` (module docstring)."""
+    cands = check_candidates(candidates)
+    names = [c.name for c in cands]
+    metric = budget.metric
+
+    def fmt_of(levels):
+        return per_layer_format(name, cands, levels)
+
+    def run(levels) -> Score:
+        return score(fmt_of(levels), per_layer_params(cands, params, levels))
+
+    start_levels = [{"k": 0, "v": 0} for _ in range(num_layers)]
+    start = run(start_levels)
+    if start.of(metric) > budget.limit:
+        raise TrtkvError(
+            f"the budget {budget} is below what {names[0]} costs in every layer ({metric} {start.of(metric):.4g} on the calibration windows)",
+            f"raise the budget, or add a wider candidate to --budget-formats (e.g. int8,{','.join(names)})")
+    # 2. sensitivity: one (layer, side) narrowed at a time
+    total = num_layers * len(SIDES) * (len(cands) - 1)
+    cost = {s: [[0.0] * len(cands) for _ in range(num_layers)] for s in SIDES}
+    done = 0
+    for layer in range(num_layers):
+        for s in SIDES:
+            for lev in range(1, len(cands)):
+                levels = [dict(lv) for lv in start_levels]
+                levels[layer][s] = lev
+                cost[s][layer][lev] = run(levels).of(metric) - start.of(metric)
+                done += 1
+                if on_progress is not None:
+                    on_progress(done, total)
+    # 3. greedy by cost per bit saved, each (layer, side) one step at a time
+    bits = [{s: getattr(c, s).bits_per_element(head_dim, c.block_size) for s in SIDES} for c in cands]
+    levels = [dict(lv) for lv in start_levels]
+    predicted = start.of(metric)
+    steps: list[tuple[int, str]] = []
+    while True:
+        best = None
+        for layer in range(num_layers):
+            for s in SIDES:
+                cur = levels[layer][s]
+                if cur + 1 >= len(cands):
+                    continue
+                extra = cost[s][layer][cur + 1] - cost[s][layer][cur]  # (a narrower level that measured cheaper: a free step)
+                saved = bits[cur][s] - bits[cur + 1][s]
+                if saved > 0 and predicted + extra <= budget.limit:
+                    key = (extra / saved, layer, s)
+                    if best is None or key < best[0]:
+                        best = (key, extra)
+        if best is None:
+            break
+        (_, layer, s), extra = best
+        levels[layer][s] += 1
+        predicted += extra
+        steps.append((layer, s))
+    # 4. measure; undo the last quarter of the steps while over the budget
+    measured = run(levels)
+    while measured.of(metric) > budget.limit and steps:  # ends at the start at worst, which fits
+        for _ in range(max(1, len(steps) // 4)):
+            layer, s = steps.pop()
+            levels[layer][s] -= 1
+        measured = run(levels)
+    predicted = start.of(metric) + sum(cost[s][layer][levels[layer][s]] for layer in range(num_layers) for s in SIDES)
+    return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
+                        cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES}, getattr(score, "calls", 0))
+
+
+def render_choice(choice: BudgetChoice, head_dim: int) -> str:
+    """The report's section: the budget, predicted and measured cost, bits, and the choice per layer."""
+    m = choice.measured
+    c = choice.fmt
+    names = choice.candidates
+    lines = [
+        f"## Accuracy budget `{choice.budget}` -> format `{c.name}`",
+        "",
+        f"- candidates (widest first): {', '.join(f'`{n}`' for n in names)}; start ({names[0]} everywhere): KL {choice.start.kl:.5f}, "
+        f"Δppl {choice.start.ppl_delta_pct:+.3f} %",
+        f"- chosen: {c.pool_bits_per_element(head_dim):.3f} pool bits per element (start {choice.start_bits:.3f}); "
+        f"predicted {choice.budget.metric} {choice.predicted:.5g}, **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** "
+        f"on the calibration windows ({choice.scored} formats measured)",
+        f"- spec: `{c.spec()}`",
+        "",
+        "| layer | K | V | K cost if narrowed (per candidate) | V cost if narrowed |",
+        "|---:|---|---|---|---|",
+    ]
+    for i, lv in enumerate(choice.levels):
+        ks = ", ".join(f"{names[j]} {choice.sensitivity['k'][i][j]:+.4g}" for j in range(1, len(names)))
+        vs = ", ".join(f"{names[j]} {choice.sensitivity['v'][i][j]:+.4g}" for j in range(1, len(names)))
+        lines.append(f"| {i} | {names[lv['k']]} | {names[lv['v']]} | {ks} | {vs} |")
+    return "\n".join(lines) + "\n"
