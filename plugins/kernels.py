@@ -21,7 +21,7 @@ the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch defin
   it on load (``_load_open``), so one query and one accumulator serve every key.
 
 A stored tensor format enters a kernel as constexprs (``format_constexprs``): ``DTYPE`` one of "fp16",
-"int8", "int4", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
+"int8", "int4", "int3", "int2", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
 ``BCH`` per-block-channel scales; the transform flags; and the code range read from
 ``trtkv.formats.DTYPES`` (``QMIN`` / ``QMAX`` / ``QMAX_ASYM``, ``CODE_OFFSET``). Codes are stored in the
 element type of the data pointer, so the storage dtype is never restated here. Static scales (per tensor,
@@ -30,7 +30,9 @@ grids are ``trtkv.plugins.contract``'s (``seal_grid``, ``decode_grids``, ``prefi
 
 Channel halves. Every attention kernel works on the even and odd channels of head_dim separately
 (``lo`` = channels 0, 2, 4, ..., ``hi`` = 1, 3, 5, ...): packed int4 bytes hold exactly that pair, so
-unpacking costs two bit operations and no register shuffle; the dot products are split in two
+unpacking costs two bit operations and no register shuffle (int2: a byte holds two such pairs, at bits 0 / 2
+and 4 / 6; int3: the same low-bit plane plus a top-bit plane of D/8 bytes, docs/kv-cache-format.md);
+the dot products are split in two
 (``q_lo . k_lo + q_hi . k_hi``; ``p @ v_lo`` and ``p @ v_hi`` write the even and odd output channels).
 
 Portability: only ``tl`` API present in triton 3.6 and 3.7. No libdevice (not in the interpreter):
