@@ -21,7 +21,7 @@ the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch defin
   it on load (``_load_open``), so one query and one accumulator serve every key.
 
 A stored tensor format enters a kernel as constexprs (``format_constexprs``): ``DTYPE`` one of "fp16",
-"int8", "int4", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
+"int8", "int4", "int3", "int2", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
 ``BCH`` per-block-channel scales; the transform flags; and the code range read from
 ``trtkv.formats.DTYPES`` (``QMIN`` / ``QMAX`` / ``QMAX_ASYM``, ``CODE_OFFSET``). Codes are stored in the
 element type of the data pointer, so the storage dtype is never restated here. Static scales (per tensor,
@@ -30,7 +30,9 @@ grids are ``trtkv.plugins.contract``'s (``seal_grid``, ``decode_grids``, ``prefi
 
 Channel halves. Every attention kernel works on the even and odd channels of head_dim separately
 (``lo`` = channels 0, 2, 4, ..., ``hi`` = 1, 3, 5, ...): packed int4 bytes hold exactly that pair, so
-unpacking costs two bit operations and no register shuffle; the dot products are split in two
+unpacking costs two bit operations and no register shuffle (int2: a byte holds two such pairs, at bits 0 / 2
+and 4 / 6; int3: the same low-bit plane plus a top-bit plane of D/8 bytes, docs/kv-cache-format.md);
+the dot products are split in two
 (``q_lo . k_lo + q_hi . k_hi``; ``p @ v_lo`` and ``p @ v_hi`` write the even and odd output channels).
 
 Portability: only ``tl`` API present in triton 3.6 and 3.7. No libdevice (not in the interpreter):
@@ -133,6 +135,26 @@ def _codes_to_float(c, DTYPE: tl.constexpr):
         return _fp8e4m3_decode(c)
     else:
         return c.to(tl.float32)
+
+
+@triton.jit
+def _pack_plane(bits, N: tl.constexpr, NBYTES: tl.constexpr, PER: tl.constexpr, WIDTH: tl.constexpr):
+    """Fields [N, NBYTES * PER] int32 (each < 2**WIDTH) -> bytes [N, NBYTES] uint8: byte j = sum_i
+    field[PER * j + i] << (WIDTH * i) (the fields' bits are disjoint, so the sum is their bitwise or)."""
+    sh = tl.arange(0, PER) * WIDTH
+    f = tl.reshape(bits, [N, NBYTES, PER]) << sh[None, None, :]
+    return _rsum(f, 2).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_halves(b, SHIFT: tl.constexpr, PER: tl.constexpr, WIDTH: tl.constexpr, N: tl.constexpr,
+                   HALF: tl.constexpr):
+    """Bytes [N, HALF // PER] (int32) holding 2 * PER fields of WIDTH bits each (field c at bit WIDTH * c)
+    -> the fields of the even (SHIFT 0) or odd (SHIFT WIDTH) channels, [N, HALF] int32: even channel
+    2i sits in byte i // PER at bit 2 * WIDTH * (i % PER), the odd one WIDTH bits above."""
+    sh = tl.arange(0, PER) * (2 * WIDTH) + SHIFT
+    f = (b[:, :, None] >> sh[None, None, :]) & ((1 << WIDTH) - 1)
+    return tl.reshape(f, [N, HALF])
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,10 +274,24 @@ def seal_kernel(
             q = _rint(y).to(tl.int32)
             if SYM or STATIC:
                 q = q + CODE_OFFSET
-            lo, hi = tl.split(tl.reshape(q, [BLOCK_SIZE, HEAD_DIM // 2, 2]))
-            packed = (lo | (hi << 4)).to(tl.uint8)
-            pcols = tl.arange(0, HEAD_DIM // 2)
-            tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed)
+            if DTYPE == "int4":
+                lo, hi = tl.split(tl.reshape(q, [BLOCK_SIZE, HEAD_DIM // 2, 2]))
+                packed = (lo | (hi << 4)).to(tl.uint8)
+                pcols = tl.arange(0, HEAD_DIM // 2)
+                tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed)
+            elif DTYPE == "int2":
+                # byte j = sum_i code[4j + i] << 2i
+                pcols = tl.arange(0, HEAD_DIM // 4)
+                tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 4) + pcols[None, :],
+                         _pack_plane(q, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
+            else:  # int3: the low two bits (plane of D/4 bytes as int2's), then the top bits (D/8 bytes, 8 per byte)
+                PACKED: tl.constexpr = HEAD_DIM * 3 // 8
+                pcols = tl.arange(0, HEAD_DIM // 4)
+                tl.store(data_ptr + rows[:, None] * PACKED + pcols[None, :],
+                         _pack_plane(q & 3, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
+                tcols = tl.arange(0, HEAD_DIM // 8)
+                tl.store(data_ptr + rows[:, None] * PACKED + HEAD_DIM // 4 + tcols[None, :],
+                         _pack_plane(q >> 2, BLOCK_SIZE, HEAD_DIM // 8, 8, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +314,24 @@ def _load_halves(data_ptr, scale_ptr, zero_ptr, row, bh, mask,
         b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
         lo = (b & 15).to(tl.float32)
         hi = (b >> 4).to(tl.float32)
+        if SYM or STATIC:
+            lo = lo - CODE_OFFSET
+            hi = hi - CODE_OFFSET
+    elif DTYPE == "int2" or DTYPE == "int3":
+        # low two bits: byte i // 2 of the row holds channels 2i, 2i+1 at bits 4 (i % 2) and 4 (i % 2) + 2
+        PACKED: tl.constexpr = HEAD_DIM // 4 if DTYPE == "int2" else HEAD_DIM * 3 // 8
+        jb = tl.arange(0, HEAD_DIM // 4)
+        b = tl.load(data_ptr + row[:, None] * PACKED + jb[None, :], mask=m2, other=0).to(tl.int32)
+        lo = _unpack_halves(b, 0, 2, 2, N, HALF)
+        hi = _unpack_halves(b, 2, 2, 2, N, HALF)
+        if DTYPE == "int3":
+            # top bit: byte D/4 + i // 4 holds channels 2i, 2i+1 at bits 2 (i % 4) and 2 (i % 4) + 1
+            jt = tl.arange(0, HEAD_DIM // 8)
+            t = tl.load(data_ptr + row[:, None] * PACKED + HEAD_DIM // 4 + jt[None, :], mask=m2, other=0).to(tl.int32)
+            lo = lo | (_unpack_halves(t, 0, 4, 1, N, HALF) << 2)
+            hi = hi | (_unpack_halves(t, 1, 4, 1, N, HALF) << 2)
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
         if SYM or STATIC:
             lo = lo - CODE_OFFSET
             hi = hi - CODE_OFFSET

@@ -23,7 +23,7 @@ from trtkv.plugins import contract as C
 from trtkv.quant import TensorParams, hadamard_matrix, quantize_block
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET_NAMES = [n for n in PRESETS if C.LIMITS.takes(PRESETS[n])]  # int3 / int2: not in the kernels yet (rejected below)
+PRESET_NAMES = [n for n in PRESETS if C.LIMITS.takes(PRESETS[n])]  # every preset (int3 / int2 included); mse seals: rejected below
 GEOM = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 
 
@@ -89,7 +89,7 @@ def test_presets_validate(op, fmt):
     (dict(sm_scale=-1.0), ["sm_scale"]),
     (dict(sm_scale=float("nan")), ["sm_scale"]),
     (dict(precision="fp8"), ["precision", "fp8"]),
-    (dict(k_format="int3:token"), ["k_format", "int3"]),
+    (dict(k_format="int3:bchannel:asym:mse"), ["k_format", "mse"]),
     (dict(k_format="int4:g48"), ["k_format", "group size 48"]),
     (dict(v_format="int4:g256"), ["v_format", "does not fit head_dim"]),
     (dict(head_dim="128"), ["head_dim", "not a int"]),
@@ -705,12 +705,29 @@ def test_gpu_check_dry_run(tmp_path):
     assert "## Decode attention timing" in md[0].read_text()
 
 
-@pytest.mark.parametrize("fmt", ["int3", "int2", "k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64"])
+@pytest.mark.parametrize("fmt", ["k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64",
+                                 "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64"])
 @pytest.mark.parametrize("op", ["PagedKVSeal", "PagedDecodePartition", "PagedPrefillAttention"])
 def test_formats_the_kernels_lack_are_rejected_by_name(op, fmt):
-    """int3 / int2 storage and the searched (mse) seal exist in the reference, eval and the ONNX native decode, not in
-    the Triton kernels: the contract says so, naming the attribute, instead of letting a kernel misread the bytes."""
+    """The searched (mse) seal exists in the reference, eval and the ONNX native decode, not in the Triton seal
+    kernel: the contract says so, naming the attribute, instead of sealing with plain min / max ranges."""
     assert not C.LIMITS.takes(get_format(fmt))
-    with pytest.raises(TrtkvError, match="int3|int2|mse") as ei:
+    with pytest.raises(TrtkvError, match="mse") as ei:
         attrs(op, fmt, block_size=64)
     assert "format" in str(ei.value)
+
+
+def test_every_kernel_dtype_fills_whole_bytes_at_every_kernel_head_dim():
+    """The kernels take every DTYPES row; a packed row must fill whole bytes in each bit plane (int4: head_dim % 2,
+    int2: % 4, int3: % 8), which every head_dim of LIMITS (powers of two >= 32) does. A storage dtype outside
+    ``dtypes`` is refused by name."""
+    from trtkv.formats import DTYPES
+
+    assert set(C.LIMITS.dtypes) == set(DTYPES)
+    d = C.LIMITS.head_dim_min
+    while d <= C.LIMITS.head_dim_max:
+        assert not C.LIMITS.head_dim_problem(d)
+        assert all(d % DTYPES[t].row_align == 0 for t in C.LIMITS.dtypes)
+        d *= 2
+    assert (DTYPES["int4"].row_align, DTYPES["int2"].row_align, DTYPES["int3"].row_align) == (2, 4, 8)
+    assert "int3" in C.KernelLimits(dtypes=("fp16", "int4")).dtype_problem("int3")

@@ -122,11 +122,13 @@ def test_stale_pool_and_tail_rows_never_leak(tiny_dir):
 
 
 @pytest.mark.slow
-def test_kernel_path_under_interpreter_equals_torch_path(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("kv", ["int4", "int3", "int2"])
+def test_kernel_path_under_interpreter_equals_torch_path(tiny_dir, monkeypatch, kv):
     """attention="kernels" (the CUDA path: Triton decode / prefill kernels) run on CPU under TRITON_INTERPRET=1,
-    end to end on the 2-layer model with int4 (sinks, Hadamard V, per-block-channel K), vs the torch path."""
+    end to end on the 2-layer model with the int4 / int3 / int2 presets (sinks, Hadamard V, per-block-channel K),
+    vs the torch path."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    [fmt], _ = fit_formats(["int4"], 32)
+    [fmt], _ = fit_formats([kv], 32)
     lay = PagedKVLayout(fmt.with_block_size(KERNEL_BLOCK), 2, 32, KERNEL_BLOCK, 12, 3)
     prompts = _prompts(320, (37, 17, 5), seed=3)  # prefill chunks crossing two blocks, a first block sealed with sinks
     model = load_model(str(tiny_dir), device="cpu", dtype="float32").model
@@ -159,8 +161,9 @@ def test_decode_at_graph_shapes_equals_unpadded(tiny_dir, monkeypatch, attention
 
 
 def test_auto_attention_takes_the_torch_ops_where_the_kernels_stop(tmp_path, tiny_dir, tiny_loaded):
-    """On CUDA ``auto`` picks the kernels only for what they implement: an int3 engine, or one with blocks of 4
-    (the kernels start at 16), gets the torch ops; an int4 engine with blocks of 16 the kernels."""
+    """On CUDA ``auto`` picks the kernels only for what they implement: an engine with a searched (mse) seal, or one
+    with blocks of 4 (the kernels start at 16), gets the torch ops; int4 / int3 / int2 engines with blocks of 16 the
+    kernels."""
     from trtkv.runtime.torch_engine import kernels_lack
 
     def manifest(kv, block):
@@ -168,8 +171,9 @@ def test_auto_attention_takes_the_torch_ops_where_the_kernels_stop(tmp_path, tin
         return load_manifest(d)
 
     cfg = tiny_loaded.model.config
-    assert kernels_lack(cfg, manifest("int4", KERNEL_BLOCK)) is None
-    assert "int3" in kernels_lack(cfg, manifest("int3", KERNEL_BLOCK))
+    for kv in ("int4", "int3", "int2"):
+        assert kernels_lack(cfg, manifest(kv, KERNEL_BLOCK)) is None, kv
+    assert "mse" in kernels_lack(cfg, manifest("k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=16", KERNEL_BLOCK))
     assert "block size" in kernels_lack(cfg, manifest("int4", BLOCK))
 
 

@@ -23,8 +23,9 @@ class KernelLimits:
     partition_min: int = 16
     default_partition: int = 512
 
-    # storage dtypes the kernels decode and seal (DTYPES rows; int3 / int2 are eval, plan and ONNX-native only so far)
-    dtypes: tuple[str, ...] = ("fp16", "fp8_e4m3", "int8", "int4")
+    # storage dtypes the kernels decode and seal (DTYPES rows). Packed ints need whole bytes per plane and row
+    # (int4: head_dim % 2, int2: % 4, int3: % 8), which every head_dim above satisfies.
+    dtypes: tuple[str, ...] = ("fp16", "fp8_e4m3", "int8", "int4", "int3", "int2")
 
     def dtype_problem(self, dtype: str) -> str | None:
         if dtype in self.dtypes:
