@@ -176,5 +176,5 @@ def test_prefix_caching_and_onnx_engines_refuse_a_ringed_cache(family, tmp_path)
     assert "--keep-window-blocks" in e.value.fix
     ort = OnnxRuntimeEngine.__new__(OnnxRuntimeEngine)  # feeds() is where any step network meets the cache
     ort.manifest = None
-    with pytest.raises(TrtkvError, match="reads every layer's blocks through the block tables"):
+    with pytest.raises(TrtkvError, match="reads every layer from one stack of pools through the block tables"):
         ort.feeds(StepBatch.make([[1]], [0], [[]], [0]), cache)
