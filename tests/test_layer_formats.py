@@ -40,6 +40,7 @@ def test_per_layer_format_round_trips_and_sums_its_layers(presets):
     picks = [(0, 2), (1, 1), (2, 0), (0, 0), (2, 2)]
     f = _mixed(presets, picks)
     assert get_format(f.spec()).layers == f.layers and f.num_layers == 5
+    assert get_format(f.spec()).name.endswith(",sink=4,layers=<5 layers>")  # a name people can read
     assert [f.layer(i).k for i in range(5)] == [presets[k].k for k, _ in picks]
     assert [f.layer(i).v for i in range(5)] == [presets[v].v for _, v in picks]
     naive = sum((presets[k].k.bits_per_element(HEAD_DIM, 16) + presets[v].v.bits_per_element(HEAD_DIM, 16)) / 2 for k, v in picks) / 5
@@ -52,6 +53,12 @@ def test_per_layer_format_round_trips_and_sums_its_layers(presets):
     with pytest.raises(TrtkvError, match="storage for 5 layers but the model has 4") as e:
         f.check_layers(4)
     assert "--budget" in e.value.fix
+    from trtkv.plan import GIB, ModelShape, plan
+
+    _, [row] = plan(ModelShape("m", 5, 2, HEAD_DIM), [f], context_len=128, gpu_bytes=GIB)
+    assert row.pool_bits_per_element == pytest.approx(naive)
+    with pytest.raises(TrtkvError, match="storage for 5 layers but the model has 4"):
+        plan(ModelShape("m", 4, 2, HEAD_DIM), [f], context_len=128, gpu_bytes=GIB)
     with pytest.raises(TrtkvError, match="k / v must be its layer 0's"):
         get_format(f.spec().replace(f"k={presets[0].k.short()}", f"k={presets[1].k.short()}", 1))
 

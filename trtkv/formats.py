@@ -668,9 +668,10 @@ def get_format(spec: str | KVFormat) -> KVFormat:
                 fields["sink_tokens"] = int(value)
             elif key == "shared" and not value:
                 fields["shared_kv_scale"] = True
-            elif key == "layers":  # k_spec/v_spec per layer, separated by |
+            elif key == "layers":  # k_spec/v_spec per layer, separated by |; the name says how many, not each
                 fields["layers"] = tuple(LayerStorage(k=parse_tensor_spec(ks), v=parse_tensor_spec(vs))
                                          for ks, _, vs in (item.partition("/") for item in value.split("|")))
+                fields["name"] = f"{spec.partition(',layers=')[0]},layers=<{len(fields['layers'])} layers>"
             else:
                 raise ValueError(f"unknown field {key!r}")
         return KVFormat(**fields)

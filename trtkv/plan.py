@@ -156,6 +156,7 @@ def plan(
     fp16_bytes = sequence_bytes(shape, PRESETS["fp16"], context_len) / context_len
     rows = []
     for fmt in formats:
+        fmt.check_layers(shape.num_layers)
         all_global = fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, context_len)
         by_type = layer_type_bytes(shape, fmt, context_len)
         per_token = sum(r.bytes_per_sequence for r in by_type) / context_len  # a sequence's bytes over its tokens
