@@ -128,7 +128,7 @@ def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
                 k_tail_ptr=f16, v_tail_ptr=f16, k_new_ptr=f16, v_new_ptr=f16,
                 k_static_ptr=f32, k_smooth_ptr=f32, v_static_ptr=f32, v_smooth_ptr=f32,
                 had_ptr=f32, block_table_ptr=i32, context_lens_ptr=i32, cu_seqlens_q_ptr=i32, slot_ids_ptr=i32,
-                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32")
+                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32", softcap="fp32")
 
 
 def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtype: str = "fp16") -> KernelConfig:
