@@ -493,7 +493,7 @@ def test_prefill_window_and_softcap_match_reference(fmt, d, ratio, kvh, ctxs, ne
 
 def test_window_never_reads_blocks_before_it(monkeypatch):
     """Decode through ``ops.decode_attention`` (the custom op, interpreter): sealed blocks wholly before the window
-    hold NaN codes and scales, or their block-table entries are out of range -- the output is the windowed
+    hold NaN scales and 0xFF codes, their block-table entries name such blocks -- the output is the windowed
     reference's on the clean cache; and a window ring: each slot's blocks written in order into
     ``WindowRing.block(slot, i)`` (older blocks overwritten), read through the logical table."""
     from trtkv.cache_layout import KVPool, WindowRing, first_window_block
@@ -519,7 +519,7 @@ def test_window_never_reads_blocks_before_it(monkeypatch):
                     if t is not None:
                         t[blk] = float("nan")
             if j % 2:
-                table[b, j] = 10**6  # not even a pool block
+                table[b, j] = table[b, 0]  # another NaN block (an out-of-range entry would crash the interpreter)
     out = ops.decode_attention(q, case.layout, case.k_pool, case.v_pool, block_table=table, **args)
     assert torch.isfinite(out).all() and _rel_err(out, ref) < ATTN_RTOL
     # 2. a ring: slot s holds ring blocks s * R .. s * R + R - 1, sealed block i at ring.block(s, i)
