@@ -374,7 +374,7 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
                                            case.k_new, case.v_new, f32, f32, f32, f32, had, case.block_table,
                                            case.context_lens, case.slot_ids, pm, pl, pa, K.LOG2E / math.sqrt(128),
                                            case.heads, case.kvh, 64, case.layout.sink_tokens,
-                                           case.block_table.shape[1], gp[2],
+                                           case.block_table.shape[1], gp[2], 0, 0.0,  # no window, no cap
                                            **cfg["partition"]["constexprs"])
     kmod.paged_decode_reduce_kernel[gr](pm, pl, pa, case.context_lens, f32, f32, had, out, case.heads, case.kvh,
                                         gp[2], **cfg["reduce"]["constexprs"])
