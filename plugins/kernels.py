@@ -21,9 +21,10 @@ the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch defin
   it on load (``_load_open``), so one query and one accumulator serve every key.
 * Sliding windows and soft-capping are runtime arguments of both attention kernels (``window``, ``softcap``; 0 =
   none), their code compiled in only under the constexpr flags ``WINDOW`` / ``SOFTCAP`` (the configs' ``window`` /
-  ``softcap``: kernels without them keep their registers, see aot.py): a query at position p sees keys at positions ``> p - window`` only, and every loop of ``_attend_cache``
-  starts at the lowest position the program's queries see, so sealed blocks (and block-table entries) before the
-  window's first block are never loaded -- a window ring's logical table may name overwritten blocks there. A
+  ``softcap``: kernels without them keep their registers, see aot.py): a query at position p sees keys at
+  positions ``> p - window`` only, and every loop of ``_attend_cache`` starts at the lowest position the
+  program's queries see, so sealed blocks (and block-table entries) before the window's first block are never
+  loaded -- a window ring's logical table may name overwritten blocks there. A
   split-K partition wholly before the window writes the empty state (m = -inf, l = 0, acc = 0). ``_softcap``
   caps the natural-scale score, ``cap * tanh(x / cap)``, on the log2-domain scores (tanh from ``exp2``, stable
   for any magnitude) before the causal / window mask, as transformers does.
