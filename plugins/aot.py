@@ -128,7 +128,7 @@ def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
                 k_tail_ptr=f16, v_tail_ptr=f16, k_new_ptr=f16, v_new_ptr=f16,
                 k_static_ptr=f32, k_smooth_ptr=f32, v_static_ptr=f32, v_smooth_ptr=f32,
                 had_ptr=f32, block_table_ptr=i32, context_lens_ptr=i32, cu_seqlens_q_ptr=i32, slot_ids_ptr=i32,
-                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32")
+                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32", softcap="fp32")
 
 
 def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtype: str = "fp16") -> KernelConfig:
@@ -144,8 +144,10 @@ def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtyp
 
 def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dtype: str = "fp16",
                           partition_size: int = C.LIMITS.default_partition,
-                          precision: str = DEFAULT_PRECISION) -> list[KernelConfig]:
-    cfg = _k.decode_config(fmt.k, fmt.v, head_dim, gqa_ratio, partition_size, precision)
+                          precision: str = DEFAULT_PRECISION, windowed: bool = False) -> list[KernelConfig]:
+    """``windowed``: the partition kernel with the sliding window's and soft-cap's code (WINDOW / SOFTCAP), ``.win``."""
+    cfg = _k.decode_config(fmt.k, fmt.v, head_dim, gqa_ratio, partition_size, precision, window=windowed,
+                           softcap=windowed)
     types = _kv_types(fmt.k, fmt.v, q_dtype)
     tag = f"k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{cfg['partition']['constexprs']['BLOCK_H']}.{q_dtype}"
     gp, gr = C.decode_grids(_v("batch"), _v("kv_heads"), _v("max_blocks"), block_size_of(fmt), partition_size,
@@ -153,7 +155,8 @@ def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dt
     pc = cfg["partition"]["constexprs"]
     sig, args = _signature("paged_decode_partition_kernel", types, pc)
     part = KernelConfig("paged_decode_partition_kernel",
-                        f"paged_decode_partition.{tag}.b{block_size_of(fmt)}.p{partition_size}.{precision}",
+                        f"paged_decode_partition.{tag}.b{block_size_of(fmt)}.p{partition_size}.{precision}"
+                        + (".win" if windowed else ""),
                         pc, sig, cfg["partition"]["num_warps"], _grid_text(gp), args)
     rc = cfg["reduce"]["constexprs"]
     vtag = f"v-{_tag(fmt.v)}.d{head_dim}.h{rc['BLOCK_H']}.{q_dtype}.p{partition_size}"
@@ -164,11 +167,12 @@ def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dt
 
 
 def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype: str = "fp16",
-                          precision: str = PREFILL_PRECISION) -> KernelConfig:
-    cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision)
+                          precision: str = PREFILL_PRECISION, windowed: bool = False) -> KernelConfig:
+    cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision, window=windowed, softcap=windowed)
     c = cfg["constexprs"]
     sig, args = _signature("paged_prefill_kernel", _kv_types(fmt.k, fmt.v, q_dtype), c)
-    name = f"paged_prefill.k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{c['BLOCK_H']}.{q_dtype}.{precision}"
+    name = f"paged_prefill.k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{c['BLOCK_H']}.{q_dtype}.{precision}" + (
+        ".win" if windowed else "")
     grid = C.prefill_grid(_v("max_seqlen_q"), _v("kv_heads"), _v("batch"), c["BLOCK_M"], C.SYM_OPS)
     return KernelConfig("paged_prefill_kernel", name, c, sig, cfg["num_warps"], _grid_text(grid), args)
 
@@ -193,9 +197,13 @@ def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, g
 
 
 def lean_configs() -> list[KernelConfig]:
-    """The subset tests/test_kernels_aot.py compiles: every kernel and format at head_dim 128, plus int4 at 64."""
+    """The subset tests/test_kernels_aot.py compiles: every kernel and format at head_dim 128, plus int4 at 64, plus
+    the int4 attention kernels at head_dim 128 with the sliding window's and soft-cap's code (Gemma 2/3, Mistral)."""
     cfgs = kernel_configs(head_dims=(128,), gqa_ratios=(8,))
     cfgs += kernel_configs([PRESETS["int4"]], head_dims=(64,), gqa_ratios=(1,))
+    int4 = PRESETS["int4"]
+    cfgs += decode_kernel_configs(int4, 128, 8, windowed=True)[:1]
+    cfgs += [prefill_kernel_config(int4, 128, 8, windowed=True)]
     seen, out = set(), []
     for c in cfgs:
         if c.name not in seen:

@@ -215,13 +215,15 @@ class PagedCase:
         return t
 
     def reference(self, q: torch.Tensor | None = None, prefill: bool = False, sm_scale: float | None = None,
-                  pools: tuple[KVPool, KVPool] | None = None) -> torch.Tensor:
-        """Float64 attention over the pools (``gather_paged``) followed by this step's rows, on the CPU."""
+                  pools: tuple[KVPool, KVPool] | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """Float64 attention over the pools (``gather_paged``) followed by this step's rows, on the CPU (``window`` /
+        ``softcap``: ``reference.paged_attention_ref``'s)."""
         q = q if q is not None else (self.q_pre if prefill else self.q_dec)
         a = [_cpu(x) for x in self.attn_args(prefill, pools)]
         kpool, vpool = KVPool(a[0], a[1], a[2], a[6]), KVPool(a[3], a[4], a[5], a[7])
         return R.paged_attention_ref(_cpu(q), _cpu(self.cu) if prefill else None, kpool, vpool, a[8], a[9], a[10],
-                                     a[11], a[12], a[13], a[14], _cpu_params(self.kp), _cpu_params(self.vp), sm_scale)
+                                     a[11], a[12], a[13], a[14], _cpu_params(self.kp), _cpu_params(self.vp), sm_scale,
+                                     window, softcap)
 
 
 def _cpu(t):

@@ -19,6 +19,15 @@ the math of ``trtkv.quant`` (see ``trtkv.plugins.reference`` for the torch defin
   Sealed K / V are in the stored channel space (smoothed, rotated, static-scaled); the query is moved into
   it (``_load_query``) and the output out of it (``_store_output``). Open-block and new rows are moved into
   it on load (``_load_open``), so one query and one accumulator serve every key.
+* Sliding windows and soft-capping are runtime arguments of both attention kernels (``window``, ``softcap``; 0 =
+  none), their code compiled in only under the constexpr flags ``WINDOW`` / ``SOFTCAP`` (the configs' ``window`` /
+  ``softcap``: kernels without them keep their registers, see aot.py): a query at position p sees keys at
+  positions ``> p - window`` only, and every loop of ``_attend_cache`` starts at the lowest position the
+  program's queries see, so sealed blocks (and block-table entries) before the window's first block are never
+  loaded -- a window ring's logical table may name overwritten blocks there. A
+  split-K partition wholly before the window writes the empty state (m = -inf, l = 0, acc = 0). ``_softcap``
+  caps the natural-scale score, ``cap * tanh(x / cap)``, on the log2-domain scores (tanh from ``exp2``, stable
+  for any magnitude) before the causal / window mask, as transformers does.
 
 A stored tensor format enters a kernel as constexprs (``format_constexprs``): ``DTYPE`` one of "fp16",
 "int8", "int4", "int3", "int2", "fp8_e4m3"; ``STATIC``; ``SYM``; ``GS`` the dynamic group size (head_dim for per-token);
@@ -450,11 +459,26 @@ def _load_query(q_ptr, qrow, qmask, kvh, smooth_ptr, static_ptr, had_ptr, qk_sca
 
 
 @triton.jit
-def _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC: tl.constexpr):
-    """Scores (base 2) of one key tile, causal on ``qpos``; returns p, the rescale factor and the new state."""
+def _softcap(s, cap):
+    """Soft-capping of base-2 scores ``s = x * log2(e)``: ``cap * tanh(x / cap)`` of the natural-scale score x, back
+    in the log2 domain. tanh without libdevice, stably: tanh(|y|) = (1 - t) / (1 + t) with t = exp(-2 |y|) =
+    exp2(-2 |s| / cap) in (0, 1] (never overflows), the sign restored."""
+    t = tl.exp2(-2.0 * tl.abs(s) / cap)
+    c = (cap * 1.4426950408889634) * ((1.0 - t) / (1.0 + t))
+    return tl.where(s < 0, -c, c)
+
+
+@triton.jit
+def _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window, softcap, PREC: tl.constexpr):
+    """Scores (base 2) of one key tile, soft-capped (``softcap`` > 0), causal on ``qpos`` and, ``window`` > 0, limited
+    to keys at positions ``> qpos - window``; returns p, the rescale factor and the new state."""
     s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC)
     s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=PREC)
+    if softcap > 0:  # on the scaled score, before the mask (transformers' order)
+        s = _softcap(s, softcap)
     ok = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
+    if window > 0:
+        ok = ok & (kpos[None, :] > qpos[:, None] - window)
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, _rmax(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -465,7 +489,7 @@ def _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC: t
 
 
 @triton.jit
-def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
+def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end, window, softcap,
                    bt_row_ptr, kvh, num_kv_heads, block_size,
                    k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
                    HEAD_DIM: tl.constexpr,
@@ -475,7 +499,8 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
                    V_BCH: tl.constexpr, V_OFF: tl.constexpr,
                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the query rows over sealed positions [kv_start, kv_end) (all below
-    ``(context_len // block_size) * block_size``), read from the pool through the block table."""
+    ``(context_len // block_size) * block_size``), read from the pool through the block table: only the entries of
+    the blocks holding those positions are read (with a window, the caller starts at the first one it reaches)."""
     for start in range(kv_start, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
@@ -484,7 +509,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
         row = bh * block_size + kpos % block_size
         k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, bh, kmask,
                                   HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF)
-        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC)
+        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window, softcap, PREC)
         v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, bh, kmask,
                                   HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
@@ -493,7 +518,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
 
 
 @triton.jit
-def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
+def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end, window, softcap,
                  open_start, open_len, tail_row0, new_row0, kvh, num_kv_heads,
                  k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr,
                  k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -516,7 +541,7 @@ def _attend_open(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
         nrow = (new_row0 + (off - open_len)).to(tl.int64) * num_kv_heads + kvh
         k_lo, k_hi = _load_open(k_tail_ptr, k_new_ptr, trow, nrow, tmask, nmask, kvh, k_smooth_ptr, k_static_ptr,
                                 had_ptr, BLOCK_N, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
-        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, PREC)
+        p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window, softcap, PREC)
         v_lo, v_hi = _load_open(v_tail_ptr, v_new_ptr, trow, nrow, tmask, nmask, kvh, v_smooth_ptr, v_static_ptr,
                                 had_ptr, BLOCK_N, HEAD_DIM, V_STATIC, V_SMOOTH, V_HAD, HAD_CHUNK)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
@@ -529,14 +554,20 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
                   k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
                   k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
                   had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  win_lo, window, softcap, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
                   K_BCH: tl.constexpr, K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
                   V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
                   V_BCH: tl.constexpr, V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, PREC: tl.constexpr, OPEN_N: tl.constexpr, HAD_CHUNK: tl.constexpr):
     """Softmax state of ROWS query rows over keys [kv_start, kv_end) of sequence b: the sink rows, the sealed
-    blocks, then the open block and new rows from ``new_row0`` (one code for decode partitions and prefill)."""
+    blocks, then the open block and new rows from ``new_row0`` (one code for decode partitions and prefill).
+
+    Sliding window (``window`` > 0): a row at position p sees keys at positions > p - window; ``win_lo`` is the
+    lowest position any row of the program sees (``max(0, min(qpos) - window + 1)``), and every loop starts there,
+    so sealed blocks below it -- in a window ring, overwritten ones -- are never loaded, nor their table entries.
+    A decode partition wholly below it attends nothing and writes m = -inf, l = 0, acc = 0 (the reduction's
+    neutral element). ``softcap`` > 0: Gemma 2's ``softcap * tanh(score / softcap)`` (``_softcap``)."""
     sealed_end = (ctx // block_size) * block_size
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.full([ROWS], 0.0, tl.float32)
@@ -547,19 +578,19 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
     tail_row0 = (slot * num_kv_heads + kvh) * (block_size + sink_tokens)
     sink_end = tl.where(sealed_end > 0, sink_tokens, 0)  # positions read from the sink rows
     m_i, l_i, acc_lo, acc_hi = _attend_open(
-        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, tl.minimum(kv_end, sink_end),
-        0, sink_end, tail_row0 + block_size, new_row0, kvh, num_kv_heads,
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, win_lo), tl.minimum(kv_end, sink_end),
+        window, softcap, 0, sink_end, tail_row0 + block_size, new_row0, kvh, num_kv_heads,
         k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
         had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
     m_i, l_i, acc_lo, acc_hi = _attend_sealed(
-        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sink_end), tl.minimum(kv_end, sealed_end),
-        bt_row, kvh, num_kv_heads, block_size,
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(tl.maximum(kv_start, sink_end), win_lo),
+        tl.minimum(kv_end, sealed_end), window, softcap, bt_row, kvh, num_kv_heads, block_size,
         k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
         HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
         BLOCK_N, PREC)
     m_i, l_i, acc_lo, acc_hi = _attend_open(
-        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(kv_start, sealed_end), kv_end,
-        sealed_end, ctx - sealed_end, tail_row0, new_row0, kvh, num_kv_heads,
+        q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(tl.maximum(kv_start, sealed_end), win_lo), kv_end,
+        window, softcap, sealed_end, ctx - sealed_end, tail_row0, new_row0, kvh, num_kv_heads,
         k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
         had_ptr, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, V_STATIC, V_SMOOTH, V_HAD, OPEN_N, PREC, HAD_CHUNK)
     return m_i, l_i, acc_lo, acc_hi
@@ -621,6 +652,8 @@ def paged_decode_partition_kernel(
     sink_tokens,
     max_blocks,
     num_partitions,
+    window,  # int: sliding window (keys at positions > query position - window), 0 = none
+    softcap,  # fp32: attention-logit soft-capping (cap * tanh(score / cap)), 0 = none
     HEAD_DIM: tl.constexpr,
     K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr, K_BCH: tl.constexpr,
     K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
@@ -632,10 +665,14 @@ def paged_decode_partition_kernel(
     PREC: tl.constexpr,
     OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    WINDOW: tl.constexpr = False,  # compile the window's code (``window`` may still be 0); False: window ignored
+    SOFTCAP: tl.constexpr = False,  # compile the soft-cap's code; False: softcap ignored
 ):
     """grid = contract.decode_grids(...)[0] = (batch, kv_heads, num_partitions). One program: all query
     heads of one KV head over PARTITION of the context_len + 1 keys (sealed blocks, open block, the new row
-    at position context_len); partitions past them write nothing (the reduction skips them)."""
+    at position context_len); partitions past them write nothing (the reduction skips them). With a window,
+    a partition wholly before ``context_len - window + 1`` loads no key and writes the empty state (m = -inf,
+    l = 0, acc = 0), which the reduction merges as nothing."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -652,12 +689,26 @@ def paged_decode_partition_kernel(
         q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
                                  had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = tl.full([BLOCK_H], 0, tl.int32) + ctx
+        # window / softcap as _attend_cache takes them: the runtime values where the constexpr flags compile their
+        # code in, else the constant 0 (the branches vanish: kernels without them compile as before, no extra
+        # registers); win_lo: the lowest key position a query of this program sees
+        win_lo = ctx * 0
+        if WINDOW:
+            win = window
+            if win > 0:
+                win_lo = tl.maximum(ctx - win + 1, 0)
+        else:
+            win = 0
+        if SOFTCAP:
+            cap = softcap
+        else:
+            cap = 0.0
         m_i, l_i, acc_lo, acc_hi = _attend_cache(
             q_lo, q_hi, qpos, kv_start, kv_end, ctx, b, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
-            BLOCK_H, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
+            win_lo, win, cap, BLOCK_H, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
             V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
@@ -740,6 +791,8 @@ def paged_prefill_kernel(
     block_size,
     sink_tokens,
     max_blocks,
+    window,  # int: sliding window (keys at positions > query position - window), 0 = none
+    softcap,  # fp32: attention-logit soft-capping (cap * tanh(score / cap)), 0 = none
     HEAD_DIM: tl.constexpr,
     K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr, K_BCH: tl.constexpr,
     K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
@@ -751,11 +804,13 @@ def paged_prefill_kernel(
     PREC: tl.constexpr,
     OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    WINDOW: tl.constexpr = False,  # as for paged_decode_partition_kernel
+    SOFTCAP: tl.constexpr = False,
 ):
     """grid = contract.prefill_grid(max_seqlen_q, kv_heads, batch, BLOCK_M). Rows of a program are (token,
     head) pairs: BLOCK_M query tokens x the BLOCK_H heads sharing one KV head (GQA reads K/V once). New
     token t of sequence b sits at position context_len + t and sees the sealed blocks, the open block and
-    new rows 0 .. t."""
+    new rows 0 .. t (with a window, only those at positions > context_len + t - window)."""
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -775,12 +830,27 @@ def paged_prefill_kernel(
                                  M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = ctx + tok
         kv_end = ctx + tl.minimum(num_new, m0 + BLOCK_M)
+        # window / softcap as _attend_cache takes them: the runtime values where the constexpr flags compile their
+        # code in, else the constant 0 (the branches vanish: kernels without them compile as before, no extra
+        # registers); win_lo: the lowest key position a query of this program sees (the
+        # first query token's, at position ctx + m0)
+        win_lo = ctx * 0
+        if WINDOW:
+            win = window
+            if win > 0:
+                win_lo = tl.maximum(ctx + m0 - win + 1, 0)
+        else:
+            win = 0
+        if SOFTCAP:
+            cap = softcap
+        else:
+            cap = 0.0
         m_i, l_i, acc_lo, acc_hi = _attend_cache(
             q_lo, q_hi, qpos, 0, kv_end, ctx, q_begin, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
-            M, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
+            win_lo, win, cap, M, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
             V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
@@ -850,8 +920,10 @@ DEFAULT_PARTITION = _C.LIMITS.default_partition
 
 
 def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size: int = DEFAULT_PARTITION,
-                  precision: str = "ieee", interpret: bool = False) -> dict:
-    """Constexprs of the two decode kernels (``partition_size``: contract.LIMITS)."""
+                  precision: str = "ieee", interpret: bool = False, window: bool = False,
+                  softcap: bool = False) -> dict:
+    """Constexprs of the two decode kernels (``partition_size``: contract.LIMITS); ``window`` / ``softcap``: compile
+    the sliding window's / soft-cap's code (the WINDOW / SOFTCAP flags; their values are runtime arguments)."""
     kv = _kv_constexprs(k_spec, v_spec, head_dim)
     block_h = max(16, next_pow2(gqa_ratio))
     block_n = 64 if (interpret or head_dim <= 64) else 32
@@ -865,15 +937,16 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     # HAD_CHUNK 16: the query fold and the open rows' rotation hold [16, head_dim] slices of H (32 spills at
     # head_dim 128 when K and V are both rotated, sm_90)
     part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=16,
-                OPEN_N=16)
+                OPEN_N=16, WINDOW=bool(window), SOFTCAP=bool(softcap))
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
     return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
 
 
 def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str = "ieee",
-                   interpret: bool = False) -> dict:
-    """Constexprs of the prefill kernel. Rows of a program = BLOCK_M tokens x BLOCK_H heads (>= 16).
+                   interpret: bool = False, window: bool = False, softcap: bool = False) -> dict:
+    """Constexprs of the prefill kernel (``window`` / ``softcap`` as for ``decode_config``). Rows of a program =
+    BLOCK_M tokens x BLOCK_H heads (>= 16).
 
     Tile sizes keep ptxas from spilling on sm_80 / sm_90 (see plugins/aot.py): "tf32" dots take 64 rows,
     "tf32x3" / "ieee" (3x the operand registers) 16 rows."""
@@ -886,7 +959,8 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
     else:
         rows, block_n, warps = 16, 32, 4
     block_m = max(1, rows // block_h, 16 // block_h)
-    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32, OPEN_N=16)
+    kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32, OPEN_N=16,
+              WINDOW=bool(window), SOFTCAP=bool(softcap))
     return {"constexprs": kv, "num_warps": warps}
 
 

@@ -9,11 +9,13 @@ Custom ops (importing this module registers them); the cache contract is docs/kv
     torch.ops.trtkv.paged_decode_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
                                            k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt,
                                            k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
-                                           sm_scale=None, partition_size=512, precision="auto")
+                                           sm_scale=None, partition_size=512, precision="auto", window=0,
+                                           softcap=0.0)
         -> Tensor[batch, heads, head_dim]
     torch.ops.trtkv.paged_prefill_attention(q, cu_seqlens_q, k_data, ..., v_zero, k_tail, v_tail, k_new, v_new,
                                             block_table, context_lens, slot_ids, k_fmt, v_fmt, ...,
-                                            sm_scale=None, max_seqlen_q=None, precision="auto")
+                                            sm_scale=None, max_seqlen_q=None, precision="auto", window=0,
+                                            softcap=0.0)
         -> Tensor[total_q, heads, head_dim]
 
 Attention of new token ``t`` of sequence ``b`` (position ``context_lens[b] + t``) covers the
@@ -21,6 +23,12 @@ Attention of new token ``t`` of sequence ``b`` (position ``context_lens[b] + t``
 ``context_lens[b] % block_size`` rows in ``k_tail / v_tail[slot_ids[b]]`` (fp16) and this step's rows
 ``k_new / v_new`` 0 .. t (rounded to fp16; decode: row b, prefill: rows ``cu[b] ..``). Nothing is written:
 the runtime stores the new rows in the open block afterwards and seals it when it is full.
+
+``window`` > 0 (a sliding-window layer): a query at position p sees only keys at positions ``> p - window``
+(transformers' rule); the kernels start at the first sealed block the window reaches and never read the
+block-table entries or pool blocks before it, so a window ring's table (``WindowRing.block``) may stand there.
+``softcap`` > 0 (Gemma 2): scores become ``softcap * tanh(score / softcap)`` after the ``sm_scale`` and before
+the mask. Both default to 0 (none).
 
 The custom ops take formats as ``TensorFormat.short()`` spec strings (``"int4:bchannel:asym"``: a torch op schema
 carries no objects), the launchers ``TensorFormat`` objects (a string is parsed once, ``contract.as_tensor_format``).
@@ -130,6 +138,18 @@ def check_block_size(block_size: int) -> None:
     if problem:
         raise TrtkvError(f"the Triton KV kernels take a block_size that {problem}; got {block_size}",
                          "use a supported cache block size")
+
+
+def _window_softcap(window, softcap) -> tuple[int, float]:
+    """A sliding window (keys at positions ``> query position - window``, transformers' rule; 0 or None: none) and an
+    attention-logit soft-cap (``softcap * tanh(score / softcap)`` on the scaled scores, before the mask; 0 or None:
+    none), checked."""
+    window, softcap = int(window or 0), float(softcap or 0.0)
+    if window < 0 or window >= 2**31:
+        raise TrtkvError(f"window must be 0 (none) or a positive int32, got {window}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise TrtkvError(f"softcap must be 0 (none) or a finite positive number, got {softcap}")
+    return window, softcap
 
 
 def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -261,8 +281,11 @@ def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v
 def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                         block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None,
                         v_static_scale=None, v_smooth=None, sm_scale=None, partition_size: int = DEFAULT_PARTITION,
-                        precision: str = "auto", interpret: bool | None = None) -> torch.Tensor:
-    """Split-K decode attention of one new token per sequence: q [batch, heads, head_dim] -> same (q's dtype)."""
+                        precision: str = "auto", interpret: bool | None = None, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """Split-K decode attention of one new token per sequence: q [batch, heads, head_dim] -> same (q's dtype).
+    ``window`` > 0: keys at positions > position - window only; ``softcap`` > 0: scores capped (``_window_softcap``)."""
+    window, softcap = _window_softcap(window, softcap)
     batch, heads, head_dim = q.shape
     A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
                       context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
@@ -272,7 +295,7 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
         raise TrtkvError(f"partition_size {partition_size} {problem}")
     max_blocks = block_table.shape[1]
     cfg = kern.decode_config(A.kf, A.vf, head_dim, heads // kvh, partition_size,
-                             _precision(precision, interpret, DECODE_PRECISION), interpret)
+                             _precision(precision, interpret, DECODE_PRECISION), interpret, window > 0, softcap > 0)
     grid_p, grid_r = C.decode_grids(batch, kvh, max_blocks, block_size, partition_size)
     nparts = grid_p[2]
     out = torch.empty_like(q)
@@ -287,8 +310,8 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
     kmod.paged_decode_partition_kernel[grid_p](
         q_ptr=q.contiguous(), **t, part_m_ptr=part_m, part_l_ptr=part_l,
         part_acc_ptr=part_acc, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh,
-        block_size=block_size, sink_tokens=A.sink, max_blocks=max_blocks, num_partitions=nparts,
-        **cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
+        block_size=block_size, sink_tokens=A.sink, max_blocks=max_blocks, num_partitions=nparts, window=window,
+        softcap=softcap, **cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
     kmod.paged_decode_reduce_kernel[grid_r](
         part_m, part_l, part_acc, t["context_lens_ptr"], t["v_static_ptr"], t["v_smooth_ptr"],
         t["had_ptr"], out, heads, kvh, nparts, **cfg["reduce"]["constexprs"], num_warps=cfg["reduce"]["num_warps"])
@@ -298,8 +321,11 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
 def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
                          v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None,
                          v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q: int | None = None,
-                         precision: str = "auto", interpret: bool | None = None) -> torch.Tensor:
-    """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype)."""
+                         precision: str = "auto", interpret: bool | None = None, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype); ``window`` /
+    ``softcap`` as for ``launch_paged_decode``."""
+    window, softcap = _window_softcap(window, softcap)
     total_q, heads, head_dim = q.shape
     A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
                       context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
@@ -312,14 +338,15 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync; pass it to avoid
     cfg = kern.prefill_config(A.kf, A.vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
-                              interpret)
+                              interpret, window > 0, softcap > 0)
     grid = C.prefill_grid(max(max_seqlen_q, 1), kvh, batch, cfg["constexprs"]["BLOCK_M"])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     kmod = kern.load_kernels(interpret)
     kmod.paged_prefill_kernel[grid](
         q_ptr=q.contiguous(), cu_seqlens_q_ptr=cu_seqlens_q, **t,
         out_ptr=out, qk_scale=scale * kern.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=block_size,
-        sink_tokens=A.sink, max_blocks=block_table.shape[1], **cfg["constexprs"], num_warps=cfg["num_warps"])
+        sink_tokens=A.sink, max_blocks=block_table.shape[1], window=window, softcap=softcap, **cfg["constexprs"],
+        num_warps=cfg["num_warps"])
     return out
 
 
@@ -351,11 +378,12 @@ def _ref_params(static_scale, smooth) -> TensorParams:
 
 def _ref_attention(q, cu, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                    block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale,
-                   v_smooth, sm_scale):
+                   v_smooth, sm_scale, window=0, softcap=0.0):
     kp, vp = KVPool(k_data, k_scale, k_zero, k_tail), KVPool(v_data, v_scale, v_zero, v_tail)
+    window, softcap = _window_softcap(window, softcap)
     return _ref.paged_attention_ref(q, cu, kp, vp, k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt,
                                     _ref_params(k_static_scale, k_smooth), _ref_params(v_static_scale, v_smooth),
-                                    sm_scale)
+                                    sm_scale, window, softcap)
 
 
 @torch.library.custom_op("trtkv::paged_decode_attention", mutates_args=())
@@ -363,21 +391,22 @@ def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, 
                            k_tail: T, v_tail: T, k_new: T, v_new: T, block_table: T, context_lens: T, slot_ids: T,
                            k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
                            v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
-                           partition_size: int = DEFAULT_PARTITION, precision: str = "auto") -> T:
+                           partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
+                           softcap: float = 0.0) -> T:
     if q.is_cuda or interpret_requested():
         return launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                                    block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
                                    v_static_scale, v_smooth, sm_scale, partition_size, precision,
-                                   interpret=not q.is_cuda)
+                                   interpret=not q.is_cuda, window=window, softcap=softcap)
     return _ref_attention(q, None, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                           block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
-                          v_static_scale, v_smooth, sm_scale)
+                          v_static_scale, v_smooth, sm_scale, window, softcap)
 
 
 @paged_decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table, context_lens,
       slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
-      partition_size=DEFAULT_PARTITION, precision="auto"):
+      partition_size=DEFAULT_PARTITION, precision="auto", window=0, softcap=0.0):
     return torch.empty_like(q)
 
 
@@ -386,21 +415,22 @@ def paged_prefill_attention(q: T, cu_seqlens_q: T, k_data: T, k_scale: OT, k_zer
                             v_zero: OT, k_tail: T, v_tail: T, k_new: T, v_new: T, block_table: T, context_lens: T,
                             slot_ids: T, k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
                             v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
-                            max_seqlen_q: Optional[int] = None, precision: str = "auto") -> T:
+                            max_seqlen_q: Optional[int] = None, precision: str = "auto", window: int = 0,
+                            softcap: float = 0.0) -> T:
     if q.is_cuda or interpret_requested():
         return launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
                                     k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale,
                                     k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision,
-                                    interpret=not q.is_cuda)
+                                    interpret=not q.is_cuda, window=window, softcap=softcap)
     return _ref_attention(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
                           v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
-                          v_static_scale, v_smooth, sm_scale)
+                          v_static_scale, v_smooth, sm_scale, window, softcap)
 
 
 @paged_prefill_attention.register_fake
 def _(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
       context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
-      sm_scale=None, max_seqlen_q=None, precision="auto"):
+      sm_scale=None, max_seqlen_q=None, precision="auto", window=0, softcap=0.0):
     return torch.empty_like(q)
 
 
@@ -431,21 +461,28 @@ def decode_attention(q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: 
                      k_new: torch.Tensor, v_new: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                      slot_ids: torch.Tensor, k_params: TensorParams | None = None,
                      v_params: TensorParams | None = None, sm_scale: float | None = None,
-                     partition_size: int = DEFAULT_PARTITION, precision: str = "auto") -> torch.Tensor:
+                     partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """``paged_decode_attention`` on trtkv objects. A sliding layer (``window``) may pass a block table whose column
+    ``j`` is where the sequence's sealed block ``j`` lives only from its window's first block on
+    (``cache_layout.first_window_block``): a window ring's (``WindowRing.block``); earlier entries are never read."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
     return torch.ops.trtkv.paged_decode_attention(
         q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids, fmt.k.short(),
         fmt.v.short(), _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"), _p(v_params, "smooth"),
-        sm_scale, partition_size, precision)
+        sm_scale, partition_size, precision, int(window or 0), float(softcap or 0.0))
 
 
 def prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: KVPool,
                       v_pool: KVPool, k_new: torch.Tensor, v_new: torch.Tensor, block_table: torch.Tensor,
                       context_lens: torch.Tensor, slot_ids: torch.Tensor, k_params: TensorParams | None = None,
                       v_params: TensorParams | None = None, sm_scale: float | None = None,
-                      max_seqlen_q: int | None = None, precision: str = "auto") -> torch.Tensor:
+                      max_seqlen_q: int | None = None, precision: str = "auto", window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
+    """``paged_prefill_attention`` on trtkv objects (``window``, ``softcap`` and ringed block tables as for
+    ``decode_attention``)."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
     return torch.ops.trtkv.paged_prefill_attention(
         q, cu_seqlens_q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids,
         fmt.k.short(), fmt.v.short(), _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"),
-        _p(v_params, "smooth"), sm_scale, max_seqlen_q, precision)
+        _p(v_params, "smooth"), sm_scale, max_seqlen_q, precision, int(window or 0), float(softcap or 0.0))

@@ -81,6 +81,8 @@ def paged_attention_ref(
     k_params: TensorParams | None = None,
     v_params: TensorParams | None = None,
     sm_scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of this step's queries over the cache (sealed pool blocks + open block) and the step's own
     rows, float64 math on the float32-dequantized cache.
@@ -91,6 +93,11 @@ def paged_attention_ref(
     per sequence at position ``context_lens[b]``. Prefill: q / k_new / v_new [total, ...]; sequence b's rows
     ``cu[b] .. cu[b+1]-1`` are positions ``context_lens[b] ..`` (causal). New rows are rounded to fp16 (what
     the open block will hold). Output in q's dtype.
+
+    ``window`` > 0: a query at position p attends only to keys at positions ``> p - window`` (transformers'
+    sliding window); cached positions below the step's first query's window are dropped before any product (so
+    whatever the pool holds there -- a window ring's overwritten blocks, NaN -- never enters). ``softcap`` > 0:
+    scores ``s * sm_scale`` become ``softcap * tanh(s * sm_scale / softcap)`` before the mask (Gemma 2).
     """
     kf, vf = as_tensor_format(k_fmt), as_tensor_format(v_fmt)
     head_dim = q.shape[-1]
@@ -111,12 +118,18 @@ def paged_attention_ref(
                        k_new[rows].half().double()])  # [ctx + n, kvh, D]
         v = torch.cat([cached_sequence(layout, "v", v_pool, block_table[b], ctx, slot, v_params).double(),
                        v_new[rows].half().double()])
-        k = k.repeat_interleave(ratio, dim=1)
-        v = v.repeat_interleave(ratio, dim=1)
-        s = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [heads, n, ctx + n]
+        lo = max(0, ctx - window + 1) if window > 0 else 0  # the lowest key position any query of the step sees
+        k = k[lo:].repeat_interleave(ratio, dim=1)
+        v = v[lo:].repeat_interleave(ratio, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [heads, n, ctx + n - lo]
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
         qpos = torch.arange(ctx, ctx + n).view(1, n, 1)
-        kpos = torch.arange(ctx + n).view(1, 1, ctx + n)
-        s = s.masked_fill(kpos > qpos, float("-inf"))
+        kpos = torch.arange(lo, ctx + n).view(1, 1, ctx + n - lo)
+        hidden = kpos > qpos
+        if window > 0:
+            hidden = hidden | (kpos <= qpos - window)
+        s = s.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
     return out.to(q.dtype)
 

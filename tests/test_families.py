@@ -298,23 +298,46 @@ def test_sliding_window_needs_native_attention(family, tmp_path):
     assert "--attention native" in e.value.fix
 
 
-def test_torch_engine_kernels_refuse_windows_and_soft_capping(family):
-    """The kernels have no window start or soft-cap: ``auto`` picks the torch ops for such models (on CUDA too), and
-    ``attention="kernels"`` fails at the first local / capped layer, naming it, instead of attending the whole context."""
-    from trtkv.cache_layout import PagedKVLayout
+@pytest.mark.slow
+@pytest.mark.parametrize("name,window", [("gemma2", WINDOW), ("mistral-sw", 20)])
+def test_torch_engine_kernels_take_windows_and_soft_capping(tiny_models, monkeypatch, name, window):
+    """The kernels implement sliding windows and soft-capping: ``kernels_lack`` names neither (``auto`` takes the
+    kernels for such models on CUDA), and ``attention="kernels"`` (the Triton kernels, here under the interpreter)
+    gives the torch ops' logits on Gemma 2 (window 8, smaller than a block; attention and final soft-caps) and
+    Mistral (window 20: block-unaligned, every layer sliding), int4 with sink rows, two sequences past several window
+    lengths, over a cache keeping every block and over a window ring that wraps (the kernels read it through the
+    logical block table). Tolerance: test_torch_engine's kernel-vs-torch 1e-4."""
+    from trtkv.cache_layout import PagedKVLayout, WindowRing
     from trtkv.runtime.torch_engine import kernels_lack
-    from trtkv.runtime.verify import greedy_decode
+    from trtkv.runtime.verify import StaticBatch
 
-    assert kernels_lack(family("qwen3")[1].config) is None
-    for name, what in (("mistral-sw", "sliding-window layers (window 8)"), ("gemma2", "soft-capping")):
-        model = load_model(str(family(name)[0]), device="cpu", dtype="float32").model
-        assert what in kernels_lack(model.config)
-        assert TorchEngine(model, attention="auto", device="cpu").attention == "torch"
-        [fmt], _ = fit_formats(["fp16"], model.config.head_dim)
-        lay = PagedKVLayout(fmt.with_block_size(16), model.config.num_key_value_heads, model.config.head_dim, 16, 4, 1)
-        with pytest.raises(TrtkvError, match="sliding window .* or soft-capping .* the kernels have neither") as e:
-            greedy_decode(TorchEngine(model, attention="kernels", device="cpu"), PagedKVCache(lay, model.config.num_hidden_layers), [[1, 2, 3]], 2)
-        assert "attention='torch'" in e.value.fix
+    arch, kw = FAMILIES[name]
+    d, _ = tiny_models(arch, with_tokenizer=True, **{**kw, "head_dim": 32, "sliding_window": window})  # head_dim the kernels take
+    info = model_info(str(d))
+    model = load_model(str(d), device="cpu", dtype="float32").model
+    assert kernels_lack(model.config) is None and info.sliding_window == window
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    [fmt], _ = fit_formats(["int4"], 32)
+    bs = 16  # the kernels' smallest block
+    prompts = [list(range(3, 40)), list(range(50, 63))]  # 37 and 13 tokens, then 12 decode steps: up to 49
+
+    def run(engine, ring):
+        lay = PagedKVLayout(fmt.with_block_size(bs), info.num_kv_heads, 32, bs, 8, 2)
+        cache = PagedKVCache(lay, info.num_layers, ring=WindowRing.of(info, bs) if ring else None)
+        assert (cache.ring is not None) == ring
+        assert not ring or (37 + 12) // bs > cache.ring.ring_blocks  # the ring wraps: blocks before the window are gone
+        sb = StaticBatch(cache, len(prompts))
+        steps = [sb.prefill(engine, prompts)]
+        for _ in range(12):
+            nxt = steps[-1].argmax(-1)
+            steps.append(sb.step(engine, {i: [int(nxt[i])] for i in range(len(prompts))}))
+        return torch.stack(steps, 1)
+
+    kern = TorchEngine(model, attention="kernels", device="cpu")
+    tor = TorchEngine(model, attention="torch", device="cpu")
+    for ring in (True, False):
+        want, got = run(tor, ring), run(kern, ring)
+        assert (got - want).abs().max().item() < 1e-4, ring
 
 
 # --------------------------------------------------------------------------- plan

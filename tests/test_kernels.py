@@ -374,7 +374,7 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
                                            case.k_new, case.v_new, f32, f32, f32, f32, had, case.block_table,
                                            case.context_lens, case.slot_ids, pm, pl, pa, K.LOG2E / math.sqrt(128),
                                            case.heads, case.kvh, 64, case.layout.sink_tokens,
-                                           case.block_table.shape[1], gp[2],
+                                           case.block_table.shape[1], gp[2], 0, 0.0,  # no window, no cap
                                            **cfg["partition"]["constexprs"])
     kmod.paged_decode_reduce_kernel[gr](pm, pl, pa, case.context_lens, f32, f32, had, out, case.heads, case.kvh,
                                         gp[2], **cfg["reduce"]["constexprs"])
@@ -435,6 +435,119 @@ def test_prefill_garbage_bit_for_bit_and_padding_rows():
     a[8], a[9] = kp, vp
     out = ops.launch_paged_prefill(qp, padded_cu, *a, interpret=True)
     assert _rel_err(out[dest], dirty[idx]) < ATTN_RTOL
+
+
+# ------------------------------------------------------------------------------------------------
+# sliding windows and soft-capping (Gemma 2/3, Mistral / Qwen2 sliding_window)
+# ------------------------------------------------------------------------------------------------
+
+# (format, head_dim, gqa ratio, partition, kv heads, contexts, [(window, softcap), ...]): windows smaller than a
+# block, block-unaligned ones, one past every context; soft-caps with and without a window; sink rows (the int4
+# preset, sink=3); partitions of 16 at blocks of 16, so many partitions lie wholly before the window
+WINDOW_DECODE_CASES = [
+    ("int4", 64, 3, 64, 2, [0, 1, 5, 63, 64, 65, 130, 201, 257], [(37, 0.0), (100, 30.0), (1000, 0.0), (0, 5.0)]),
+    ("k=int8:bchannel:sym,v=int4:g32:asym:hadamard,block=16,sink=3", 64, 1, 16, 2, [2, 16, 17, 47, 81],
+     [(5, 0.0), (21, 2.0)]),
+]
+
+
+def _flip_check(ref, base, window, softcap, ctxs, new=None):
+    """The case exercises the feature: the reference with it differs from the plain one (unless the window covers
+    every context and there is no cap)."""
+    if softcap or any(c + n > window for c, n in zip(ctxs, new or [1] * len(ctxs))) and window:
+        assert _rel_err(ref, base) > 1e-2
+
+
+@pytest.mark.parametrize("fmt,d,ratio,part,kvh,ctxs,settings", WINDOW_DECODE_CASES,
+                         ids=[f"{c[0]}-p{c[3]}" for c in WINDOW_DECODE_CASES])
+def test_decode_window_and_softcap_match_reference(fmt, d, ratio, part, kvh, ctxs, settings):
+    case = _case(get_format(fmt), d, ratio, ctxs, kvh=kvh, seed=d + len(ctxs))
+    q = torch.randn(len(ctxs), case.heads, d, generator=case.gen) * 2  # large scores: the cap bites
+    base = case.reference(q)
+    for window, softcap in settings:
+        ref = case.reference(q, window=window, softcap=softcap)
+        _flip_check(ref, base, window, softcap, ctxs)
+        out = _decode(case, q, partition_size=part, window=window, softcap=softcap)
+        assert _rel_err(out, ref) < ATTN_RTOL, (window, softcap)
+
+
+WINDOW_PREFILL_CASES = [
+    ("k=int4:bchannel:asym,v=int8:token:asym,block=16,sink=2", 64, 2, 2, [0, 0, 1, 15, 16, 37, 48],
+     [16, 3, 15, 1, 16, 11, 2], [(7, 0.0), (20, 10.0), (500, 0.0), (0, 3.0)]),
+    ("int4", 64, 3, 1, [0, 66, 130], [64, 62, 5], [(45, 4.0)]),  # the preset: sinks, Hadamard V, blocks of 64
+]
+
+
+@pytest.mark.parametrize("fmt,d,ratio,kvh,ctxs,new,settings", WINDOW_PREFILL_CASES,
+                         ids=[c[0] for c in WINDOW_PREFILL_CASES])
+def test_prefill_window_and_softcap_match_reference(fmt, d, ratio, kvh, ctxs, new, settings):
+    case = _case(get_format(fmt), d, ratio, ctxs, new=new, kvh=kvh, seed=d * ratio + 1)
+    q = torch.randn(int(case.cu[-1]), case.heads, d, generator=case.gen) * 2
+    base = case.reference(q, prefill=True)
+    for window, softcap in settings:
+        ref = case.reference(q, prefill=True, window=window, softcap=softcap)
+        _flip_check(ref, base, window, softcap, ctxs, new)
+        out = _prefill(case, q, window=window, softcap=softcap)
+        assert _rel_err(out, ref) < ATTN_RTOL, (window, softcap)
+
+
+def test_window_never_reads_blocks_before_it(monkeypatch):
+    """Decode through ``ops.decode_attention`` (the custom op, interpreter): sealed blocks wholly before the window
+    hold NaN scales and 0xFF codes, their block-table entries name such blocks -- the output is the windowed
+    reference's on the clean cache; and a window ring: each slot's blocks written in order into
+    ``WindowRing.block(slot, i)`` (older blocks overwritten), read through the logical table."""
+    from trtkv.cache_layout import KVPool, WindowRing, first_window_block
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fmt, window, bs = get_format("k=int4:bchannel:asym,v=int8:token:sym,block=16,sink=2"), 27, 16
+    ctxs = [150, 77, 20, 33]
+    case = _case(fmt, 64, 2, ctxs, seed=5)
+    q = torch.randn(len(ctxs), case.heads, 64, generator=case.gen)
+    ref = case.reference(q, window=window, softcap=3.0)
+    assert _rel_err(ref, case.reference(q, softcap=3.0)) > 1e-2
+    args = dict(k_new=case.k_new, v_new=case.v_new, context_lens=case.context_lens, slot_ids=case.slot_ids,
+                k_params=case.kp, v_params=case.vp, partition_size=32, window=window, softcap=3.0)
+    # 1. NaN blocks / bad entries before the window
+    table = case.block_table.clone()
+    for b, c in enumerate(ctxs):
+        first = first_window_block(c, window, bs)
+        for j in range(first):
+            blk = int(table[b, j])
+            for pool in (case.k_pool, case.v_pool):
+                pool.data[blk] = pool.data[blk].view(torch.uint8).fill_(0xFF).view(pool.data.dtype)
+                for t in (pool.scale, pool.zero):
+                    if t is not None:
+                        t[blk] = float("nan")
+            if j % 2:
+                table[b, j] = table[b, 0]  # another NaN block (an out-of-range entry would crash the interpreter)
+    out = ops.decode_attention(q, case.layout, case.k_pool, case.v_pool, block_table=table, **args)
+    assert torch.isfinite(out).all() and _rel_err(out, ref) < ATTN_RTOL
+    # 2. a ring: slot s holds ring blocks s * R .. s * R + R - 1, sealed block i at ring.block(s, i)
+    case = _case(fmt, 64, 2, ctxs, seed=5)  # the clean cache again
+    ring = WindowRing((0,), window, bs)
+    R = ring.ring_blocks
+    assert R < max(c // bs for c in ctxs)  # the ring wraps
+    nslots = int(case.slot_ids.max()) + 1
+    pools = []
+    for pool in (case.k_pool, case.v_pool):
+        rp = KVPool(*(None if t is None else torch.full((nslots * R, *t.shape[1:]), float("nan"), dtype=t.dtype)
+                      if t.dtype == torch.float16 else torch.zeros((nslots * R, *t.shape[1:]), dtype=t.dtype)
+                      for t in (pool.data, pool.scale, pool.zero)), pool.tail)
+        for b, c in enumerate(ctxs):
+            for i in range(c // bs):  # in sealing order: block i overwrites block i - R
+                dst, src = int(ring.block(int(case.slot_ids[b]), i)), int(case.block_table[b, i])
+                for t, u in zip((rp.data, rp.scale, rp.zero), (pool.data, pool.scale, pool.zero)):
+                    if t is not None:
+                        t[dst] = u[src]
+        pools.append(rp)
+    logical = ring.block(case.slot_ids[:, None].long(), torch.arange(case.block_table.shape[1])[None, :]).int()
+    out = ops.decode_attention(q, case.layout, pools[0], pools[1], block_table=logical, **args)
+    assert torch.isfinite(out).all() and _rel_err(out, ref) < ATTN_RTOL
+    # and the prefill kernel over the ring, one new token each (= decode)
+    cu = torch.arange(len(ctxs) + 1, dtype=torch.int32)
+    pre = ops.prefill_attention(q, cu, case.layout, pools[0], pools[1], block_table=logical,
+                                **{k: v for k, v in args.items() if k != "partition_size"})
+    assert _rel_err(pre, ref) < ATTN_RTOL
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of every plugin kernel configuration for sm_80 and sm_90, on CPU.
 
 Compiles ``trtkv.plugins.aot.lean_configs()`` (every kernel and preset format at head_dim 128, plus the
-int4 preset at head_dim 64) with triton's compiler for ``GPUTarget("cuda", 80|90, 32)`` and reads the
+int4 preset at head_dim 64, plus its decode / prefill kernels with the sliding window's and soft-cap's code) with triton's compiler for ``GPUTarget("cuda", 80|90, 32)`` and reads the
 ptxas resource usage. A configuration spilling more than ``aot.SPILL_LIMIT_BYTES`` fails: spills on a
 memory-bound decode kernel mean local-memory traffic in the inner loop. The full table (both head dims,
 all GQA buckets) is ``python -m trtkv.plugins.aot --out DIR``. Compiled kernels are cached in the

@@ -205,7 +205,7 @@ class PreparedDecode:
         common = dict(q_ptr=q.contiguous(),
                       part_m_ptr=self.part_m, part_l_ptr=self.part_l, part_acc_ptr=self.part_acc, out_ptr=self.out,
                       qk_scale=(1.0 / math.sqrt(d)) * K.LOG2E, num_heads=heads, num_kv_heads=kvh, block_size=bs,
-                      sink_tokens=A.sink, max_blocks=bt.shape[1], num_partitions=S, **t)
+                      sink_tokens=A.sink, max_blocks=bt.shape[1], num_partitions=S, window=0, softcap=0.0, **t)
         self._p_args = {n: common[n] for n in self._part.arg_names if n in common}
         self._p_args.update(cfg["partition"]["constexprs"], num_warps=cfg["partition"]["num_warps"])
         self._r_args = {n: common[n] for n in self._red.arg_names if n in common}

@@ -46,6 +46,10 @@ def _qk_scale(a: Attrs) -> float:
     return float(a["sm_scale"]) * LOG2E
 
 
+# the attention kernels' sliding window / soft-cap: the ONNX ops carry neither (a windowed or soft-capped model
+# runs the torch engine), so the plugins compile them in as 0 = none and the branches vanish
+_NO_WINDOW = dict(window=0, softcap=0.0)
+
 _POOL_PARAMS = {f"{w}_{p}_ptr": f"{w}_{p}" for w in "kv" for p in ("data", "scale", "zero", "tail", "new")}
 _CONST_PARAMS = dict(k_static_ptr="k_static", k_smooth_ptr="k_smooth", v_static_ptr="v_static",
                      v_smooth_ptr="v_smooth", had_ptr="hadamard")
@@ -69,7 +73,7 @@ BINDINGS: dict[str, Binding] = {
                     part_m_ptr="part_m", part_l_ptr="part_l", part_acc_ptr="part_acc"),
         scalars=("max_blocks", "num_partitions"),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"], sink_tokens=a["sink_tokens"]),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW),
         grid=lambda a, s, c, ops: decode_grids(s["block_tables"][0], a["num_kv_heads"], s["block_tables"][1],
                                                a["block_size"], a["partition_size"], ops)[0],
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1], num_partitions(s["block_tables"][1], a, ops)),
@@ -92,7 +96,7 @@ BINDINGS: dict[str, Binding] = {
                     out_ptr="out"),
         scalars=("max_blocks",),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"], sink_tokens=a["sink_tokens"]),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW),
         # any query count bounds one sequence's: programs past a sequence's queries exit at once
         grid=lambda a, s, c, ops: prefill_grid(s["q"][0], a["num_kv_heads"], s["context_lens"][0], c["BLOCK_M"], ops),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1],),

@@ -22,10 +22,12 @@ calls ``paged_attention`` with the query, key and value after RoPE (``[B, heads,
 Logits are taken at each sequence's last valid token (``new_lens - 1``) only. Compute dtype is the
 model's (float32 on CPU). Supported: decoder-only families whose attention calls the registry with
 ``module.layer_idx`` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM2 ...). A local layer's window and Gemma 2's
-soft-capping arrive as the call's ``sliding_window`` / ``softcap``: the torch ops mask and cap; the kernels have
-neither, so such models run the torch ops. In a cache with a window ring (``trtkv.cache_layout.WindowRing``, the
-runtime's default for such models) a local layer reads only the ring blocks its window still covers, through a view
-of the step (``_ring_view``) whose block table is the ring's; otherwise it reads every sealed block, masked.
+soft-capping arrive as the call's ``sliding_window`` / ``softcap``: the torch ops mask and cap, and so do the kernels
+(their ``window`` / ``softcap`` arguments), which start at the first sealed block the window reaches. In a cache with a
+window ring (``trtkv.cache_layout.WindowRing``, the runtime's default for such models) a local layer reads only the
+ring blocks its window still covers: the torch ops through a view of the step (``_ring_view``) whose block table is
+the ring's, the kernels through a logical block table whose column ``j`` is the ring block of sealed block ``j``
+(``_ring_table``); otherwise a local layer reads the block tables' pool, the window masked.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class _Step:
     # None: true for every sequence (the block tables start at block 0)
     sink_ok: torch.Tensor | None = None
     ring: "_Step | None" = None  # the view of this step the ringed (sliding) layers read, built once per step
+    ring_table: torch.Tensor | None = None  # kernels: the ringed layers' logical block table (``_ring_table``)
 
 
 class TorchEngine(Engine):
@@ -100,7 +103,7 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.manifest = manifest
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if attention == "auto":  # the kernels have no window start or soft-capping: such models take the torch ops
+        if attention == "auto":  # the kernels where they implement the model's attention and the engine's format, on CUDA
             attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config, manifest) else "torch"
         self.attention = attention
         self.dtype = next(model.parameters()).dtype
@@ -307,11 +310,7 @@ def kernels_lack(config, manifest: EngineManifest | None = None) -> str | None:
                               ("head_dim", lim.head_dim_problem(manifest.model.head_dim))):
             if problem:
                 return f"{what} {problem}"
-    cfg = _text_config(config)
-    if getattr(cfg, "attn_logit_softcapping", None):
-        return "attention-logit soft-capping"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return f"sliding-window layers (window {cfg.sliding_window})"
+    # sliding windows (a window ring included) and attention-logit soft-capping are the kernels' own
     return None
 
 
@@ -538,19 +537,36 @@ def _mask_bias(st: _Step, window: int | None, G: int, dtype) -> torch.Tensor:
     return got
 
 
-def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+def _ring_table(st: _Step) -> torch.Tensor:
+    """The block table a ringed layer's kernels read: ``[B, max_blocks]`` whose column ``j`` is the ring block of the
+    sequence's sealed block ``j`` (``WindowRing.block(slot, j)``). Only columns from the window's first block on hold
+    that block (earlier ones were overwritten); the kernels start there and never read the others. Built once per
+    step, as wide as the step's block tables (a fixed shape: CUDA graphs replay it)."""
+    if st.ring_table is None:
+        b = st.batch
+        cols = torch.arange(b.block_tables.shape[1], device=b.slot_ids.device)
+        st.ring_table = st.cache.ring.block(b.slot_ids[:, None].long(), cols[None, :]).to(torch.int32)
+    return st.ring_table
+
+
+def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+    """The Triton kernels (``plugins.ops``) with the layer's window / soft-cap; a ringed layer reads its ring blocks
+    through ``_ring_table``."""
     cache, b = st.cache, st.batch
     kp, vp = st.engine.layer_params(cache, layer)
     kpool, vpool = cache.pool(layer, "k"), cache.pool(layer, "v")
+    tables = _ring_table(st) if cache.is_ringed(layer) else b.block_tables
+    extra = dict(sm_scale=scaling, window=int(window or 0), softcap=float(softcap or 0.0))
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, heads, D]
     if qh.shape[1] == 1:
         out = ops.decode_attention(qh[:, 0].contiguous(), cache.layout_of(layer), kpool, vpool, kh[:, 0].contiguous(), vh[:, 0].contiguous(),
-                                   b.block_tables, b.context_lens, b.slot_ids, kp, vp, sm_scale=scaling)
+                                   tables, b.context_lens, b.slot_ids, kp, vp, **extra)
         return out[:, None]
     valid = st.valid
     packed = ops.prefill_attention(qh[valid].contiguous(), st.cu_seqlens, cache.layout_of(layer), kpool, vpool, kh[valid].contiguous(),
-                                   vh[valid].contiguous(), b.block_tables, b.context_lens, b.slot_ids, kp, vp, sm_scale=scaling,
-                                   max_seqlen_q=qh.shape[1])
+                                   vh[valid].contiguous(), tables, b.context_lens, b.slot_ids, kp, vp,
+                                   max_seqlen_q=qh.shape[1], **extra)
     out = torch.zeros_like(qh)
     out[valid] = packed
     return out
@@ -573,13 +589,11 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
         if window != st.cache.ring.window:
             raise TrtkvError(f"layer {layer} attends over a window of {window} but the cache keeps a ring for {st.cache.ring.window}",
                              "build the cache from the engine's manifest (WindowRing.of(manifest.model, block_size))")
-        st = st.engine._ring_view(st)
     # this step's rows are attended as the fp16 values the open block will hold (the kernels take them in fp16)
-    if st.engine.attention == "kernels":
-        if window or softcap:
-            raise TrtkvError(f"layer {layer} has a sliding window ({window}) or soft-capping ({softcap}) and the kernels have neither",
-                             "run the torch engine with attention='torch' (the default for such models)")
-        return _kernel_attention(st, layer, query, k16, v16, scaling), None
+    if st.engine.attention == "kernels":  # windows and soft-caps in the kernels; a ring through its logical block table
+        return _kernel_attention(st, layer, query, k16, v16, scaling, window, softcap), None
+    if st.cache.is_ringed(layer):
+        st = st.engine._ring_view(st)
     return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
 
 
