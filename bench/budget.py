@@ -15,7 +15,6 @@ calibration windows, formats measured, seconds), the per-layer choice, and per t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import tempfile
@@ -35,7 +34,8 @@ def render(r: dict) -> str:
     lines = [f"# Accuracy budget `{r['budget']}` on SmolLM2-135M ({r['date']})", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}", "",
              "## The search (calibration split)", "",
              f"- candidates {', '.join(s['candidates'])}; {s['formats_measured']} formats measured on {r['budget_windows']} calibration windows "
-             f"x {r['seq_len']} tokens in {r['calibrate_seconds']:.0f} s (statistics on {r['samples']} windows included)",
+             f"x {r['seq_len']} tokens " + (f"in {r['calibrate_seconds']:.0f} s (statistics on {r['samples']} windows included)"
+                                            if r["calibrate_seconds"] else "(an artifact calibrated by an earlier run of this script)"),
              f"- start ({s['candidates'][0]} everywhere): KL {s['start']['kl']:.5f}, Δppl {s['start']['ppl_delta_pct']:+.3f} %",
              f"- chosen: {r['pool_bits']:.3f} pool bits per element; predicted {s['budget'].split('=')[0]} {s['predicted']:.5g}; measured KL "
              f"{s['measured']['kl']:.5f}, Δppl {s['measured']['ppl_delta_pct']:+.3f} %",
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-datasets", default="builtin:pydoc,builtin:shakespeare")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"budget-{date.today()}"))
+    ap.add_argument("--calibration", help="an artifact this script already calibrated (skips the search; its time is not re-measured)")
     args = ap.parse_args()
 
     from trtkv.artifacts import load_calibration
@@ -75,16 +76,20 @@ def main() -> None:
          "limit": budget.limit, "metric_key": "kld_mean" if budget.metric == "kl" else "ppl_delta_pct", "samples": args.samples,
          "budget_windows": args.budget_windows, "windows": args.windows, "seq_len": args.seq_len, "eval": {}}
     t0 = time.perf_counter()
-    art = run_calibration("smollm2-135m", "builtin:pydoc", Path(tempfile.mkdtemp()) / "cal", formats=cands, samples=args.samples, seq_len=args.seq_len,
-                          budget=args.budget, budget_formats=cands, budget_windows=args.budget_windows, progress=True)
-    r["calibrate_seconds"] = time.perf_counter() - t0
+    if args.calibration:
+        art = Path(args.calibration)
+    else:
+        art = run_calibration("smollm2-135m", "builtin:pydoc", Path(tempfile.mkdtemp()) / "cal", formats=cands, samples=args.samples, seq_len=args.seq_len,
+                              budget=args.budget, budget_formats=cands, budget_windows=args.budget_windows, progress=True)
+        print(f"calibration: {art}", flush=True)
+    r["calibrate_seconds"] = None if args.calibration else time.perf_counter() - t0
     entry = load_calibration(art).recipe.formats["budget"]
     r["search"] = entry.model_extra
     r["pool_bits"] = entry.definition.pool_bits_per_element(64)
     stem = Path(args.out)
     for text in args.eval_datasets.split(","):
         res = run_eval("smollm2-135m", text, cands + ["budget"], calibration=art, windows=args.windows, seq_len=args.seq_len, generate_prompts=0, progress=False)
-        r["eval"][text] = [dataclasses.asdict(x) for x in res]
+        r["eval"][text] = [x.model_dump() for x in res]
         write_report(stem, r, render(r))
     print(render(r))
 

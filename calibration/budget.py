@@ -10,7 +10,9 @@ its error allows beats one format everywhere. The search, on the calibration spl
    model) of the start with only that (layer, side) narrowed, minus the start's cost -- measured, with the real
    quantized cache (``trtkv.kv_cache``), on ``windows`` calibration windows.
 3. **Choice.** Greedy by cost per bit saved: the next narrower step of some (layer, side) (steps of one (layer, side)
-   in order), while the predicted cost (start + the chosen steps' costs, taken as additive) stays within the budget.
+   in order), while the predicted cost (start + the chosen steps' costs, taken as additive; a step that measured
+   cheaper than the one before it counts 0, not less: that is the windows' noise) stays within the budget. Δppl on a
+   few windows is mostly noise for one (layer, side); KL is the steadier metric to budget in.
 4. **Check.** The chosen per-layer format is measured on the same windows; while the measured cost is over the
    budget the last quarter of the steps is undone and it is measured again. The report gives the choice, the
    predicted and the measured cost; ``trtkv eval`` measures it on held-out windows like any other format.
@@ -208,7 +210,7 @@ def choose_layer_bits(
     bits = [{s: getattr(c, s).bits_per_element(head_dim, c.block_size) for s in SIDES} for c in cands]
     levels = [dict(lv) for lv in start_levels]
     predicted = start.of(metric)
-    steps: list[tuple[int, str]] = []
+    steps: list[tuple[int, str, float]] = []  # (layer, side, predicted cost of the step)
     while True:
         best = None
         for layer in range(num_layers):
@@ -216,7 +218,8 @@ def choose_layer_bits(
                 cur = levels[layer][s]
                 if cur + 1 >= len(cands):
                     continue
-                extra = cost[s][layer][cur + 1] - cost[s][layer][cur]  # (a narrower level that measured cheaper: a free step)
+                # a narrower level that measured cheaper is noise of the windows, not a gain: it costs 0, never less
+                extra = max(cost[s][layer][cur + 1] - cost[s][layer][cur], 0.0)
                 saved = bits[cur][s] - bits[cur + 1][s]
                 if saved > 0 and predicted + extra <= budget.limit:
                     key = (extra / saved, layer, s)
@@ -227,15 +230,15 @@ def choose_layer_bits(
         (_, layer, s), extra = best
         levels[layer][s] += 1
         predicted += extra
-        steps.append((layer, s))
+        steps.append((layer, s, extra))
     # 4. measure; undo the last quarter of the steps while over the budget
     measured = run(levels)
     while measured.of(metric) > budget.limit and steps:  # ends at the start at worst, which fits
         for _ in range(max(1, len(steps) // 4)):
-            layer, s = steps.pop()
+            layer, s, extra = steps.pop()
             levels[layer][s] -= 1
+            predicted -= extra
         measured = run(levels)
-    predicted = start.of(metric) + sum(cost[s][layer][levels[layer][s]] for layer in range(num_layers) for s in SIDES)
     return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
                         cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES}, getattr(score, "calls", 0))
 
