@@ -13,8 +13,10 @@ its error allows beats one format everywhere. The search, on the calibration spl
    in order), while the predicted cost (start + the chosen steps' costs, taken as additive; a step that measured
    cheaper than the one before it counts 0, not less: that is the windows' noise) stays within the budget. Δppl on a
    few windows is mostly noise for one (layer, side); KL is the steadier metric to budget in.
-4. **Check.** The chosen per-layer format is measured on the same windows; while the measured cost is over the
-   budget the last quarter of the steps is undone and it is measured again. The report gives the choice, the
+4. **Check.** The chosen per-layer format is measured on *other* calibration windows than the search's (when the
+   split has them: ``trtkv calibrate --samples`` at least twice ``--budget-windows``), so that a choice fitted to the
+   search's windows shows it; while the measured cost is over the budget the last quarter of the steps is undone and
+   it is measured again. The report gives the choice, the
    predicted and the measured cost; ``trtkv eval`` measures it on held-out windows like any other format.
 
 The result is a per-layer ``KVFormat`` (``KVFormat.layers``) saved in the recipe under ``--budget-name`` (default
@@ -175,8 +177,12 @@ def choose_layer_bits(
     head_dim: int,
     name: str = "budget",
     on_progress: Callable[[int, int], None] | None = None,
+    check: Callable[[KVFormat, list[LayerParams]], Score] | None = None,
 ) -> BudgetChoice:
-    """The per-layer format with the fewest bits whose measured cost ``score`` stays within ``budget`` (module docstring)."""
+    """The per-layer format with the fewest bits whose measured cost stays within ``budget`` (module docstring):
+    ``score`` measures the start and the sensitivities, ``check`` (default ``score``; other windows than the search's,
+    so that the choice is not fitted to the windows it is checked on) the choice."""
+    check = check or score
     cands = check_candidates(candidates)
     names = [c.name for c in cands]
     metric = budget.metric
@@ -232,15 +238,19 @@ def choose_layer_bits(
         predicted += extra
         steps.append((layer, s, extra))
     # 4. measure; undo the last quarter of the steps while over the budget
-    measured = run(levels)
-    while measured.of(metric) > budget.limit and steps:  # ends at the start at worst, which fits
+    def checked(levels) -> Score:
+        return check(fmt_of(levels), per_layer_params(cands, params, levels))
+
+    measured = checked(levels)
+    while measured.of(metric) > budget.limit and steps:  # ends at the start at worst
         for _ in range(max(1, len(steps) // 4)):
             layer, s, extra = steps.pop()
             levels[layer][s] -= 1
             predicted -= extra
-        measured = run(levels)
+        measured = checked(levels)
     return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
-                        cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES}, getattr(score, "calls", 0))
+                        cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES},
+                        getattr(score, "calls", 0) + (getattr(check, "calls", 0) if check is not score else 0))
 
 
 def render_choice(choice: BudgetChoice, head_dim: int) -> str:
@@ -255,7 +265,7 @@ def render_choice(choice: BudgetChoice, head_dim: int) -> str:
         f"Δppl {choice.start.ppl_delta_pct:+.3f} %",
         f"- chosen: {c.pool_bits_per_element(head_dim):.3f} pool bits per element (start {choice.start_bits:.3f}); "
         f"predicted {choice.budget.metric} {choice.predicted:.5g}, **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** "
-        f"on the calibration windows ({choice.scored} formats measured)",
+        f"on the check's calibration windows ({choice.scored} formats measured)",
         f"- spec: `{c.spec()}`",
         "",
         "| layer | K | V | K cost if narrowed (per candidate) | V cost if narrowed |",

@@ -128,11 +128,13 @@ def test_budget_search_finds_the_fewest_bits_of_a_brute_force(presets):
 
 def test_budget_search_undoes_steps_until_the_measured_cost_fits(presets):
     weights = [(0.001, 0.001)] * 4
-    score = _synthetic(presets, weights, interaction=0.0004)  # the additive prediction underestimates
-    choice = choose_layer_bits(score, presets, {}, Budget("kl", 0.006), num_layers=4, head_dim=64)
+    search = _synthetic(presets, weights)  # the search's windows: additive
+    score = _synthetic(presets, weights, interaction=0.0004)  # the check's windows: the additive prediction underestimates
+    choice = choose_layer_bits(search, presets, {}, Budget("kl", 0.006), num_layers=4, head_dim=64, check=score)
     assert choice.measured.kl <= 0.006 < 0.0004 * 28  # the interactions of all steps the prediction allowed would not fit
     assert choice.measured.kl > choice.predicted  # it was measured, not predicted
-    assert choice.scored > 1 + 4 * 2 * 2 + 1  # start, sensitivities, the greedy choice, then at least one undo
+    assert search.calls == 1 + 4 * 2 * 2 and score.calls >= 2  # the check measured the choice, then at least one undo
+    assert choice.scored == search.calls + score.calls
     assert any(lv["k"] or lv["v"] for lv in choice.levels)  # and something was still narrowed
 
 
