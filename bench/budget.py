@@ -27,6 +27,7 @@ from build_engine import machine
 from report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
+from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS  # noqa: E402
 
 
 def render(r: dict) -> str:
@@ -37,7 +38,8 @@ def render(r: dict) -> str:
              f"x {r['seq_len']} tokens " + (f"in {r['calibrate_seconds']:.0f} s (statistics on {r['samples']} windows included)"
                                             if r["calibrate_seconds"] else "(an artifact calibrated by an earlier run of this script)"),
              f"- start ({s['candidates'][0]} everywhere): KL {s['start']['kl']:.5f}, Δppl {s['start']['ppl_delta_pct']:+.3f} %",
-             f"- chosen: {r['pool_bits']:.3f} pool bits per element; predicted {s['budget'].split('=')[0]} {s['predicted']:.5g}; measured KL "
+             f"- searched as mean KL <= {s['kl_target']:.5g} (margin {100 * s['margin']:g} %)",
+             f"- chosen: {r['pool_bits']:.3f} pool bits per element; predicted KL {s['predicted']:.5g}; measured KL "
              f"{s['measured']['kl']:.5f}, Δppl {s['measured']['ppl_delta_pct']:+.3f} %",
              f"- K per layer: {' '.join(c['k'].split('@')[0] for c in s['choice'])}",
              f"- V per layer: {' '.join(c['v'].split('@')[0] for c in s['choice'])}", ""]
@@ -55,9 +57,10 @@ def render(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", default="ppl=1%")
-    ap.add_argument("--budget-formats", default="int4,int3,int2")
+    ap.add_argument("--budget-formats", default=",".join(DEFAULT_BUDGET_FORMATS))
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--budget-windows", type=int, default=4)
+    ap.add_argument("--budget-windows", type=int, default=DEFAULT_BUDGET_WINDOWS)
+    ap.add_argument("--margin", type=float, default=DEFAULT_BUDGET_MARGIN)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-datasets", default="builtin:pydoc,builtin:shakespeare")
@@ -70,7 +73,7 @@ def main() -> None:
     from trtkv.calibration.run import run_calibration
     from trtkv.evaluate import run_eval
 
-    budget = Budget.parse(args.budget)
+    budget = Budget.parse(args.budget, args.margin)
     cands = [f.strip() for f in args.budget_formats.split(",")]
     r = {"date": str(date.today()), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "budget": str(budget),
          "limit": budget.limit, "metric_key": "kld_mean" if budget.metric == "kl" else "ppl_delta_pct", "samples": args.samples,
@@ -80,7 +83,8 @@ def main() -> None:
         art = Path(args.calibration)
     else:
         art = run_calibration("smollm2-135m", "builtin:pydoc", Path(tempfile.mkdtemp()) / "cal", formats=cands, samples=args.samples, seq_len=args.seq_len,
-                              budget=args.budget, budget_formats=cands, budget_windows=args.budget_windows, progress=True)
+                              budget=args.budget, budget_formats=cands, budget_windows=args.budget_windows, budget_margin=args.margin,
+                              progress=True)
         print(f"calibration: {art}", flush=True)
     r["calibrate_seconds"] = None if args.calibration else time.perf_counter() - t0
     entry = load_calibration(art).recipe.formats["budget"]

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS
 from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, TextFieldOpt, TokenizerOpt
 from trtkv.errors import TrtkvError
 
@@ -33,8 +34,9 @@ def register(app: typer.Typer, handle_errors) -> None:
         dtype: DtypeOpt = "auto",
         tokenizer: TokenizerOpt = None,
         budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this accuracy budget: kl=NATS or ppl=PERCENT (e.g. kl=0.01)")] = None,
-        budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink)")] = "int4,int3,int2",
-        budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = 4,
+        budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink)")] = ",".join(DEFAULT_BUDGET_FORMATS),
+        budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = DEFAULT_BUDGET_WINDOWS,
+        budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
         budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",
         debug: DebugOpt = False,
     ) -> None:
@@ -61,6 +63,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             budget_formats=[f.strip() for f in budget_formats.split(",") if f.strip()],
             budget_windows=budget_windows,
             budget_name=budget_name,
+            budget_margin=budget_margin,
         )
         console.print(f"calibration written to [bold]{path}[/]")
 

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 from trtkv import __version__
 from trtkv.artifacts import CalibrationRecipe, FormatCalibration, LayerChoice, LayerParams, ModelIdentity, json_floats, save_calibration
-from trtkv.calibration.budget import DEFAULT_BUDGET_WINDOWS, Budget, Scorer, check_candidates, choose_layer_bits, render_choice
+from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS
+from trtkv.calibration.budget import Budget, Scorer, check_candidates, choose_layer_bits, render_choice
 from trtkv.calibration.export import export_all
 from trtkv.calibration.report import render_report
 from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
@@ -18,7 +19,6 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, fit_formats, get_format
 
 DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
-DEFAULT_BUDGET_FORMATS = ("int4", "int3", "int2")  # what --budget chooses among when --budget-formats is not given
 
 
 def wants_params(fmt: KVFormat, method: str) -> bool:
@@ -121,6 +121,7 @@ def run_calibration(
     budget_formats: Sequence[str] = DEFAULT_BUDGET_FORMATS,
     budget_windows: int = DEFAULT_BUDGET_WINDOWS,
     budget_name: str = "budget",
+    budget_margin: float = DEFAULT_BUDGET_MARGIN,
 ) -> Path:
     """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
 
@@ -128,7 +129,8 @@ def run_calibration(
     artifact path. ``loaded`` (a ``trtkv.models.LoadedModel`` of ``model``) skips loading the model
     again; ``tokenizer`` is a directory with tokenizer files for a model that has none. ``budget`` (``kl=...`` or
     ``ppl=...%``) also chooses per-layer K / V storage among ``budget_formats`` on ``budget_windows`` of the calibration
-    windows (calibration/budget.py) and saves it as format ``budget_name``.
+    windows, aiming ``budget_margin`` (a fraction) below the budget (calibration/budget.py), and saves it as format
+    ``budget_name``.
 
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
@@ -147,7 +149,7 @@ def run_calibration(
         raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact (an existing artifact directory is replaced)")
     info = loaded.info if loaded is not None else model_info(model)
     fmts, notes = resolve_formats(formats, info.head_dim)
-    want_budget = Budget.parse(budget) if budget is not None else None
+    want_budget = Budget.parse(budget, budget_margin) if budget is not None else None
     candidates: list[KVFormat] = []
     if want_budget is not None:
         if budget_windows < 1:

@@ -25,6 +25,7 @@ writes ``DIR/<arch>/<config>.ptx|.cubin`` and ``DIR/kernels.json`` (one row per 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -246,7 +247,21 @@ class CompiledConfig:
 
 
 def _ptxas_usage(ptx: str, arch_name: str, ptxas: str) -> dict:
-    """Registers / spills / stack from ``ptxas -v`` with triton's own flags."""
+    """Registers / spills / stack from ``ptxas -v`` with triton's own flags; cached beside triton's compiled kernels
+    (``TRITON_CACHE_DIR``) by the PTX, the arch and the ptxas binary, since triton caches the compile but not this."""
+    key = hashlib.sha256("\0".join((ptx, arch_name, ptxas, str(Path(ptxas).stat().st_mtime_ns))).encode()).hexdigest()
+    cached = Path(os.environ.get("TRITON_CACHE_DIR", _REPO_CACHE)) / "trtkv-ptxas" / f"{key}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    usage = _run_ptxas(ptx, arch_name, ptxas)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a concurrent reader never sees half
+    tmp.write_text(json.dumps(usage))
+    tmp.replace(cached)
+    return usage
+
+
+def _run_ptxas(ptx: str, arch_name: str, ptxas: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)

@@ -489,6 +489,25 @@ def _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window,
 
 
 @triton.jit
+def _window_and_cap(window, softcap, lowest_qpos, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """``window`` / ``softcap`` as ``_attend_cache`` takes them: the runtime values where the constexpr flags compile
+    their code in, else the constant 0 (the branches vanish: kernels without them compile as before, no extra
+    registers); and ``win_lo``, the lowest key position a query at ``lowest_qpos`` or later sees."""
+    win_lo = lowest_qpos * 0
+    if WINDOW:
+        win = window
+        if win > 0:
+            win_lo = tl.maximum(lowest_qpos - win + 1, 0)
+    else:
+        win = 0
+    if SOFTCAP:
+        cap = softcap
+    else:
+        cap = 0.0
+    return win_lo, win, cap
+
+
+@triton.jit
 def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end, window, softcap,
                    bt_row_ptr, kvh, num_kv_heads, block_size,
                    k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
@@ -689,20 +708,7 @@ def paged_decode_partition_kernel(
         q_lo, q_hi = _load_query(q_ptr, (b * num_heads + qh).to(tl.int64), hmask, kvh, k_smooth_ptr, k_static_ptr,
                                  had_ptr, qk_scale, BLOCK_H, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = tl.full([BLOCK_H], 0, tl.int32) + ctx
-        # window / softcap as _attend_cache takes them: the runtime values where the constexpr flags compile their
-        # code in, else the constant 0 (the branches vanish: kernels without them compile as before, no extra
-        # registers); win_lo: the lowest key position a query of this program sees
-        win_lo = ctx * 0
-        if WINDOW:
-            win = window
-            if win > 0:
-                win_lo = tl.maximum(ctx - win + 1, 0)
-        else:
-            win = 0
-        if SOFTCAP:
-            cap = softcap
-        else:
-            cap = 0.0
+        win_lo, win, cap = _window_and_cap(window, softcap, ctx, WINDOW, SOFTCAP)
         m_i, l_i, acc_lo, acc_hi = _attend_cache(
             q_lo, q_hi, qpos, kv_start, kv_end, ctx, b, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
@@ -830,21 +836,7 @@ def paged_prefill_kernel(
                                  M, HEAD_DIM, K_STATIC, K_SMOOTH, K_HAD, HAD_CHUNK)
         qpos = ctx + tok
         kv_end = ctx + tl.minimum(num_new, m0 + BLOCK_M)
-        # window / softcap as _attend_cache takes them: the runtime values where the constexpr flags compile their
-        # code in, else the constant 0 (the branches vanish: kernels without them compile as before, no extra
-        # registers); win_lo: the lowest key position a query of this program sees (the
-        # first query token's, at position ctx + m0)
-        win_lo = ctx * 0
-        if WINDOW:
-            win = window
-            if win > 0:
-                win_lo = tl.maximum(ctx + m0 - win + 1, 0)
-        else:
-            win = 0
-        if SOFTCAP:
-            cap = softcap
-        else:
-            cap = 0.0
+        win_lo, win, cap = _window_and_cap(window, softcap, ctx + m0, WINDOW, SOFTCAP)  # the first query token's position
         m_i, l_i, acc_lo, acc_hi = _attend_cache(
             q_lo, q_hi, qpos, 0, kv_end, ctx, q_begin, b, kvh,
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,

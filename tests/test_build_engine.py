@@ -77,7 +77,7 @@ def test_tiny_engine_matches_reference(tmp_path, tiny_dir, tiny_loaded, kv):
 def test_manifest_is_complete_and_validated(tmp_path, tiny_dir, tiny_loaded):
     out = build_engine(str(tiny_dir), None, "int4", tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK, max_seq_len=64, max_batch=4, loaded=tiny_loaded)
     m = load_manifest(out)
-    assert m.kv_spec == "k=int4:bchannel:asym,v=int4:g24:sym:hadamard,block=4,sink=2"  # the preset fitted to head_dim 24 and block 4
+    assert m.kv_spec == "k=int4:bchannel:asym:hadamard,v=int4:g24:sym:hadamard,block=4,sink=2"  # the preset fitted to head_dim 24 and block 4
     assert m.limits.max_blocks_per_seq == 16 and m.limits.max_new_tokens_per_step == TINY_BLOCK
     assert {"model.onnx", "model.onnx.data", "kv_params.safetensors"} <= set(m.files)
     assert any(f.startswith("tokenizer/") for f in m.files)

@@ -65,7 +65,8 @@ def test_presets_exist_and_are_consistent():
     assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_block_channel") and PRESETS["int8"].block_size == 64
     assert PRESETS["int8-token"].k == TensorFormat(dtype="int8", granularity="per_token") and not PRESETS["int8-token"].sealed
     assert PRESETS["fp8"].k.dtype == PRESETS["fp8"].v.dtype == "fp8_e4m3" and PRESETS["fp8"].k.is_static
-    assert PRESETS["int4"].k == TensorFormat(dtype="int4", granularity="per_block_channel", symmetric=False)
+    for name in ("int4", "int3", "int2"):  # keys rotated, then per channel per block (docs/accuracy.md: rotated keys)
+        assert PRESETS[name].k == TensorFormat(dtype=name, granularity="per_block_channel", symmetric=False, hadamard=True)
     assert PRESETS["int4"].v.hadamard and PRESETS["int4"].block_size == 64 and PRESETS["int4"].sealed
     assert PRESETS["int4-token"].k.smooth and PRESETS["int4-token"].k.hadamard and not PRESETS["int4-token"].sealed
     assert PRESETS["int8-static"].shared_kv_scale and PRESETS["int8-static"].needs_calibration

@@ -116,7 +116,7 @@ def test_budget_search_finds_the_fewest_bits_of_a_brute_force(presets):
     weights = [(0.004, 0.001), (0.0005, 0.002), (0.003, 0.0002)]
     score = _synthetic(presets, weights)
     for limit in (0.001, 0.004, 0.012, 0.03):
-        choice = choose_layer_bits(score, presets, {}, Budget("kl", limit), num_layers=3, head_dim=64)
+        choice = choose_layer_bits(score, presets, {}, Budget("kl", limit, margin=0), num_layers=3, head_dim=64)
         assert choice.measured.kl <= limit and choice.predicted == pytest.approx(choice.measured.kl)
         best = min(sum(BITS["k"][a] + BITS["v"][b] for a, b in zip(lv[::2], lv[1::2]))
                    for lv in itertools.product(range(3), repeat=6)
@@ -130,7 +130,7 @@ def test_budget_search_undoes_steps_until_the_measured_cost_fits(presets):
     weights = [(0.001, 0.001)] * 4
     search = _synthetic(presets, weights)  # the search's windows: additive
     score = _synthetic(presets, weights, interaction=0.0004)  # the check's windows: the additive prediction underestimates
-    choice = choose_layer_bits(search, presets, {}, Budget("kl", 0.006), num_layers=4, head_dim=64, check=score)
+    choice = choose_layer_bits(search, presets, {}, Budget("kl", 0.006, margin=0), num_layers=4, head_dim=64, check=score)
     assert choice.measured.kl <= 0.006 < 0.0004 * 28  # the interactions of all steps the prediction allowed would not fit
     assert choice.measured.kl > choice.predicted  # it was measured, not predicted
     assert search.calls == 1 + 4 * 2 * 2 and score.calls >= 2  # the check measured the choice, then at least one undo
@@ -141,12 +141,39 @@ def test_budget_search_undoes_steps_until_the_measured_cost_fits(presets):
 def test_budget_refusals(presets):
     with pytest.raises(TrtkvError, match="below what int4@block16 costs in every layer"):
         choose_layer_bits(lambda f, p: Score(0.01, 1.0), presets, {}, Budget("kl", 0.001), num_layers=1, head_dim=64)
+    with pytest.raises(TrtkvError, match="lower --budget-margin"):  # within the budget, not within its margin
+        choose_layer_bits(lambda f, p: Score(0.009, 0.9), presets, {}, Budget("kl", 0.01, margin=0.25), num_layers=1, head_dim=64)
     with pytest.raises(TrtkvError, match="seal blocks differently"):
         choose_layer_bits(lambda f, p: Score(0, 0), [presets[0], get_format("int3")], {}, Budget("kl", 1), num_layers=1, head_dim=64)
     for bad in ("kl", "kl=-1", "ppl=abc", "loss=1", "kl=nan"):
         with pytest.raises(TrtkvError, match="invalid accuracy budget"):
             Budget.parse(bad)
+    for margin in (-0.1, 1.0, 2):
+        with pytest.raises(TrtkvError, match="invalid budget margin"):
+            Budget.parse("kl=0.01", margin)
     assert Budget.parse("ppl=1.5%") == Budget("ppl", 1.5) and str(Budget.parse("kl=0.01")) == "kl=0.01"
+
+
+def test_budget_searches_mean_kl_below_the_budget_by_its_margin(presets):
+    """A Δppl budget of p % is searched as KL <= ln(1 + p/100), less the margin; the windows' Δppl, which one narrowing
+    moves by noise in either direction, does not steer the search."""
+    assert Budget("kl", 0.01, 0.25).kl_target == pytest.approx(0.0075)
+    assert Budget("ppl", 1.0, 0.0).kl_target == pytest.approx(math.log(1.01))
+    assert Budget("ppl", 2.0, 0.5).kl_target == pytest.approx(0.5 * math.log(1.02))
+    weights = [(0.002, 0.001), (0.001, 0.003), (0.0015, 0.0005)]
+    kl_score = _synthetic(presets, weights)
+
+    def noisy(fmt, params):  # the same KL, a Δppl that reads every narrowing as a gain
+        got = kl_score(fmt, params)
+        return Score(got.kl, -100 * got.kl)
+
+    for budget in (Budget("ppl", 1.0, 0.25), Budget("kl", 0.01, 0.25), Budget("kl", 0.01, 0.0)):
+        choice = choose_layer_bits(noisy, presets, {}, budget, num_layers=3, head_dim=64)
+        same = choose_layer_bits(_synthetic(presets, weights), presets, {}, Budget("kl", budget.kl_target, margin=0), num_layers=3, head_dim=64)
+        assert choice.levels == same.levels and choice.measured.kl <= budget.kl_target
+    tight, loose = (choose_layer_bits(kl_score, presets, {}, Budget("kl", 0.01, m), num_layers=3, head_dim=64) for m in (0.5, 0.0))
+    assert tight.fmt.pool_bits_per_element(64) > loose.fmt.pool_bits_per_element(64)  # the margin costs bits
+    assert choose_layer_bits(kl_score, presets, {}, Budget("kl", 0.01), num_layers=3, head_dim=64).recipe_fields()["kl_target"] == pytest.approx(0.0075)
 
 
 @pytest.mark.slow

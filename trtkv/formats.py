@@ -538,11 +538,13 @@ def _alike(name: str, t: TensorFormat, **kw) -> KVFormat:
     return KVFormat(name=name, k=t, v=t, **kw)
 
 
-def _sealed_low_bit(dtype: str, description: str) -> KVFormat:
-    """The sealed-block layout the int4 preset measured best, at ``dtype``: keys asymmetric per channel over each block
-    of 64, values Hadamard-rotated in symmetric groups of 32, 4 fp16 sink tokens."""
-    return KVFormat(name=dtype, k=_t(dtype, "per_block_channel", symmetric=False), v=_t(dtype, "per_token_group", group_size=32, hadamard=True),
-                    block_size=64, sink_tokens=4, description=description)
+def _sealed_low_bit(dtype: str, description: str, v: TensorFormat | None = None) -> KVFormat:
+    """The sealed-block layout measured best below 8 bits (docs/accuracy.md), at ``dtype``: keys Hadamard-rotated, then
+    asymmetric per channel over each block of 64; values (default) rotated, in symmetric groups of 32; 4 fp16 sink
+    tokens."""
+    v = v or _t(dtype, "per_token_group", group_size=32, hadamard=True)
+    return KVFormat(name=dtype, k=_t(dtype, "per_block_channel", symmetric=False, hadamard=True), v=v, block_size=64, sink_tokens=4,
+                    description=description)
 
 
 PRESETS: dict[str, KVFormat] = {
@@ -563,24 +565,21 @@ PRESETS: dict[str, KVFormat] = {
         _alike("fp8", _t("fp8_e4m3", "per_tensor"), description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)"),
         _sealed_low_bit(
             "int4",
-            "int4 in sealed blocks of 64 (4.5 bits): keys asymmetric per channel over each block, values "
-            "Hadamard-rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay fp16",
+            "int4 in sealed blocks of 64 (4.5 bits): keys Hadamard-rotated, asymmetric per channel over each block; values "
+            "rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay fp16",
         ),
         _sealed_low_bit(
             "int3",
-            "int3 in sealed blocks of 64 (3.5 bits): keys asymmetric per channel over each block, values "
-            "Hadamard-rotated, symmetric groups of 32; codes in a 2-bit plane and a 1-bit plane; the open block and the "
-            "first 4 tokens stay fp16",
-        ),
-        KVFormat(
-            name="int2",
-            k=_t("int2", "per_block_channel", symmetric=False),
-            v=_t("int2", "per_token", symmetric=False, hadamard=True),
-            block_size=64,
-            sink_tokens=4,
-            description="int2 in sealed blocks of 64 (2.5 bits at head_dim 64): keys asymmetric per channel over each "
-            "block, values Hadamard-rotated, asymmetric per token; four codes per byte; the open block and the first 4 "
+            "int3 in sealed blocks of 64 (3.5 bits): keys Hadamard-rotated, asymmetric per channel over each block; values "
+            "rotated, symmetric groups of 32; codes in a 2-bit plane and a 1-bit plane; the open block and the first 4 "
             "tokens stay fp16",
+        ),
+        _sealed_low_bit(
+            "int2",
+            "int2 in sealed blocks of 64 (2.5 bits at head_dim 64): keys Hadamard-rotated, asymmetric per channel over "
+            "each block; values rotated, asymmetric per token; four codes per byte; the open block and the first 4 "
+            "tokens stay fp16",
+            v=_t("int2", "per_token", symmetric=False, hadamard=True),
         ),
         KVFormat(
             name="int4-token",
