@@ -14,8 +14,8 @@ its error allows beats one format everywhere. The search, on the calibration spl
    cheaper than the one before it counts 0, not less: that is the windows' noise) stays within the search's target.
 4. **Check.** The chosen per-layer format is measured on *other* calibration windows than the search's (when the
    split has them: ``trtkv calibrate --samples`` at least twice ``--budget-windows``), so that a choice fitted to the
-   search's windows shows it; while the measured cost is over the target the last quarter of the steps is undone and
-   it is measured again. The report gives the choice, the
+   search's windows shows it; when the measured cost is over the target, a bisection keeps the longest prefix of the
+   greedy's steps that measures within it. The report gives the choice, the
    predicted and the measured cost; ``trtkv eval`` measures it on held-out windows like any other format.
 
 **What is searched: mean KL, below the budget by a margin** (``Budget.kl_target``). One (layer, side) narrowed moves
@@ -254,17 +254,31 @@ def choose_layer_bits(
         levels[layer][s] += 1
         predicted += extra
         steps.append((layer, s, extra))
-    # 4. measure; undo the last quarter of the steps while over the budget
-    def checked(levels) -> Score:
-        return check(fmt_of(levels), per_layer_params(cands, params, levels))
+    # 4. measure; over the target, bisect for the longest prefix of the steps (in the greedy's order) that measures
+    # within it: the start is taken to fit (it did on the search's windows)
+    def after(n: int) -> list[dict[str, int]]:
+        out = [dict(lv) for lv in start_levels]
+        for layer, s, _ in steps[:n]:
+            out[layer][s] += 1
+        return out
 
-    measured = checked(levels)
-    while measured.kl > target and steps:  # ends at the start at worst
-        for _ in range(max(1, len(steps) // 4)):
-            layer, s, extra = steps.pop()
-            levels[layer][s] -= 1
-            predicted -= extra
-        measured = checked(levels)
+    def checked(n: int) -> Score:
+        lv = after(n)
+        return check(fmt_of(lv), per_layer_params(cands, params, lv))
+
+    kept, measured = len(steps), checked(len(steps))
+    if measured.kl > target:
+        fits, over, best = 0, len(steps), None  # prefix `fits` is within the target (measured: best), `over` is not
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            got = checked(mid)
+            if got.kl <= target:
+                fits, best = mid, got
+            else:
+                over = mid
+        kept, measured = fits, best if best is not None else checked(fits)
+    levels = after(kept)
+    predicted = start.kl + sum(extra for _, _, extra in steps[:kept])
     return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
                         cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES},
                         getattr(score, "calls", 0) + (getattr(check, "calls", 0) if check is not score else 0))

@@ -135,7 +135,9 @@ def test_budget_search_undoes_steps_until_the_measured_cost_fits(presets):
     assert choice.measured.kl > choice.predicted  # it was measured, not predicted
     assert search.calls == 1 + 4 * 2 * 2 and score.calls >= 2  # the check measured the choice, then at least one undo
     assert choice.scored == search.calls + score.calls
-    assert any(lv["k"] or lv["v"] for lv in choice.levels)  # and something was still narrowed
+    # the longest prefix of the greedy's 6 steps that fits: n steps measure 0.001 n + 0.0004 n (n - 1) / 2, so 3 (0.0042)
+    assert sum(lv["k"] + lv["v"] for lv in choice.levels) == 3 and choice.measured.kl == pytest.approx(0.0042)
+    assert choice.predicted == pytest.approx(0.003)  # the kept steps' additive prediction
 
 
 def test_budget_refusals(presets):
