@@ -22,8 +22,10 @@ its error allows beats one format everywhere. The search, on the calibration spl
 the perplexity of a few windows by less than their noise, often downwards, so a search summing measured Δppl adds up
 "free" steps that are not free on other text. KL has no sign to exploit, and it is what Δppl estimates: for text the
 model predicts, the expected change of log-perplexity *is* the mean KL, so a Δppl budget of p % is searched as KL ≤
-ln(1 + p/100). And held-out text reads higher than the calibration windows (10–15 % more KL for SmolLM2 on pydoc's eval
-split and on Shakespeare, bench/results/budget-kl-2026-12-01.md), so the search aims ``margin`` (default 25 %) below.
+ln(1 + p/100). And held-out text costs more than the calibration windows (for SmolLM2 up to 19 % more KL than the
+check's windows, and on text unlike the calibration text up to 16 % more Δppl than that KL predicts:
+bench/results/budget-ppl-margin-bisect-2026-12-01.md), so the search aims ``margin`` (default a third,
+``trtkv.calibration.DEFAULT_BUDGET_MARGIN``) below.
 
 The result is a per-layer ``KVFormat`` (``KVFormat.layers``) saved in the recipe under ``--budget-name`` (default
 ``budget``), with the per-layer calibrated constants of the candidates it took.
@@ -59,7 +61,7 @@ class Budget:
 
     def __post_init__(self):
         if not 0 <= self.margin < 1:
-            raise TrtkvError(f"invalid budget margin {self.margin:g}: it is a fraction of the budget", "give --budget-margin in [0, 1), e.g. 0.25")
+            raise TrtkvError(f"invalid budget margin {self.margin:g}: it is a fraction of the budget", "give --budget-margin in [0, 1), e.g. 0.33")
 
     @property
     def kl_target(self) -> float:

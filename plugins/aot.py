@@ -246,10 +246,11 @@ class CompiledConfig:
         return d
 
 
-def _ptxas_usage(ptx: str, arch_name: str, ptxas: str) -> dict:
+def _ptxas_usage(ptx: str, arch_name: str, ptxas: str, version: str) -> dict:
     """Registers / spills / stack from ``ptxas -v`` with triton's own flags; cached beside triton's compiled kernels
-    (``TRITON_CACHE_DIR``) by the PTX, the arch and the ptxas binary, since triton caches the compile but not this."""
-    key = hashlib.sha256("\0".join((ptx, arch_name, ptxas, str(Path(ptxas).stat().st_mtime_ns))).encode()).hexdigest()
+    (``TRITON_CACHE_DIR``) by the PTX, the arch and ptxas's version and size (not its path: every virtual environment,
+    a fresh clone's too, has its own copy), since triton caches the compile but not this."""
+    key = hashlib.sha256("\0".join((ptx, arch_name, version, str(Path(ptxas).stat().st_size))).encode()).hexdigest()
     cached = Path(os.environ.get("TRITON_CACHE_DIR", _REPO_CACHE)) / "trtkv-ptxas" / f"{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
@@ -295,7 +296,8 @@ def compile_config(cfg: KernelConfig, arch: int, options: dict | None = None) ->
     ptx = ck.asm["ptx"]
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     version = re.search(r"^\.version\s+([\d.]+)", ptx, re.M)
-    usage = _ptxas_usage(ptx, target.group(1) if target else f"sm_{arch}", get_ptxas(arch).path)
+    tool = get_ptxas(arch)
+    usage = _ptxas_usage(ptx, target.group(1) if target else f"sm_{arch}", tool.path, str(tool.version))
     md = ck.metadata
     return CompiledConfig(
         config=cfg.name, kernel=cfg.kernel, arch=arch, name=md.name, num_warps=md.num_warps, shared=md.shared,

@@ -175,7 +175,7 @@ def test_budget_searches_mean_kl_below_the_budget_by_its_margin(presets):
         assert choice.levels == same.levels and choice.measured.kl <= budget.kl_target
     tight, loose = (choose_layer_bits(kl_score, presets, {}, Budget("kl", 0.01, m), num_layers=3, head_dim=64) for m in (0.5, 0.0))
     assert tight.fmt.pool_bits_per_element(64) > loose.fmt.pool_bits_per_element(64)  # the margin costs bits
-    assert choose_layer_bits(kl_score, presets, {}, Budget("kl", 0.01), num_layers=3, head_dim=64).recipe_fields()["kl_target"] == pytest.approx(0.0075)
+    assert choose_layer_bits(kl_score, presets, {}, Budget("kl", 0.01, 0.25), num_layers=3, head_dim=64).recipe_fields()["kl_target"] == pytest.approx(0.0075)
 
 
 @pytest.mark.slow
