@@ -43,6 +43,23 @@ def test_every_lean_config_compiles_for_both_archs_without_spills(compiled):
         assert r.global_scratch_size == 0 and r.profile_scratch_size == 0
 
 
+def test_ptxas_usage_is_cached_by_ptx_and_arch(compiled, tmp_path, monkeypatch):
+    """The ptxas report is cached under TRITON_CACHE_DIR: a second ask reads the file (same numbers as running ptxas),
+    another PTX is its own entry."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    r = compiled[0]
+    tool = get_ptxas(r.arch)
+    first = aot._ptxas_usage(r.ptx, f"sm_{r.arch}", tool.path, str(tool.version))
+    assert first == aot._run_ptxas(r.ptx, f"sm_{r.arch}", tool.path) and first["n_regs"] == r.n_regs
+    [entry] = (tmp_path / "trtkv-ptxas").glob("*.json")
+    entry.write_text(json.dumps({**first, "n_regs": -1}))  # the second ask must read the file, not run ptxas
+    assert aot._ptxas_usage(r.ptx, f"sm_{r.arch}", tool.path, str(tool.version))["n_regs"] == -1
+    aot._ptxas_usage(r.ptx + "\n// another", f"sm_{r.arch}", tool.path, str(tool.version))
+    assert len(list((tmp_path / "trtkv-ptxas").glob("*.json"))) == 2 and not list((tmp_path / "trtkv-ptxas").glob("*.tmp"))
+
+
 def test_ptx_entry_points_and_parameter_lists(compiled):
     for r in compiled:
         assert f".visible .entry {r.name}(" in r.ptx

@@ -140,6 +140,20 @@ def test_budget_search_undoes_steps_until_the_measured_cost_fits(presets):
     assert choice.predicted == pytest.approx(0.003)  # the kept steps' additive prediction
 
 
+def test_budget_check_falls_back_to_the_start_when_no_step_fits(presets):
+    weights = [(0.001, 0.001)] * 4
+    search = _synthetic(presets, weights)
+    score = _synthetic(presets, weights, interaction=0.0)
+
+    def harsh(fmt, params):  # the check's windows: any narrowing costs more than the whole target
+        got = score(fmt, params)
+        return Score(got.kl + (0.1 if got.kl > 0 else 0.0), got.ppl_delta_pct)
+
+    choice = choose_layer_bits(search, presets, {}, Budget("kl", 0.006, margin=0), num_layers=4, head_dim=64, check=harsh)
+    assert all(lv == {"k": 0, "v": 0} for lv in choice.levels)  # the start, measured on the check's windows
+    assert choice.measured.kl == 0.0 and choice.predicted == 0.0
+
+
 def test_budget_refusals(presets):
     with pytest.raises(TrtkvError, match="below what int4@block16 costs in every layer"):
         choose_layer_bits(lambda f, p: Score(0.01, 1.0), presets, {}, Budget("kl", 0.001), num_layers=1, head_dim=64)
