@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS
-from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, TextFieldOpt, TokenizerOpt
+from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, StreamOpt, TextFieldOpt, TokenizerOpt
 from trtkv.errors import TrtkvError
 
 console = Console()
@@ -32,6 +32,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         text_field: TextFieldOpt = "text",
         device: DeviceOpt = "auto",
         dtype: DtypeOpt = "auto",
+        stream: StreamOpt = "auto",
         tokenizer: TokenizerOpt = None,
         budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this accuracy budget: kl=NATS or ppl=PERCENT (e.g. kl=0.01)")] = None,
         budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink)")] = ",".join(DEFAULT_BUDGET_FORMATS),
@@ -64,6 +65,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             budget_windows=budget_windows,
             budget_name=budget_name,
             budget_margin=budget_margin,
+            stream=stream,
         )
         console.print(f"calibration written to [bold]{path}[/]")
 

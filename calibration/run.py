@@ -94,6 +94,35 @@ def calibrate_formats(
     return params, entries, ratios, errors
 
 
+def _load(model: str, info: Any, tok: Any, windows: Any, *, device: str, dtype: str, batch_size: int, reservoir: int,
+          stream: str, can_stream: bool, console: Any) -> Any:
+    """The model as the memory plan says (trtkv.memory): resident, or streamed layer by layer; refused before any
+    weights are read when neither fits. ``--budget`` scores every layer's choice on the whole model: no streaming."""
+    from trtkv.memory import activation_bytes, choose_load
+    from trtkv.models import load_model, resolve_device
+    from trtkv.streaming import load_streamed
+
+    n, seq_len = windows.shape
+    f32 = 4
+    held = n * seq_len * info.hidden_size * f32  # every window's hidden states, between two streamed layers
+    res = 2 * info.num_layers * reservoir * info.num_kv_heads * info.head_dim * f32  # the reservoir sample of K and V
+    import torch
+
+    acts = activation_bytes(info, batch=min(batch_size, n), seq_len=seq_len, dtype=torch.float32, logits=False) + held + res
+    if stream == "always" and not can_stream:
+        from trtkv.errors import TrtkvError
+
+        raise TrtkvError("--budget measures each layer's choice on the whole model, which a layer-streamed run does not hold",
+                         "drop --stream always (or --budget), or give the process memory for the resident model")
+    plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=can_stream, stream=stream, command="calibrate")
+    if plan.note:
+        console.print(f"note: {plan.note}", highlight=False)
+    dt = str(plan.dtype).removeprefix("torch.")
+    if plan.streamed:
+        return load_streamed(model, device, dt, tokenizer=tok)
+    return load_model(model, device=device, dtype=dt, tokenizer=tok)
+
+
 DEFAULT_MAX_SAMPLES = 64  # windows used when --samples is not given (fewer if the calib split is smaller)
 
 
@@ -122,6 +151,7 @@ def run_calibration(
     budget_windows: int = DEFAULT_BUDGET_WINDOWS,
     budget_name: str = "budget",
     budget_margin: float = DEFAULT_BUDGET_MARGIN,
+    stream: str = "auto",
 ) -> Path:
     """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
 
@@ -130,7 +160,8 @@ def run_calibration(
     again; ``tokenizer`` is a directory with tokenizer files for a model that has none. ``budget`` (``kl=...`` or
     ``ppl=...%``) also chooses per-layer K / V storage among ``budget_formats`` on ``budget_windows`` of the calibration
     windows, aiming ``budget_margin`` (a fraction) below the budget (calibration/budget.py), and saves it as format
-    ``budget_name``.
+    ``budget_name``. ``stream`` (auto | always | never): the layers are streamed from the checkpoint one at a time
+    (trtkv.streaming; the same statistics) when the memory plan says the resident model does not fit, always, or never.
 
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
@@ -138,7 +169,7 @@ def run_calibration(
     from rich.console import Console
 
     from trtkv.data import describe_dataset, token_windows, window_count
-    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype
+    from trtkv.models import load_tokenizer, model_info, resolve_device, resolve_dtype
 
     if method not in METHODS:
         raise TrtkvError(f"unknown calibration method {method!r}", f"use --method {' | '.join(METHODS)}")
@@ -159,6 +190,7 @@ def run_calibration(
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:
         resolve_dtype(dtype, resolve_device(device))
+        console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters", highlight=False)
     tok = loaded.tokenizer if loaded is not None and tokenizer is None else load_tokenizer(model, tokenizer)
     if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
         samples = min(window_count(tok, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES) or None
@@ -167,8 +199,10 @@ def run_calibration(
         console.print(f"note: {note}", highlight=False)
 
     if loaded is None:
-        loaded = load_model(model, device=device, dtype=dtype, tokenizer=tok)
-    console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype})")
+        loaded = _load(model, info, tok, windows, device=device, dtype=dtype, batch_size=batch_size, reservoir=reservoir,
+                       stream=stream, can_stream=want_budget is None, console=console)
+    how = ", streamed layer by layer" if loaded.streamer is not None else ""
+    console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype}{how})")
 
     stats = collect_stats(loaded, windows, batch_size=batch_size, progress=progress, reservoir=reservoir, seed=seed)
     tokens_per_s = stats.count / stats.seconds if stats.seconds else 0.0
@@ -215,6 +249,7 @@ def run_calibration(
         tokens=stats.count,
         method=method,
         options={**knobs, "reservoir": stats.reservoir_size, "batch_size": batch_size, "device": str(loaded.device),
+                 "streamed": loaded.streamer is not None,
                  "dtype": str(loaded.dtype).replace("torch.", ""),
                  "static_grid": [round(x, 4) for x in default_static_grid().tolist()],
                  "clip_grid": [round(x, 4) for x in default_clip_grid().tolist()]},

@@ -268,56 +268,76 @@ class KVStats:
 # --------------------------------------------------------------------------- streaming collector
 
 
+@dataclass
+class ReservoirDraw:
+    """Which rows of one batch enter the reservoir: the same for every layer and tensor.
+
+    Rows ``[0, grow)`` append at slots ``[start, start + grow)``; rows ``rows`` replace slots ``slots``.
+    """
+
+    start: int
+    grow: int
+    slots: torch.Tensor
+    rows: torch.Tensor
+
+
 class StatsCollector:
     """Feeds K/V of each forward pass into a ``KVStats`` and keeps the reservoir sample.
 
     ``begin_batch(n_tokens)`` draws which of the next ``n_tokens`` rows (flattened batch x seq)
     enter the reservoir (algorithm R, the same rows for every layer and tensor); ``add(kind,
-    layer, x)`` takes ``x`` as [N, H, D] rows in that order.
+    layer, x)`` takes ``x`` as [N, H, D] rows in that order. A layer-streamed run draws every batch first
+    (``draw``) and sets each batch's draw before that batch's rows of a layer arrive (``use``): every layer
+    then sees the same draws in the same batch order as in the resident pass, so the sample is identical.
     """
 
     def __init__(self, stats: KVStats, seed: int = 0):
         self.stats = stats
         self.gen = torch.Generator().manual_seed(seed)
         self.seen = 0  # tokens offered to the reservoir so far
-        self._slots = torch.empty(0, dtype=torch.long)
-        self._rows = torch.empty(0, dtype=torch.long)
-        self._grow = 0
+        self.filled = stats.reservoir_size  # slots the draws so far have filled
+        self._draw = ReservoirDraw(self.filled, 0, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
-    def begin_batch(self, n_tokens: int) -> None:
-        cap, filled = self.stats.reservoir_capacity, self.stats.reservoir_size
+    def draw(self, n_tokens: int) -> ReservoirDraw:
+        """The reservoir draw of the next ``n_tokens`` rows (advances the sampler)."""
+        cap = self.stats.reservoir_capacity
         t = torch.arange(self.seen, self.seen + n_tokens, dtype=torch.float64)
-        fill = torch.clamp(torch.tensor(cap - filled), 0, n_tokens).item()
+        fill = int(torch.clamp(torch.tensor(cap - self.filled), 0, n_tokens).item())
         # the first `fill` rows append; the rest replace a random slot with probability cap / (t + 1)
         j = torch.floor(torch.rand(n_tokens, generator=self.gen, dtype=torch.float64) * (t + 1)).long()
         replace = (j < cap) & (torch.arange(n_tokens) >= fill)
         slots: dict[int, int] = {}
         for row in torch.nonzero(replace).flatten().tolist():  # few rows: expected cap * ln(growth)
             slots[int(j[row])] = row  # a later row overwrites an earlier one in the same slot
-        self._grow = int(fill)
-        self._slots = torch.tensor(list(slots.keys()), dtype=torch.long)
-        self._rows = torch.tensor(list(slots.values()), dtype=torch.long)
+        out = ReservoirDraw(self.filled, fill, torch.tensor(list(slots.keys()), dtype=torch.long),
+                            torch.tensor(list(slots.values()), dtype=torch.long))
+        self.filled += fill
         self.seen += n_tokens
+        return out
+
+    def use(self, draw: ReservoirDraw) -> None:
+        self._draw = draw
+
+    def begin_batch(self, n_tokens: int) -> None:
+        self.use(self.draw(n_tokens))
 
     def add(self, kind: str, layer: int, x: torch.Tensor) -> None:
         self.stats.tensors[kind].update(layer, x)
         if kind not in self.stats.reservoir:
             return
+        d = self._draw
         res = self.stats.reservoir[kind]
         xc = x.detach().float().to(res.device)
-        if self._grow and layer == 0:
-            # grow the reservoir tensor once per batch (for all layers) before filling layer 0
-            pad = torch.zeros(res.shape[0], self._grow, *res.shape[2:], device=res.device)
+        if res.shape[1] < d.start + d.grow:  # grow the reservoir tensor (for all layers) to this batch's rows
+            pad = torch.zeros(res.shape[0], d.start + d.grow - res.shape[1], *res.shape[2:], device=res.device)
             res = self.stats.reservoir[kind] = torch.cat([res, pad], 1)
-        start = res.shape[1] - self._grow
-        if self._grow:
-            res[layer, start:] = xc[: self._grow]
-        if len(self._slots):
-            res[layer, self._slots.to(res.device)] = xc[self._rows.to(xc.device)]
+        if d.grow:
+            res[layer, d.start : d.start + d.grow] = xc[: d.grow]
+        if len(d.slots):
+            res[layer, d.slots.to(res.device)] = xc[d.rows.to(xc.device)]
 
     def end_batch(self) -> None:
-        self._grow = 0
-        self._slots = torch.empty(0, dtype=torch.long)
+        self.use(ReservoirDraw(self.filled, 0, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -405,6 +425,11 @@ def collect_stats(
     total_tokens = n * seq_len
     t_start = time.perf_counter()
     try:
+        if getattr(loaded, "streamer", None) is not None:
+            _collect_streamed(loaded, windows, batch_size, collector, progress)
+            stats.count = total_tokens
+            stats.seconds = time.perf_counter() - t_start
+            return _finish(stats, reservoir, time.perf_counter() - t_start)
         with _progress(progress, total_tokens) as advance, torch.inference_mode():
             for start in range(0, n, batch_size):
                 batch = windows[start : start + batch_size].to(device)
@@ -419,7 +444,33 @@ def collect_stats(
     finally:
         for h in hooks:
             h.remove()
-    wall = time.perf_counter() - t_start
+    return _finish(stats, reservoir, time.perf_counter() - t_start)
+
+
+def _collect_streamed(loaded: Any, windows: torch.Tensor, batch_size: int, collector: StatsCollector, progress: bool) -> None:
+    """The layer-streamed pass (trtkv.streaming): every batch through layer i, then layer i+1.
+
+    Each batch's reservoir draw is made up front, in batch order, and set before that batch's rows of every layer,
+    so statistics and sample equal the resident pass's.
+    """
+    from rich.console import Console
+
+    from trtkv.streaming import Job, record, stream_layers
+
+    console = Console(stderr=True, quiet=not progress, soft_wrap=True)
+    model, device = loaded.model, loaded.device
+    batches = [windows[s : s + batch_size].to(device) for s in range(0, windows.shape[0], batch_size)]
+    draws = [collector.draw(b.numel()) for b in batches]
+    cache = make_stats_cache(model, collector)  # stateless: it reports each layer's K/V and stores nothing
+    jobs = [Job(b, cache, before_layer=lambda _i, d=d: collector.use(d)) for b, d in zip(batches, draws)]
+    with torch.inference_mode():
+        record(model, jobs)
+        stream_layers(loaded.streamer, jobs, progress=lambda line: console.print(f"  calibrating {line}", highlight=False))
+    collector.end_batch()
+
+
+def _finish(stats: KVStats, reservoir: int, wall: float) -> KVStats:
+    """The statistics on the CPU, checked for NaN / inf and for the pre-RoPE key hooks having fired."""
     stats.seconds = stats.seconds or wall
     out = KVStats(
         stats.num_layers, stats.num_kv_heads, stats.head_dim,

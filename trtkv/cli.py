@@ -21,6 +21,7 @@ from trtkv.cli_options import (
     DebugOpt,
     DeviceOpt,
     DtypeOpt,
+    StreamOpt,
     TextFieldOpt,
     TokenizerOpt,
     _show_version,
@@ -63,6 +64,7 @@ def eval_(
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    stream: StreamOpt = "auto",
     tokenizer: TokenizerOpt = None,
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="use a calibration made for another model of the same shape")] = False,
     debug: DebugOpt = False,
@@ -89,6 +91,7 @@ def eval_(
         tokenizer=tokenizer,
         allow_other_model=allow_other_model,
         meta=meta,
+        stream=stream,
     )
     title, columns, rows = table_rows(results)
     print_table(console, columns, rows, title)

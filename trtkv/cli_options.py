@@ -27,6 +27,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="HF model dir, .ggu
 DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="builtin:pydoc, .txt/.jsonl/.parquet file or folder, save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]")]
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
+StreamOpt = Annotated[str, typer.Option("--stream", help="layer streaming (one decoder layer in memory at a time): auto (when the resident model does not fit) | always | never")]
 TextFieldOpt = Annotated[str, typer.Option(help="field holding the text in .jsonl / parquet / datasets sources")]
 
 

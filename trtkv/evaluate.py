@@ -183,11 +183,15 @@ def evaluate_formats(
     generate_tokens: int = 32,
     progress: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
+    streamer: Any = None,
 ) -> list[EvalResult]:
     """Evaluate ``formats`` on token ``windows`` [n, S] against the unquantized baseline (always first in the output).
 
     ``params_for(fmt)`` returns the per-layer calibrated params of a format (or None); ``on_batch(done, total)``
-    is called after each batch of windows (all formats).
+    is called after each batch of windows (all formats). ``streamer`` (a ``trtkv.streaming.LayerStreamer`` of
+    ``model``'s skeleton): the layers are streamed, every window of every format through layer i before layer i+1
+    loads, with the same cache semantics and the same numbers; the generation check needs the resident model and
+    is skipped.
     """
     cfg = model.config.get_text_config(decoder=True)
     num_layers = num_layers or cfg.num_hidden_layers
@@ -204,19 +208,25 @@ def evaluate_formats(
 
     accs = {f.name: _Acc.empty() for f in fmts}
     seconds = {f.name: 0.0 for f in fmts}
-    bar = _progress(progress, total=math.ceil(n / batch_size) * len(fmts))
+    if streamer is not None:
+        logits_of = _streamed_logits(model, streamer, windows, fmts, params, batch_size, seconds, progress)
+        generate_prompts = 0
+    else:
+        def logits_of(f: KVFormat, start: int, ids: torch.Tensor) -> torch.Tensor:
+            return model_logits(model, ids, f, params[f.name])
+    bar = _progress(progress and streamer is None, total=math.ceil(n / batch_size) * len(fmts))
     with torch.inference_mode():
         for start in range(0, n, batch_size):
             ids = windows[start : start + batch_size]
             targets = ids[:, 1:]
             t0 = time.perf_counter()
-            ref = model_logits(model, ids, fmts[0])[:, :-1]
+            ref = logits_of(fmts[0], start, ids)[:, :-1]
             seconds[fmts[0].name] += time.perf_counter() - t0
             accs[fmts[0].name].add(ref, ref, targets)
             bar.advance()
             for f in fmts[1:]:
                 t0 = time.perf_counter()
-                logits = model_logits(model, ids, f, params[f.name])[:, :-1]
+                logits = logits_of(f, start, ids)[:, :-1]
                 seconds[f.name] += time.perf_counter() - t0
                 accs[f.name].add(ref, logits, targets)
                 del logits
@@ -255,6 +265,41 @@ def evaluate_formats(
             )
         )
     return results
+
+
+def _streamed_logits(model, streamer, windows: torch.Tensor, fmts: Sequence[KVFormat], params: dict, batch_size: int,
+                     seconds: dict[str, float], progress: bool) -> Callable[[KVFormat, int, torch.Tensor], torch.Tensor]:
+    """Run every format's windows through the streamed layers now; return ``(fmt, start, ids) -> logits`` of a batch.
+
+    Each (format, batch) has the quantized cache ``model_logits`` would make and the same block-boundary chunks, every
+    chunk one job in order (trtkv.streaming), so each layer's cache sees the chunks in the resident order.
+    """
+    from rich.console import Console
+
+    from trtkv.streaming import Job, LengthCache, final_logits, record, stream_layers
+
+    console = Console(stderr=True, quiet=not progress, soft_wrap=True)
+    num_layers = streamer.num_layers
+    jobs: dict[tuple[str, int], list[Job]] = {}
+    for f in fmts:
+        for start in range(0, windows.shape[0], batch_size):
+            ids = windows[start : start + batch_size]
+            cache, lengths = QuantizedKVCache(f, num_layers, params[f.name]), LengthCache(num_layers)
+            jobs[f.name, start] = [Job(ids[:, a:b], cache, lengths, tag=f.name) for a, b in block_chunks(0, ids.shape[1], f.block_size)]
+    every = [j for js in jobs.values() for j in js]
+    with torch.inference_mode():
+        record(model, every)
+        stream_layers(streamer, every, release_cache_layer=True,
+                      progress=lambda line: console.print(f"  evaluating {line}", highlight=False))
+        streamer.materialize_outside_layers()  # the vocabulary projection, for the logits
+    for j in every:
+        seconds[j.tag] += j.seconds
+
+    def logits_of(f: KVFormat, start: int, ids: torch.Tensor) -> torch.Tensor:
+        chunks = jobs.pop((f.name, start))  # each batch's hidden states are freed once scored
+        return torch.cat([final_logits(model, j) for j in chunks], dim=1)
+
+    return logits_of
 
 
 def _generation_check(model, windows, fmts, params, prompts: int, new_tokens: int) -> dict[str, tuple[float, float]]:
@@ -337,6 +382,7 @@ def run_eval(
     tokenizer: str | Path | None = None,
     allow_other_model: bool = False,
     meta: dict | None = None,
+    stream: str = "auto",
 ) -> list[EvalResult]:
     """Load ``model``, take ``windows`` eval-split windows of ``dataset`` and evaluate ``formats`` (fp16 baseline first).
 
@@ -345,11 +391,14 @@ def run_eval(
     (``trtkv.formats.fit_formats``). Everything knowable without the weights (formats, calibration,
     tokenizer, number of windows) is checked before the weights are loaded. ``meta``, when given, is
     filled with what identifies the run (model and its sha256, dataset, calibration and its hash, ...).
+    ``stream`` (auto | always | never): layer streaming (trtkv.streaming, the same numbers; no generation check) when
+    the memory plan says the resident model does not fit, always, or never; refused before any weights are read when
+    neither fits.
     """
     from trtkv import __version__
     from trtkv.data import describe_dataset, token_windows
     from trtkv.formats import fit_formats
-    from trtkv.models import load_model, load_tokenizer, model_info, resolve_device, resolve_dtype
+    from trtkv.models import load_tokenizer, model_info, resolve_device, resolve_dtype
 
     specs = list(formats) if formats else list(DEFAULT_FORMATS)
     artifact = None
@@ -384,13 +433,17 @@ def run_eval(
     tok = load_tokenizer(model, tokenizer)
     ids = token_windows(tok, dataset, seq_len=seq_len, samples=windows, seed=seed, split="eval", text_field=text_field,
                         samples_flag="--windows")
-    if progress:
-        from rich.console import Console
+    from rich.console import Console
 
+    if progress:
         for note in notes:
             Console(stderr=True, soft_wrap=True).print(f"note: {note}", highlight=False)
 
-    loaded = load_model(model, device, dtype, tokenizer=tok)
+    loaded = _load(model, info0, tok, ids, len(fmts), device=device, dtype=dtype, batch_size=batch_size, stream=stream,
+                   console=Console(stderr=True, quiet=not progress, soft_wrap=True))
+    if loaded.streamer is not None and generate_prompts > 0:
+        notes.append("gen % skipped: the generation check needs the resident model (this run streamed its layers)")
+        generate_prompts = 0
     info = loaded.info
     params_for = (lambda f: artifact.params_for(f, info, allow_other_model=allow_other_model)) if artifact is not None else None
     if meta is not None:
@@ -406,7 +459,7 @@ def run_eval(
             calibration=None if artifact is None else str(artifact.path),
             calibration_sha256=None if artifact is None else calibration_sha256(artifact.path),
             seq_len=seq_len, windows=int(ids.shape[0]), seed=seed, device=str(loaded.device),
-            dtype=str(loaded.dtype).replace("torch.", ""), batch_size=batch_size,
+            dtype=str(loaded.dtype).replace("torch.", ""), batch_size=batch_size, streamed=loaded.streamer is not None,
             generate_prompts=generate_prompts, generate_tokens=generate_tokens,
             formats={f.name: f.spec() for f in fmts}, notes=notes, allow_other_model=allow_other_model,
             trtkv_version=__version__, torch_version=torch.__version__, transformers_version=transformers.__version__,
@@ -423,7 +476,32 @@ def run_eval(
         generate_prompts=generate_prompts,
         generate_tokens=generate_tokens,
         progress=progress,
+        streamer=loaded.streamer,
     )
+
+
+def _load(model: str, info, tok, windows: torch.Tensor, n_formats: int, *, device: str, dtype: str, batch_size: int,
+          stream: str, console) -> Any:
+    """The model as the memory plan says (trtkv.memory): resident, or streamed layer by layer; refused before any
+    weights are read when neither fits."""
+    from trtkv.memory import activation_bytes, choose_load
+    from trtkv.models import load_model, resolve_device
+    from trtkv.streaming import load_streamed
+
+    n, seq_len = windows.shape
+    f32 = 4
+    batch = min(batch_size, n)
+    held = n_formats * n * seq_len * info.hidden_size * f32  # every format's windows between two streamed layers
+    cache = batch * seq_len * info.num_layers * info.num_kv_heads * info.head_dim * 2 * f32  # the fp16 run's cache, model dtype
+    scores = 3 * batch * seq_len * info.vocab_size * f32  # the reference and a format's logits, and a log-softmax
+    acts = activation_bytes(info, batch=batch, seq_len=seq_len, dtype=torch.float32, logits=True) + held + cache + scores
+    plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=True, stream=stream, command="eval")
+    if plan.note:
+        console.print(f"note: {plan.note}", highlight=False)
+    dt = str(plan.dtype).removeprefix("torch.")
+    if plan.streamed:
+        return load_streamed(model, device, dt, tokenizer=tok)
+    return load_model(model, device, dt, tokenizer=tok)
 
 
 # --------------------------------------------------------------------------- output

@@ -68,7 +68,7 @@ _MODEL_TYPES = {
 _ARCH_MODEL_TYPES = {arch: mt for mt, arch in _MODEL_TYPES.items()}
 
 # Architectures transformers runs with eager attention only (Gemma 2 soft-caps the attention logits).
-_EAGER_ONLY = {"Gemma2ForCausalLM"}
+EAGER_ONLY = {"Gemma2ForCausalLM"}
 
 # Bump when the layout of a cached GGUF conversion changes; old entries are then ignored.
 _CACHE_FORMAT = 1
@@ -153,6 +153,7 @@ class LoadedModel:
     checkpoint_dir: Path | None = None  # HF-format directory the weights came from (the cache entry for a gguf)
     from_cache: bool = False  # True when a gguf was served from the converted-checkpoint cache
     load_seconds: float = field(default=0.0, compare=False)
+    streamer: Any = field(default=None, compare=False)  # a trtkv.streaming.LayerStreamer when the layers are streamed, else None
 
 
 # --------------------------------------------------------------------------- resolving
@@ -521,8 +522,12 @@ def _canonical_dtype(dtype: str) -> str:
     return d
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on cpu, float16 on cuda."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on cpu, float16 on cuda; a ``torch.dtype`` (what ``trtkv.memory.choose_load`` picks) as is."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise TrtkvError(f"unknown dtype '{dtype}'", "use --dtype auto, float32, float16 or bfloat16")
+        return dtype
     d = _canonical_dtype(dtype)
     if d == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
@@ -547,7 +552,7 @@ def _from_pretrained_errors(what: str):
         ) from e
 
 
-def _has_tokenizer(d: Path) -> bool:
+def has_tokenizer(d: Path) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     return any((d / n).is_file() for n in names)
 
@@ -611,7 +616,7 @@ def _transformers_version() -> str:
         return "unknown"
 
 
-def _info_from_model(base: ModelInfo, model: torch.nn.Module) -> ModelInfo:
+def info_from_model(base: ModelInfo, model: torch.nn.Module) -> ModelInfo:
     cfg = model.config.to_dict()
     if not cfg.get("architectures"):
         cfg["architectures"] = [type(model).__name__]
@@ -637,16 +642,16 @@ def load_tokenizer(spec: str, tokenizer: str | Path | None = None, *, required: 
     """
     if tokenizer is not None:
         d = Path(tokenizer).expanduser()
-        if not d.is_dir() or not _has_tokenizer(d):
+        if not d.is_dir() or not has_tokenizer(d):
             raise TrtkvError(f"--tokenizer '{tokenizer}' is not a directory with tokenizer files", _NO_TOKENIZER_FIX)
         return _load_tokenizer(d.resolve())
     path = resolve_model(spec)
     if path.is_file():  # gguf
         ckpt = _gguf_cache_dir(path, model_info(spec).sha256)
-        if (ckpt / _CACHE_MARKER).is_file() and _has_tokenizer(ckpt):
+        if (ckpt / _CACHE_MARKER).is_file() and has_tokenizer(ckpt):
             return _load_tokenizer(ckpt)
         return _load_tokenizer(path.parent, gguf_file=path.name)
-    if _has_tokenizer(path):
+    if has_tokenizer(path):
         return _load_tokenizer(path)
     if required:
         raise TrtkvError(f"model directory '{spec}' has no tokenizer files", _NO_TOKENIZER_FIX)
@@ -667,8 +672,25 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+def checkpoint_dir(spec: str, attn_implementation: str = "sdpa") -> tuple[Path, bool]:
+    """The Hugging Face directory holding ``spec``'s weights, and whether it came from the conversion cache.
+
+    A gguf that is not converted yet is converted first (transformers dequantizes it whole, in float32).
+    """
+    base = model_info(spec)
+    path = Path(base.source)
+    if path.is_dir():
+        return path, False
+    ckpt = _gguf_cache_dir(path, base.sha256)
+    if (ckpt / _CACHE_MARKER).is_file():
+        return ckpt, True
+    with _quiet_transformers():
+        _convert_gguf(path, base.sha256, attn_implementation)
+    return ckpt, False
+
+
 def load_model(
-    spec: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa", tokenizer: Any = None
+    spec: str, device: str = "auto", dtype: str | torch.dtype = "auto", attn_implementation: str = "sdpa", tokenizer: Any = None
 ) -> LoadedModel:
     """Load a model and its tokenizer for inference (``model.eval()``, no grad needed by callers).
 
@@ -682,7 +704,7 @@ def load_model(
     if attn_implementation not in ("sdpa", "eager"):
         raise TrtkvError(f"unknown attention implementation '{attn_implementation}'", "use sdpa or eager")
     base = model_info(spec)  # validates the architecture before any weights are read
-    if attn_implementation == "sdpa" and base.architecture in _EAGER_ONLY:
+    if attn_implementation == "sdpa" and base.architecture in EAGER_ONLY:
         attn_implementation = "eager"  # transformers has no sdpa path for it (attention-logit soft-capping)
     path = Path(base.source)
 
@@ -704,14 +726,14 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 str(ckpt), local_files_only=True, dtype=dt, attn_implementation=attn_implementation
             )
-        tok = _load_tokenizer(ckpt) if _has_tokenizer(ckpt) else None
+        tok = _load_tokenizer(ckpt) if has_tokenizer(ckpt) else None
         if tok is None:
             log.debug("no tokenizer files in %s; LoadedModel.tokenizer is None", ckpt)
     if tokenizer is not None:
         tok = load_tokenizer(spec, tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
 
     model = model.to(device=dev, dtype=dt).eval()
-    info = _info_from_model(base, model)
+    info = info_from_model(base, model)
     return LoadedModel(
         model=model, tokenizer=tok, info=info, device=dev, dtype=dt, checkpoint_dir=ckpt,
         from_cache=from_cache, load_seconds=time.perf_counter() - t0,
