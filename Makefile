@@ -9,7 +9,7 @@ OUT ?= trtkv-out
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-fast lint aiperf bench-accuracy gpu-check-dry-run clean
+.PHONY: setup quickstart test test-tier2 test-fast lint aiperf bench-accuracy gpu-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -42,8 +42,14 @@ quickstart: setup
 		--kv fp16 --kv int8 --kv int4 --windows 16 --json $(OUT)/eval.json
 
 # Two pytest workers, each taking whole modules (module fixtures such as a running server stay in one worker).
+# The first tier: everything but the tests marked tier2 (docs/development.md).
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not tier2"
+
+# The second tier, CI's own step after `make test` (.ci/run): the AOT compile of every kernel configuration, the
+# TensorRT-RTX builds of the real network, the prepared GPU run's dry runs, the GGUF conversion into a fresh cache.
+test-tier2: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m tier2
 
 # The inner loop (docs/development.md): everything but the tests marked slow, model (the real SmolLM2) or server
 # (a real tritonserver); under 2 minutes on 2 cores.

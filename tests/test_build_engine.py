@@ -405,6 +405,7 @@ def test_real_model_greedy_32_tokens_match_reference(builtin_model, real_engines
         assert float(top2[0] - top2[1]) < REF_TOL["int4"], (b, d, float(top2[0] - top2[1]))
 
 
+@pytest.mark.tier2
 @pytest.mark.model
 @pytest.mark.slow
 def test_tensorrt_rtx_builds_the_real_network_sm89(builtin_model, tmp_path):
@@ -418,6 +419,7 @@ def test_tensorrt_rtx_builds_the_real_network_sm89(builtin_model, tmp_path):
     _record({"sm89": {"build_seconds": plan.build_seconds, "plan_bytes": plan.bytes}})
 
 
+@pytest.mark.tier2
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("TRTKV_SLOW_TESTS"), reason="four TensorRT-RTX plans of the real model (~2 min quiet, ~8 min under load); set TRTKV_SLOW_TESTS=1")

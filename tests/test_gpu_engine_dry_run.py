@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.tier2  # the prepared GPU run end to end under the interpreter (a minute or more): CI's second step
 @pytest.mark.slow
 def test_gpu_engine_dry_run(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}

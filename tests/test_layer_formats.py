@@ -63,6 +63,17 @@ def test_per_layer_format_round_trips_and_sums_its_layers(presets):
         get_format(f.spec().replace(f"k={presets[0].k.short()}", f"k={presets[1].k.short()}", 1))
 
 
+def test_each_layer_of_a_per_layer_format_keeps_its_sink_tokens(presets):
+    """``KVFormat.layer(i)`` is layer i's storage with the whole format's blocks and sink rows (an eval cache, a layout,
+    the torch engine read its sinks from it)."""
+    f = _mixed(presets, [(0, 2), (1, 1), (2, 0)])
+    assert f.sink_tokens == 4 and f.block_size == 16
+    for i, lay in enumerate(f.layer_formats()):
+        assert (lay.sink_tokens, lay.block_size, lay.tail_rows) == (4, 16, 20), i
+        assert PagedKVLayout(lay, 2, HEAD_DIM, 16, 3, 1).tail_shape() == PagedKVLayout(presets[0], 2, HEAD_DIM, 16, 3, 1).tail_shape()
+    assert PagedKVLayout(f, 2, HEAD_DIM, 16, 3, 1).layer(1).sink_tokens == 4
+
+
 def test_paged_cache_and_torch_engine_follow_each_layers_storage(tiny_models, presets):
     from trtkv.evaluate import model_logits
     from trtkv.models import load_model
@@ -152,6 +163,61 @@ def test_budget_check_falls_back_to_the_start_when_no_step_fits(presets):
     choice = choose_layer_bits(search, presets, {}, Budget("kl", 0.006, margin=0), num_layers=4, head_dim=64, check=harsh)
     assert all(lv == {"k": 0, "v": 0} for lv in choice.levels)  # the start, measured on the check's windows
     assert choice.measured.kl == 0.0 and choice.predicted == 0.0
+
+
+def _table(presets, table, base=0.001):
+    """A cost given per (layer, side, level) (``table[layer][side][level]``, level 0 = costs nothing), summed over the
+    layers and sides, plus ``base`` (the start's cost)."""
+
+    def score(fmt: KVFormat, params):
+        score.calls += 1
+        total = base
+        for i in range(fmt.num_layers):
+            lay = fmt.layer(i)
+            for s in "kv":
+                total += table[i][s][[getattr(p, s) for p in presets].index(getattr(lay, s))]
+        return Score(total, 100 * total)
+
+    score.calls = 0
+    return score
+
+
+def test_budget_counts_a_narrowing_that_measured_cheaper_as_free(presets):
+    """A step whose measured cost is below the previous level's (noise of the windows) is predicted at 0, never less:
+    the next step of that (layer, side) is then predicted from the cheaper level, so it does not fit (hand-computed:
+    the clamped greedy takes K 0->1 (0), V 0->1 (0.002); K 1->2 predicts 0.004 more, over 0.0055)."""
+    table = [{"k": [0.0, -0.003, 0.001], "v": [0.0, 0.002, 0.006]}]
+    choice = choose_layer_bits(_table(presets, table), presets, {}, Budget("kl", 0.0055, margin=0), num_layers=1, head_dim=64)
+    assert choice.levels == [{"k": 1, "v": 1}]
+    assert choice.predicted == pytest.approx(0.001 + 0.0 + 0.002) and choice.predicted >= choice.start.kl
+
+
+def test_budget_ranks_steps_by_cost_per_bit_saved(presets):
+    """int8 -> int4 saves 3 bits of K (9 -> 6 at head_dim 64, blocks of 16), int4 -> int3 one: layer 0's first step
+    (0.002 for 3 bits) beats layer 1's second (0.001 for 1 bit), and only one of them fits (start 0.001, budget
+    0.0035) after layer 1's free first step. Ranked by cost alone, layer 1's second step would be taken instead (one bit saved instead of three)."""
+    int8 = get_format(fit_formats(["int8"], HEAD_DIM)[0][0].with_block_size(16).spec() + ",sink=4")  # the presets' sinks
+    cands = [int8, presets[0], presets[1]]
+    assert [c.k.bits_per_element(64, 16) for c in cands] == [9.0, 6.0, 5.0]
+    big = {"v": [0.0, 1.0, 2.0]}
+    table = [{"k": [0.0, 0.002, 1.0], **big}, {"k": [0.0, 0.0, 0.001], **big}]
+    choice = choose_layer_bits(_table(cands, table), cands, {}, Budget("kl", 0.0035, margin=0), num_layers=2, head_dim=64)
+    assert [lv["k"] for lv in choice.levels] == [1, 1] and all(lv["v"] == 0 for lv in choice.levels)
+    assert choice.measured.kl == pytest.approx(0.001 + 0.002)
+
+
+def test_budget_greedy_keeps_a_running_total_and_skips_a_step_that_does_not_fit(presets):
+    """The greedy adds each step to the running prediction: after steps W (layer 1 K 0->1, free) and X (layer 0 K 0->1,
+    0.002) the next by cost per bit (layer 0 V, 0.004) does not fit in 0.004 but the one after it (layer 1 K 1->2,
+    0.0015 for one bit) does. Steps judged each alone would all be taken, measure 0.0075 and be cut back to W, X."""
+    int8 = get_format(fit_formats(["int8"], HEAD_DIM)[0][0].with_block_size(16).spec() + ",sink=4")  # the presets' sinks
+    cands = [int8, presets[0], presets[1]]
+    table = [{"k": [0.0, 0.002, 1.0], "v": [0.0, 0.004, 1.0]}, {"k": [0.0, 0.0, 0.0015], "v": [0.0, 1.0, 2.0]}]
+    score = _table(cands, table, base=0.0)
+    choice = choose_layer_bits(score, cands, {}, Budget("kl", 0.004, margin=0), num_layers=2, head_dim=64)
+    assert choice.levels == [{"k": 1, "v": 0}, {"k": 2, "v": 0}]
+    assert choice.predicted == pytest.approx(0.0035) == choice.measured.kl
+    assert score.calls == 1 + 2 * 2 * 2 + 1  # start, sensitivities, one check: the additive prediction needs no cut
 
 
 def test_budget_refusals(presets):

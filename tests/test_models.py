@@ -196,6 +196,7 @@ def test_second_load_uses_cached_checkpoint(builtin_model: LoadedModel):
     assert torch.equal(_logits(again.model, ids), _logits(builtin_model.model, ids))
 
 
+@pytest.mark.tier2  # converts the real GGUF a second time (about a minute): CI's second step
 @pytest.mark.model
 @pytest.mark.slow
 def test_gguf_conversion_into_fresh_cache(builtin_model: LoadedModel, tmp_path, monkeypatch):

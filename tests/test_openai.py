@@ -147,6 +147,17 @@ def test_errors_have_openai_shape_and_status(served, kwargs, status, param):
     assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
 
 
+def test_a_request_the_model_refuses_after_the_fronts_checks_is_a_400(served):
+    """An empty prompt passes the front's checks (0 prompt tokens fit the context); the trtkv model refuses it
+    (INVALID_ARG): the client gets a 400 with the model's reason, not a 502, plain or streamed."""
+    client, _, _ = served
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            res = client.completions.create(model=MODEL, prompt="", max_tokens=4, stream=stream)
+            list(res) if stream else None
+        assert exc.value.status_code == 400 and "text_input is empty" in str(exc.value), stream
+
+
 def test_min_tokens_and_ignore_eos_give_exactly_max_tokens(served):
     """vLLM's extensions that benchmark clients send (`--extra-inputs ignore_eos:true`): the stop word that cuts the
     sampled text is suppressed until min_tokens; ignore_eos means min_tokens = max_tokens."""

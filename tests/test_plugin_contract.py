@@ -678,6 +678,7 @@ def test_aot_impl_warns_about_shared_memory_above_48k(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.tier2  # compiles every op for the ABI check and times them: CI's second step
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -127,6 +127,44 @@ def test_token_budget_limits_each_step_and_decodes_go_first():
     assert [(c.seq, c.length) for c in out.prefill] == [(b, 4)]  # clipped at the block boundary, budget 5 left
 
 
+def test_a_running_decode_goes_before_an_older_running_prefill_under_a_tight_budget():
+    """a (older, still prefilling) and b (decoding) both running with a budget of 3: b's one token first, a gets the
+    2 left (not 3, which would leave b out of the step)."""
+    sched = Scheduler(BlockManager(64, 8, BS), max_num_batched_tokens=3)
+    a = seq(20, max_tokens=4)
+    sched.add(a)
+    run_step(sched)  # a: (0, 3)
+    b = seq(1, max_tokens=8)
+    sched.add(b)
+    out = run_step(sched)  # a: (3, 1) up to its block boundary; b admitted with the 2 left: (0, 1), samples
+    assert [(c.seq, c.start, c.length) for c in out.prefill + out.decode] == [(a, 3, 1), (b, 0, 1)]
+    assert sched.running == [a, b] and a.in_prefill and not b.in_prefill
+    out = sched.schedule()
+    assert [c.seq for c in out.decode] == [b]
+    assert [(c.seq, c.start, c.length) for c in out.prefill] == [(a, 4, 2)] and out.num_tokens == 3
+
+
+@pytest.mark.parametrize("step_tokens, budget, registered", [(3, 64, 2), (None, 3, 0)])
+def test_prefix_registration_counts_a_step_that_ends_at_the_block_boundary_as_full(step_tokens, budget, registered):
+    """Blocks of 4, steps of at most 3 tokens (max_new_tokens_per_step, not dividing the block): a prompt of 10 runs
+    (0, 3) (3, 1) (4, 3) (7, 1) (8, 2); (3, 1) took all a step may from offset 3, so blocks 0 and 1 were filled by full
+    steps and are registered. The same chunks cut by a token budget of 3 (steps of 4 allowed) are not full: none is."""
+    from trtkv.runtime.prefix_cache import PrefixCache
+
+    bm = BlockManager(16, 2, BS, PrefixCache(BS, "salt"))
+    sched = Scheduler(bm, max_num_batched_tokens=budget, max_step_tokens=step_tokens)
+    s = seq(10, max_tokens=6)
+    sched.add(s)
+    chunks = []
+    while s.status != SequenceStatus.FINISHED:
+        out = run_step(sched)
+        chunks += [(c.start, c.length) for c in out.prefill + out.decode if c.seq is s and c.start < 10]
+    assert chunks == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 2)]
+    assert len(bm.prefix.block_of) == registered
+    if registered:  # a new request with the same prompt starts from them
+        assert len(bm.prefix.match(seq(10))) == 2
+
+
 def test_admission_waits_for_slots():
     sched = Scheduler(BlockManager(64, 2, BS))
     seqs = [seq(3, max_tokens=2) for _ in range(5)]

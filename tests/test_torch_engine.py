@@ -106,6 +106,23 @@ def test_tiny_matches_per_sequence_reference(tiny_dir, kv):
     assert (got - want).abs().max().item() < (1e-2 if kv == "int4" else 2e-3)
 
 
+@pytest.mark.parametrize("kv", ["k=int8:token:asym,v=int4:g8:asym", "k=int8:token:sym,v=int8:g16:asym"])
+def test_folded_values_with_a_zero_point_per_group_match_the_per_sequence_reference(tiny_dir, kv):
+    """Values folded into the probabilities with several channel groups per token, each with its own zero-point
+    (4 and 2 groups at head_dim 32): each group's shift lands on its own channels. Sinks sealed, blocks of 4."""
+    from trtkv.runtime.torch_engine import folds_value_scales
+
+    [fmt], _ = fit_formats([kv], 32)
+    fmt = fmt.with_block_size(BLOCK)
+    assert folds_value_scales(fmt.v) and fmt.v.groups(32) > 1 and not fmt.v.symmetric
+    lay = PagedKVLayout(fmt, 2, 32, BLOCK, 48, 3)
+    prompts = _prompts(320, (14, 6, 3), seed=3)
+    te = TorchEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model)
+    ref = TorchReferenceEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model)
+    got, want = (_run(e, PagedKVCache(lay, 2), prompts, 6) for e in (te, ref))
+    assert (got - want).abs().max().item() < 1e-2
+
+
 def test_stale_pool_and_tail_rows_never_leak(tiny_dir):
     """Blocks no table lists and tail rows past a context may hold NaN: the logits stay finite and unchanged."""
     [fmt], _ = fit_formats(["int4"], 32)

@@ -103,6 +103,61 @@ def test_ring_one_block_short_changes_the_logits(family, monkeypatch):
     assert (got - want).abs().max().item() > 1e-3
 
 
+def test_swap_in_restores_the_ring_into_a_slot_another_sequence_used(family):
+    """Swap out a sequence (sealed blocks, open block + sinks, ring blocks), let another sequence take its slot and
+    blocks and overwrite everything, bring it back: every entry it owns equals what it held before, ring included."""
+    from trtkv.runtime.block_manager import BlockManager
+    from trtkv.runtime.kv_pool import RING
+    from trtkv.runtime.sequence import SamplingParams, Sequence
+    from trtkv.runtime.swap import Swapper
+
+    info = model_info(str(family("gemma3")[0]))
+    [fmt], _ = fit_formats(["int4"], info.head_dim)
+    cache = _cache(info, fmt, 4, 12, 2, ring=True)
+    assert any(n.endswith(RING) for n in cache.tensors) and cache.layout.sink_tokens
+    gen = torch.Generator().manual_seed(0)
+
+    def scramble():
+        for t in cache.tensors.values():
+            t.copy_(torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype))
+
+    def owned(seq, n_blocks):
+        out = {}
+        for name, t in cache.tensors.items():
+            own = cache.slot_index(name, seq.slot)
+            out[name] = (t[:, own] if own is not None else t[:, seq.block_table[:n_blocks]]).clone()
+        return out
+
+    bm, swapper = BlockManager(12, 2, 4), Swapper(cache)
+    seq = Sequence(list(range(1, 30)), SamplingParams())
+    bm.allocate_slot(seq)
+    for _ in range(4):
+        bm.append_block(seq)
+    seq.num_cached = 14  # 3 sealed blocks, 2 rows in the open block
+    scramble()
+    want = owned(seq, 3)
+    swapper.swap_out(seq)
+    bm.free(seq)
+    other = Sequence(list(range(40, 60)), SamplingParams())  # takes the free slot and blocks, writes everywhere
+    bm.allocate_slot(other)
+    for _ in range(5):
+        bm.append_block(other)
+    other_slot = other.slot
+    third = Sequence([1, 2], SamplingParams())
+    bm.allocate_slot(third)  # holds seq's old slot: seq comes back into the one `other` used
+    scramble()
+    bm.free(other)
+    bm.allocate_slot(seq)
+    assert seq.slot == other_slot
+    for _ in range(swapper.blocks_needed(seq)):
+        bm.append_block(seq)
+    swapper.swap_in(seq)
+    assert seq.num_cached == 14
+    got = owned(seq, 3)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def _llm(engine_dir, **kw):
     from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
 
