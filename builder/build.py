@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import platform
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, get_args
@@ -165,9 +166,10 @@ def build_engine(
         )
 
     # ------------------------------------------------------------ model and calibration
-    check_model(loaded.info if loaded is not None else model_info(model), attention, backend)  # before any weights load
-    if loaded is None:
-        loaded = load_model(model, device="cpu", dtype="float32")
+    base_info = loaded.info if loaded is not None else model_info(model)
+    check_model(base_info, attention, backend)  # before any weights load
+    if loaded is None:  # the memory plan first: a refusal writes nothing (trtkv/memory.py)
+        loaded = _load_for_build(model, base_info, backend, dtype, console)
     info = loaded.info
     [base_fmt], notes = fit_formats([base_fmt], info.head_dim)  # presets fit any head_dim
     fmt = base_fmt.with_block_size(bs)
@@ -223,7 +225,9 @@ def build_engine(
                 write_ort_model(str(tmp / ONNX_FILE), str(tmp / ORT_PLUGIN_ONNX_FILE))
         with stages.stage("check", "onnx.checker + one ONNX Runtime step" if backend != "torch" else "one torch-engine step"):
             if backend == "torch":
-                if smoke_check:
+                if smoke_check and loaded.model is None:
+                    loaded = _load_for_smoke_step(model, loaded, console)
+                if smoke_check and loaded.model is not None:
                     torch_build.smoke_step(loaded, layout1, params)
             else:
                 _check(tmp, fmt, info, layout1, params, attention, smoke_check)
@@ -254,6 +258,57 @@ def build_engine(
     if console:
         print_summary(console, manifest, out)
     return out
+
+
+@dataclass
+class _NoWeights:
+    """What ``build-engine --backend torch`` needs of a model without reading its weights: the record and the tokenizer
+    (the engine references the weights by path + sha256; the torch engine loads them when it opens)."""
+
+    info: Any
+    tokenizer: Any
+    model: Any = None
+
+
+def _load_for_build(model: str, info, backend: str, dtype: str, console):
+    """The model as the build needs it, planned before a weight is read. ``--backend torch``: no weights at all (the
+    record and the tokenizer); the ONNX backends: the weights in float32, plus the step network's copy of them at
+    ``dtype`` and its serialized proto (2 x the weights at the network dtype, counted as the build's activations)."""
+    from trtkv.memory import choose_load, element_size
+    from trtkv.models import load_tokenizer
+
+    if backend == "torch":
+        return _NoWeights(info=info, tokenizer=load_tokenizer(model, required=False))
+    import torch
+
+    net = torch.float32 if dtype == "fp32" else torch.float16
+    try:
+        lp = choose_load(info, torch.device("cpu"), "float32", activations=2 * info.num_params * element_size(net),
+                         can_stream=False, command="build-engine")
+    except TrtkvError as exc:
+        raise TrtkvError(exc.problem, "try --backend torch (its build reads no weights), or a machine or cgroup with more memory") from None
+    return load_model(model, device="cpu", dtype=lp.dtype)
+
+
+def _load_for_smoke_step(model: str, loaded, console):
+    """The weights for the torch engine's one check step when they fit (float32, else bfloat16); else the check is
+    skipped with a note, and the engine is checked against the weights when it opens (path + sha256)."""
+    import torch
+
+    from trtkv.memory import activation_bytes, choose_load
+
+    info = loaded.info
+    try:
+        lp = choose_load(info, torch.device("cpu"), "auto", activations=activation_bytes(info, batch=1, seq_len=2, dtype=torch.float32),
+                         can_stream=False, command="build-engine check step")
+    except TrtkvError as exc:
+        if console:
+            console.print(f"note: the torch-engine check step is skipped: {exc.problem}")
+        return loaded
+    if console and lp.note:
+        console.print(f"note: {lp.note}")
+    full = load_model(model, device="cpu", dtype=lp.dtype)
+    return _NoWeights(info=info, tokenizer=loaded.tokenizer, model=full.model)
 
 
 def _export(tmp: Path, loaded, layout, params, att, dtype):

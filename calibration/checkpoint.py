@@ -316,6 +316,32 @@ def _out_dtype(dtype: str, loaded: Any) -> str:
     return d
 
 
+def _plan_load(model: str, info: Any, target: str, fmt: KVFormat, tp_size: int, dtype: str, cal: Any, q_windows: int | None):
+    """(load dtype, note): float32 when it fits (as before), else the output dtype (the written weights are the same:
+    they are cast to it anyway). Counted beyond the weights: the copy at the output dtype the writer makes
+    (vLLM: the whole state dict; TensorRT-LLM: one rank's share), and the FP8 query-range forward over batches of 4
+    calibration windows."""
+    from types import SimpleNamespace
+
+    from trtkv.memory import activation_bytes, choose_load, element_size
+    from trtkv.models import gguf_cache_dir
+
+    src = Path(info.source)
+    out = _OUT_DTYPES[_out_dtype(dtype, SimpleNamespace(checkpoint_dir=src if src.is_dir() else gguf_cache_dir(model)))]
+    copy = info.num_params * element_size(out) // (tp_size if target == "trtllm" else 1)
+    seq = cal.recipe.seq_len or 2048
+    forward = activation_bytes(info, batch=4, seq_len=seq, dtype=torch.float32) if target == "trtllm" and fmt.k.dtype == "fp8_e4m3" and q_windows != 0 else 0
+    cpu = torch.device("cpu")
+    try:
+        return choose_load(info, cpu, "float32", activations=copy + forward, can_stream=False, command="export").dtype, None
+    except TrtkvError as first:
+        try:
+            lp = choose_load(info, cpu, out, activations=forward, can_stream=False, command="export")
+        except TrtkvError as exc:
+            raise TrtkvError(exc.problem, "try a smaller --q-windows (0 skips the query pass), or a machine or cgroup with more memory") from None
+        return lp.dtype, f"weights loaded in {str(out).removeprefix('torch.')}, the output dtype, not float32 ({first.problem.split(': ', 1)[1]})"
+
+
 def _vllm_quantization_config(fmt: KVFormat) -> dict:
     from trtkv.calibration.export import vllm_kv_cache_scheme
 
@@ -403,8 +429,10 @@ def export_checkpoint(
     check_target_format(target, fmt)
     info = loaded.info if loaded is not None else model_info(model)
     params = cal.params_for(fmt, info, allow_other_model=allow_other_model)  # refuses another model / missing format
-    if loaded is None:
-        loaded = load_model(model, device="cpu", dtype="float32")
+    load_note = None
+    if loaded is None:  # the memory plan before a weight is read: a refusal writes nothing
+        load_dtype, load_note = _plan_load(model, info, target, fmt, tp_size, dtype, cal, q_windows)
+        loaded = load_model(model, device="cpu", dtype=load_dtype)
     cfg = loaded.model.config
     if target == "trtllm":
         check_trtllm_model(loaded.info, cfg, tp_size)
@@ -419,7 +447,7 @@ def export_checkpoint(
             f"use a tp size that divides {loaded.info.num_kv_heads} or is a multiple of it",
         )
     out_dtype = _out_dtype(dtype, loaded)
-    notes: list[str] = []
+    notes: list[str] = [load_note] if load_note else []
     q_amax = None
     if target == "vllm":
         scales = vllm_scale_tensors(params)

@@ -89,6 +89,30 @@ def _pool_summary(m, opts) -> str:
     return f"KV format {m.kv_spec}: {each}{plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
 
 
+def _plan_torch_serve(m, opts) -> None:
+    """The memory plan of serving torch engine ``m`` (trtkv/memory.py): every model instance loads its own weights
+    (float32 on CPU when they fit, else bfloat16) and takes its share of the KV budget (``--kv-memory``, else the CPU
+    default; on a GPU without --kv-memory the pool is sized from what the weights leave free: not counted)."""
+    import torch
+
+    from trtkv.memory import GIB, gib
+    from trtkv.runtime.llm_engine import DEFAULT_CPU_KV_GIB
+    from trtkv.runtime.torch_engine import load_plan
+    from trtkv.triton_repo.repository import detect_instance_kind
+
+    kind = detect_instance_kind(opts.instance_kind)
+    dev = torch.device("cuda" if kind == "gpu" and torch.cuda.is_available() else "cpu")
+    kv = opts.kv_memory_gib if opts.kv_memory_gib is not None else (DEFAULT_CPU_KV_GIB if dev.type == "cpu" else 0.0)
+    lp = load_plan(m, dev, kv_bytes=int(kv * GIB))
+    p = lp.plan
+    need = p.total + (opts.instances - 1) * (p.weights + p.activations)
+    if need > p.budget.bytes:
+        raise TrtkvError(f"serve does not fit in memory: {opts.instances} instances need {gib(need)} ({p.describe()} for one)",
+                         "serve fewer --instances, or a smaller --kv-memory, or on a machine or cgroup with more memory")
+    if lp.note:
+        err_console.print(f"note: {lp.note}", highlight=False)
+
+
 def register(app: typer.Typer, handle_errors) -> None:
     @app.command("triton-repo")
     @handle_errors
@@ -158,6 +182,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
         opts = _repo_options(**repo_opts)
+        if manifest.backend == "torch" and opts.backend in ("auto", "torch"):
+            _plan_torch_serve(manifest, opts)  # the weights + KV of every instance, before the server reads any
         summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
         if grace < 0 or restarts < 0:

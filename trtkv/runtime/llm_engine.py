@@ -119,7 +119,13 @@ class LLMEngine:
         config = config or RuntimeConfig()
         engine_dir = Path(engine_dir)
         manifest = load_manifest(engine_dir)  # the one load in this process; the engine and the cache get the object
-        engine = open_engine(engine_dir, config.backend, manifest=manifest)
+        kw = {}
+        if config.backend == "torch" or (config.backend == "auto" and manifest.backend == "torch"):
+            # the torch engine plans its weights with the KV budget before it reads them (torch_engine.load_plan);
+            # on CUDA without --kv-memory the pool takes a fraction of what is free after the weights: not counted
+            dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            kw["kv_bytes"] = resolve_kv_budget(config, dev) if (dev.type == "cpu" or config.kv_memory_gib is not None) else 0
+        engine = open_engine(engine_dir, config.backend, manifest=manifest, **kw)
         if engine.name == "onnxruntime":
             # The runtime's own torch work (sealing blocks, sampling) is small; on one thread it does not
             # wake an OpenMP pool that competes with ONNX Runtime's threads (measured: 40 ms -> 4 us per seal matmul).

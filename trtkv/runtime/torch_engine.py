@@ -33,6 +33,7 @@ the ring's, the kernels through a logical block table whose column ``j`` is the 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,22 @@ class _Step:
     ring_table: torch.Tensor | None = None  # kernels: the ringed layers' logical block table (``_ring_table``)
 
 
+def load_plan(m: EngineManifest, device: torch.device, dtype: str | None = None, *, kv_bytes: int = 0):
+    """The memory plan of opening engine ``m`` on ``device`` (``trtkv.memory.choose_load``), before a weight is read:
+    the weights resident (default dtype: float32 on CPU when it fits, else bfloat16; bfloat16 on CUDA), the KV budget
+    ``kv_bytes``, and the activations of the largest step the engine takes (``max_batch`` sequences x one block of new
+    tokens over ``max_seq_len`` of context, last-token logits). Raises the one-line refusal when they do not fit."""
+    from trtkv.memory import activation_bytes, choose_load
+
+    device = torch.device(device)
+    request = dtype or ("auto" if device.type == "cpu" else "bfloat16")
+    lim, info = m.limits, m.model
+    act = activation_bytes(info, batch=lim.max_batch, seq_len=lim.max_new_tokens_per_step, context=lim.max_seq_len,
+                           dtype=torch.float32, logits=False) + lim.max_batch * info.vocab_size * 4
+    return choose_load(info, device, request, activations=act, kv=kv_bytes, can_stream=False, stream="never",
+                       command=f"opening the torch engine of {info.name}")
+
+
 class TorchEngine(Engine):
     """A transformers causal LM over trtkv's paged cache (see the module docstring)."""
 
@@ -122,16 +139,19 @@ class TorchEngine(Engine):
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, *, device=None, dtype: str | None = None, attention: str = "auto",
-                        manifest: EngineManifest | None = None) -> "TorchEngine":
+                        manifest: EngineManifest | None = None, kv_bytes: int = 0) -> "TorchEngine":
         """Load the model an engine directory of backend ``torch`` references (path + sha256, checked); ``manifest``:
-        the directory's, when the caller loaded it already."""
+        the directory's, when the caller loaded it already; ``kv_bytes``: the KV budget the caller will allocate on
+        the same device, counted in the memory plan made before the weights are read (``load_plan``)."""
         m = manifest or load_manifest(engine_dir)
         if m.backend != "torch":
             raise TrtkvError(f"{engine_dir} is a {m.backend} engine, not a torch one", "open it with its own backend, or rebuild with --backend torch")
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or ("float32" if device.type == "cpu" else "bfloat16")
+        lp = load_plan(m, device, dtype, kv_bytes=kv_bytes)
+        if lp.note:
+            print(lp.note, file=sys.stderr)
         src = m.model.source if m.model.source and Path(m.model.source).exists() else m.model.name
-        loaded = load_model(src, device=str(device), dtype=dtype)
+        loaded = load_model(src, device=str(device), dtype=lp.dtype)
         if loaded.info.sha256 != m.model.sha256:
             raise TrtkvError(
                 f"the weights at {src} (sha256 {loaded.info.sha256[:12]}...) are not the ones the engine was built for ({m.model.sha256[:12]}...)",
