@@ -347,3 +347,28 @@ def test_serve_counts_every_instance_copy_of_the_weights(tiny_model, tmp_path, m
     _plan_torch_serve(m, RepoOptions(kv_memory_gib=0.01, instances=1, instance_kind="cpu"))
     with pytest.raises(TrtkvError, match="2 instances need"):
         _plan_torch_serve(m, RepoOptions(kv_memory_gib=0.01, instances=2, instance_kind="cpu"))
+
+
+def test_export_plans_its_load(tiny_model, tmp_path, monkeypatch):
+    """Refused before a weight is read (nothing written); between the float32 plan and the output dtype's, the weights
+    are loaded at the output dtype, and the result says so."""
+    from trtkv.calibration.checkpoint import export_checkpoint
+    from trtkv.calibration.run import run_calibration
+    from trtkv.memory import HOST_OVERHEAD
+    from trtkv.models import model_info
+
+    model_dir, _ = tiny_model("mistral", with_tokenizer=True)
+    monkeypatch.delenv(LIMIT_ENV, raising=False)
+    cal = run_calibration(str(model_dir), "builtin:pydoc", tmp_path / "cal", formats=["fp8"], method="max", samples=2, seq_len=16,
+                          progress=False, reservoir=16)
+    monkeypatch.setenv(LIMIT_ENV, "1MiB")
+    with pytest.raises(TrtkvError, match=r"export does not fit in memory: .*1\.0 MiB \(TRTKV_MEMORY_LIMIT\)"):
+        export_checkpoint(cal, str(model_dir), "vllm", tmp_path / "vllm", kv="fp8", dtype="float16")
+    assert not (tmp_path / "vllm").exists()
+    n = model_info(str(model_dir)).num_params
+    monkeypatch.setenv(LIMIT_ENV, str(HOST_OVERHEAD + 4 * n))  # float32 + the float16 copy: 6n; float16 alone: 2n
+    res = export_checkpoint(cal, str(model_dir), "vllm", tmp_path / "vllm", kv="fp8", dtype="float16")
+    assert res.dtype == "float16" and any("weights loaded in float16" in note for note in res.notes), res.notes
+    monkeypatch.setenv(LIMIT_ENV, "64GiB")
+    res = export_checkpoint(cal, str(model_dir), "vllm", tmp_path / "vllm2", kv="fp8", dtype="float16")
+    assert not any("weights loaded" in note for note in res.notes)
