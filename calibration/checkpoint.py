@@ -342,6 +342,27 @@ def _plan_load(model: str, info: Any, target: str, fmt: KVFormat, tp_size: int, 
         return lp.dtype, f"weights loaded in {str(out).removeprefix('torch.')}, the output dtype, not float32 ({first.problem.split(': ', 1)[1]})"
 
 
+def _copy_source(model: str, info: Any, dtype: str, max_shard_size: str | int, refused: TrtkvError) -> tuple[Any, str]:
+    """The source to copy tensor by tensor when the resident export does not fit (vLLM only: no weight is transformed):
+    an object with ``info``, ``model`` None, ``tokenizer`` and ``checkpoint_dir``; refused in one line when even one
+    output shard does not fit."""
+    from types import SimpleNamespace
+
+    from trtkv.memory import HOST_OVERHEAD, available_memory, gib, parse_bytes
+    from trtkv.models import checkpoint_dir, load_tokenizer
+
+    shard = max_shard_size if isinstance(max_shard_size, int) else parse_bytes(max_shard_size, "--max-shard-size")
+    largest = info.vocab_size * info.hidden_size * 4  # the embeddings, the largest tensor, as read (up to float32)
+    budget = available_memory(torch.device("cpu"))
+    need = shard + largest + HOST_OVERHEAD  # the shard being filled, the tensor just read (its cast goes into the shard)
+    if need > budget.bytes:
+        raise TrtkvError(f"{refused.problem}; copying the weights shard by shard needs {gib(need)} with --max-shard-size {max_shard_size}",
+                         f"pass a smaller --max-shard-size (e.g. 1GB), or {refused.fix}") from None
+    ckpt, _ = checkpoint_dir(model)
+    src = SimpleNamespace(info=info, model=None, tokenizer=load_tokenizer(model, required=False), checkpoint_dir=ckpt)
+    return src, f"weights copied tensor by tensor from the source shards at most {max_shard_size} at a time ({refused.problem.split(': ', 1)[1]})"
+
+
 def _vllm_quantization_config(fmt: KVFormat) -> dict:
     from trtkv.calibration.export import vllm_kv_cache_scheme
 
@@ -369,6 +390,70 @@ def _write_vllm(tmp: Path, loaded: Any, scales: dict[str, torch.Tensor], fmt: KV
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(str(tmp))
+
+
+def _write_vllm_copied(tmp: Path, src: Any, scales: dict[str, torch.Tensor], fmt: KVFormat, dtype: str, max_shard_size: str | int) -> None:
+    """The vLLM checkpoint copied tensor by tensor from the source checkpoint's shards, no model in memory: at most
+    one output shard (``max_shard_size``) and one source tensor are held. What a model too large for the process takes
+    (the resident writer holds the model and a copy of it); the names are the source's Hugging Face ones."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from trtkv.memory import parse_bytes
+    from trtkv.streaming import tensor_files
+
+    limit = max_shard_size if isinstance(max_shard_size, int) else parse_bytes(max_shard_size, "--max-shard-size")
+    tdt = _OUT_DTYPES[dtype]
+    files = tensor_files(src.checkpoint_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    names: list[str] = []
+    size, total = 0, 0
+
+    def flush() -> None:
+        nonlocal size
+        name = f".shard-{len(names):05d}.safetensors"
+        save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+        names.append(name)
+        shards[-1] = {}
+        size = 0
+
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    keys = [(name, None) for f in sorted(by_file) for name in by_file[f]] + [(k, v) for k, v in scales.items()]
+    weight_map: dict[str, int] = {}
+    for name, given in keys:
+        if given is None:
+            with safe_open(str(files[name]), framework="pt", device="cpu") as h:
+                t = h.get_tensor(name)
+            t = t.to(tdt) if t.is_floating_point() else t
+        else:
+            t = given
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > limit:
+            flush()
+        shards[-1][name] = t
+        weight_map[name] = len(names)
+        size += nbytes
+        total += nbytes
+    flush()
+    n = len(names)
+    final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for old, new in zip(names, final):
+        (tmp / old).rename(tmp / new)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg = json.loads((Path(src.checkpoint_dir) / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = dtype
+    cfg["quantization_config"] = _vllm_quantization_config(fmt)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = Path(src.checkpoint_dir) / "generation_config.json"
+    if gen.is_file():
+        (tmp / gen.name).write_text(gen.read_text())
+    if src.tokenizer is not None:
+        src.tokenizer.save_pretrained(str(tmp))
 
 
 def _write_trtllm(tmp: Path, loaded: Any, kv_scale: torch.Tensor, fmt: KVFormat, tp_size: int, dtype: str) -> None:
@@ -431,11 +516,15 @@ def export_checkpoint(
     params = cal.params_for(fmt, info, allow_other_model=allow_other_model)  # refuses another model / missing format
     load_note = None
     if loaded is None:  # the memory plan before a weight is read: a refusal writes nothing
-        load_dtype, load_note = _plan_load(model, info, target, fmt, tp_size, dtype, cal, q_windows)
-        loaded = load_model(model, device="cpu", dtype=load_dtype)
-    cfg = loaded.model.config
+        try:
+            load_dtype, load_note = _plan_load(model, info, target, fmt, tp_size, dtype, cal, q_windows)
+            loaded = load_model(model, device="cpu", dtype=load_dtype)
+        except TrtkvError as refused:
+            if target != "vllm" or not refused.problem.startswith("export does not fit"):
+                raise
+            loaded, load_note = _copy_source(model, info, dtype, max_shard_size, refused)
     if target == "trtllm":
-        check_trtllm_model(loaded.info, cfg, tp_size)
+        check_trtllm_model(loaded.info, loaded.model.config, tp_size)
     elif loaded.info.num_heads % tp_size:
         raise TrtkvError(
             f"vLLM cannot split {loaded.info.num_heads} attention heads over --tensor-parallel-size {tp_size}",
@@ -466,7 +555,9 @@ def export_checkpoint(
 
     what = f"the {target} checkpoint"
     with atomic_directory(dest, what=what) as tmp:
-        if target == "vllm":
+        if target == "vllm" and loaded.model is None:
+            _write_vllm_copied(tmp, loaded, scales, fmt, out_dtype, max_shard_size)
+        elif target == "vllm":
             _write_vllm(tmp, loaded, scales, fmt, out_dtype, max_shard_size)
         else:
             _write_trtllm(tmp, loaded, kv_scale, fmt, tp_size, out_dtype)

@@ -497,3 +497,49 @@ def test_builtin_model_exports_load_back(builtin_model, tmp_path):
     assert all(s > 0 and math.isfinite(s) for s in res.scales["kv"])
     with pytest.raises(TrtkvError, match="9 attention heads"):
         export_checkpoint(cal, "smollm2-135m", "trtllm", tmp_path / "trt2", tp_size=2, loaded=builtin_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_vllm_export_copies_tensor_by_tensor_when_the_model_does_not_fit(tiny, tmp_path, monkeypatch, name):
+    """A budget the resident export (float32 model + its copy) is over but one output shard fits: the weights are copied
+    from the source shards, equal to the resident export's tensors (tied embeddings included), and load back."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from trtkv import memory
+
+    d, model, cal, _ = tiny(name)
+    ref = export_checkpoint(cal, str(d), "vllm", tmp_path / "resident", dtype="float16", max_shard_size="40KB")
+    assert not any("copied" in n for n in ref.notes)
+    params = sum(p.numel() for p in model.parameters())
+    monkeypatch.setenv(memory.LIMIT_ENV, str(memory.HOST_OVERHEAD + params * 2 - 1))  # not even the float16 model fits
+    res = export_checkpoint(cal, str(d), "vllm", tmp_path / "copied", dtype="float16", max_shard_size="40KB")
+    assert any("copied tensor by tensor" in n for n in res.notes)
+
+    def tensors(out: Path) -> dict[str, torch.Tensor]:
+        files = sorted(out.glob("*.safetensors"))
+        assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+        t = {}
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                t.update({k: h.get_tensor(k) for k in h.keys()})
+        return t
+
+    a, b = tensors(tmp_path / "resident"), tensors(tmp_path / "copied")
+    assert set(b) - set(a) == set()  # nothing the resident export lacks (tied lm_head is left out of both or kept in both)
+    for k in b:
+        assert b[k].dtype == a[k].dtype and torch.equal(b[k], a[k]), k
+    index = json.loads((tmp_path / "copied" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(b)
+    cfg = json.loads((tmp_path / "copied" / "config.json").read_text())
+    assert cfg["dtype"] == "float16" and cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "copied", dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model.half().float()(ids).logits, rtol=0, atol=1e-4)
+    # one shard must fit: a budget under it is refused in one line naming --max-shard-size, nothing written
+    monkeypatch.setenv(memory.LIMIT_ENV, str(memory.HOST_OVERHEAD))
+    with pytest.raises(TrtkvError, match="--max-shard-size"):
+        export_checkpoint(cal, str(d), "vllm", tmp_path / "none", dtype="float16", max_shard_size="40KB")
+    assert not (tmp_path / "none").exists()

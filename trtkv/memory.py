@@ -8,8 +8,8 @@ code 2) rather than be killed by the kernel. docs/models-and-data.md "Memory pla
 1. ``TRTKV_MEMORY_LIMIT`` (bytes, or ``8GiB`` / ``512MiB`` / ``2G``): taken as is (tests, and users who know better);
 2. else the memory cgroup of *this* process (``/proc/self/cgroup``; v2 ``memory.max``, v1
    ``memory.limit_in_bytes``; every ancestor up to the hierarchy's root counts, the tightest wins): the limit minus
-   what the cgroup is charged now less its inactive page cache (``memory.current`` / ``memory.usage_in_bytes``
-   minus ``inactive_file`` of ``memory.stat``, which the kernel reclaims before it kills) — and never more than
+   what the cgroup is charged now less its page cache (``memory.current`` / ``memory.usage_in_bytes``
+   minus the page cache (``inactive_file`` + ``active_file`` of ``memory.stat``), which the kernel reclaims before it kills) — and never more than
    ``MemAvailable``;
 3. else ``MemAvailable`` of ``/proc/meminfo``.
 
@@ -130,7 +130,8 @@ def _ancestors(base: Path, path: str) -> list[Path]:
 def cgroup_available(proc: str | Path = "/proc", cgroup: str | Path = "/sys/fs/cgroup") -> tuple[int, str] | None:
     """(bytes this process's memory cgroup can still be charged, source) or None when no limit is set.
 
-    Per cgroup level with a limit: ``limit - (usage - inactive_file)``; the smallest over the process's cgroup and
+    Per cgroup level with a limit: ``limit - (usage - inactive_file - active_file)`` (the page cache of files read, such
+    as a checkpoint just hashed, is reclaimed before the kernel kills anything); the smallest over the process's cgroup and
     its ancestors. v2 first (``memory.max``; "max" = none), then v1 (``memory.limit_in_bytes``; a huge value = none).
     """
     proc, cgroup = Path(proc), Path(cgroup)
@@ -149,7 +150,8 @@ def cgroup_available(proc: str | Path = "/proc", cgroup: str | Path = "/sys/fs/c
             if limit is None or limit == "max" or not limit.isdigit():
                 continue
             usage = int(_read(d / "memory.current") or 0)
-            usage -= _stat_value(_read(d / "memory.stat"), "inactive_file")
+            stat = _read(d / "memory.stat")
+            usage -= _stat_value(stat, "inactive_file") + _stat_value(stat, "active_file")  # clean page cache is reclaimed
             consider(int(limit) - max(0, usage), "cgroup v2 memory.max")
     if best is None and "v1" in paths:
         for d in _ancestors(cgroup / "memory", paths["v1"]):
@@ -157,7 +159,8 @@ def cgroup_available(proc: str | Path = "/proc", cgroup: str | Path = "/sys/fs/c
             if limit is None or not limit.isdigit() or int(limit) >= _V1_UNLIMITED:
                 continue
             usage = int(_read(d / "memory.usage_in_bytes") or 0)
-            usage -= _stat_value(_read(d / "memory.stat"), "total_inactive_file", "inactive_file")
+            stat = _read(d / "memory.stat")
+            usage -= _stat_value(stat, "total_inactive_file", "inactive_file") + _stat_value(stat, "total_active_file", "active_file")
             consider(int(limit) - max(0, usage), "cgroup v1 memory.limit_in_bytes")
     return best
 
