@@ -132,6 +132,15 @@ def test_cgroup_v1_limit_minus_usage_less_inactive_page_cache(tmp_path):
     assert host_memory(proc, cg, env={}) == MemoryBudget(5 * GIB, "cgroup v1 memory.limit_in_bytes")
 
 
+def test_cgroup_v1_active_page_cache_counts_as_reclaimable(tmp_path):
+    """A checkpoint just hashed sits in active_file: that page cache is reclaimed before the kernel kills anyone."""
+    proc = _proc(tmp_path, V1_CGROUP)
+    cg = _v1(tmp_path, 8 * GIB, usage=6 * GIB, inactive=GIB)
+    stat = cg / "memory" / "docker/abc" / "memory.stat"
+    stat.write_text(stat.read_text() + f"total_active_file {3 * GIB}\n")
+    assert cgroup_available(proc, cg) == (6 * GIB, "cgroup v1 memory.limit_in_bytes")  # 8 - (6 - 1 - 3)
+
+
 def test_cgroup_v1_huge_limit_means_no_limit(tmp_path):
     proc = _proc(tmp_path, V1_CGROUP, mem_available=20 * GIB)
     cg = _v1(tmp_path, 9223372036854771712, usage=5 * GIB, inactive=2 * GIB)
