@@ -168,7 +168,7 @@ def run_calibration(
     """
     from rich.console import Console
 
-    from trtkv.data import describe_dataset, token_windows, window_count
+    from trtkv.data import adds_bos, describe_dataset, token_windows, window_count
     from trtkv.models import load_tokenizer, model_info, resolve_device, resolve_dtype
 
     if method not in METHODS:
@@ -245,6 +245,7 @@ def run_calibration(
         dataset=describe_dataset(dataset, text_field),
         samples=int(windows.shape[0]),
         seq_len=seq_len,
+        windows_start_with_bos=adds_bos(tok),
         seed=seed,
         tokens=stats.count,
         method=method,

@@ -146,7 +146,7 @@ def test_calibrate_runs_and_reports_layer_types(family, name, tmp_path):
 # --------------------------------------------------------------------------- GGUF
 
 
-def _write_gguf(model, tokenizer, path, arch_name: str) -> None:
+def _write_gguf(model, tokenizer, path, arch_name: str, add_bos: bool | None = None) -> None:
     """A GGUF of ``model`` the way llama.cpp's converter lays it out (Gemma: norms stored as 1 + w), with a byte-level BPE tokenizer."""
     import gguf
 
@@ -176,6 +176,8 @@ def _write_gguf(model, tokenizer, path, arch_name: str) -> None:
     w.add_eos_token_id(vocab["<eos>"])
     w.add_bos_token_id(vocab["<eos>"])
     w.add_pad_token_id(0)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name), cfg.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -81,7 +81,7 @@ class Served:
 
     def count(self, text: str) -> int:
         """Prompt tokens exactly as the runtime encodes a prompt (``LLMEngine.add_request``)."""
-        return len(self.tokenizer.encode(text))
+        return len(self.tokenizer(text)["input_ids"])
 
 
 def _check(req: _Common, served: Served, max_tokens: int | None) -> list[str]:
@@ -175,7 +175,22 @@ def chat_prompt(served: Served, req: ChatRequest) -> str:
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     if not getattr(served.tokenizer, "chat_template", None):
         raise OpenAIError(400, f"the model '{served.name}' has no chat template; use /v1/completions", param="messages")
-    return served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return _without_template_bos(served.tokenizer, text)
+
+
+def _without_template_bos(tokenizer, text: str) -> str:
+    """The rendered chat without the BOS its template writes when the tokenizer adds BOS itself.
+
+    The runtime encodes every prompt as ``tokenizer(prompt)`` (``LLMEngine.make_sequence``), so the chat's ids
+    are then those of ``apply_chat_template(..., add_generation_prompt=True)``, with one BOS, not two.
+    """
+    from trtkv.data import adds_bos
+
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and adds_bos(tokenizer):
+        return text[len(bos):]
+    return text
 
 
 def create_app(served: Served):

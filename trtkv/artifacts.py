@@ -105,6 +105,7 @@ class CalibrationRecipe(BaseModel):
     dataset: dict[str, Any] = {}
     samples: int = 0
     seq_len: int = 0
+    windows_start_with_bos: bool = False  # [BOS] + seq_len-1 tokens per window (the tokenizer adds BOS)
     seed: int = 0
     tokens: int = 0
     method: str = "mse"

@@ -399,6 +399,19 @@ def _tokenize_documents(tokenizer, docs: list[str]) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.long)
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS in front of a text (``tokenizer("x").input_ids`` starts with ``bos_token_id``).
+
+    The one rule for windows and served prompts: decided by what the tokenizer does, not by its flags.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if tokenizer is None or bos is None:
+        return False
+    ids = list(tokenizer("x")["input_ids"])
+    plain = list(tokenizer("x", add_special_tokens=False)["input_ids"])
+    return bool(ids) and ids[0] == bos and plain[:1] != [bos]
+
+
 _TOKEN_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
@@ -440,6 +453,8 @@ def token_windows(
 ) -> torch.LongTensor:
     """``[n, seq_len]`` non-overlapping token windows of one split, ``samples`` of them chosen with ``seed``.
 
+    When the tokenizer adds BOS (``adds_bos``) each window is ``[BOS]`` + the next ``seq_len - 1`` stream tokens.
+
     Windows come back in source order. ``samples=None`` returns every window. ``samples_flag`` is the
     command-line flag that set ``samples`` (``--samples`` for calibrate, ``--windows`` for eval), named in errors.
     """
@@ -448,13 +463,19 @@ def token_windows(
     if samples is not None and (not isinstance(samples, int) or samples < 1):
         raise TrtkvError(f"{samples_flag} must be a positive integer, got {samples!r}", f"pass e.g. {samples_flag} 64")
     ids = split_tokens(tokenizer, spec, split, text_field)
-    n = ids.numel() // seq_len
+    bos = adds_bos(tokenizer)
+    if bos and seq_len < 2:
+        raise TrtkvError(f"--seq-len must be at least 2 when the tokenizer adds BOS, got {seq_len}", "pass e.g. --seq-len 512")
+    body = seq_len - bos  # [BOS] + seq_len-1 stream tokens when the tokenizer adds BOS (llama.cpp perplexity)
+    n = ids.numel() // body
     if n == 0:
         raise TrtkvError(
             f"the '{split}' split of dataset '{spec}' has only {ids.numel()} tokens, fewer than one window of {seq_len}",
             "lower --seq-len or use a dataset with more text",
         )
-    windows = ids[: n * seq_len].view(n, seq_len)
+    windows = ids[: n * body].view(n, body)
+    if bos:
+        windows = torch.cat([torch.full((n, 1), int(tokenizer.bos_token_id), dtype=windows.dtype), windows], dim=1)
     if samples is None:
         return windows.clone()
     if samples > n:
@@ -468,11 +489,11 @@ def token_windows(
 
 
 def window_count(tokenizer, spec: str, *, seq_len: int, split: str = "calib", text_field: str = "text") -> int:
-    """How many windows of ``seq_len`` tokens a split holds."""
-    return split_tokens(tokenizer, spec, split, text_field).numel() // seq_len
+    """How many windows of ``seq_len`` tokens a split holds (``seq_len - 1`` stream tokens each when the tokenizer adds BOS)."""
+    return split_tokens(tokenizer, spec, split, text_field).numel() // max(1, seq_len - adds_bos(tokenizer))
 
 
 __all__ = [
-    "SPLITS", "load_documents", "describe_dataset", "split_documents", "split_tokens", "token_windows",
+    "SPLITS", "adds_bos", "load_documents", "describe_dataset", "split_documents", "split_tokens", "token_windows",
     "window_count",
 ]

@@ -396,7 +396,7 @@ def run_eval(
     neither fits.
     """
     from trtkv import __version__
-    from trtkv.data import describe_dataset, token_windows
+    from trtkv.data import adds_bos, describe_dataset, token_windows
     from trtkv.formats import fit_formats
     from trtkv.models import load_tokenizer, model_info, resolve_device, resolve_dtype
 
@@ -458,7 +458,7 @@ def run_eval(
             dataset=dataset, dataset_sha256=ds.get("sha256"), text_field=text_field, split="eval",
             calibration=None if artifact is None else str(artifact.path),
             calibration_sha256=None if artifact is None else calibration_sha256(artifact.path),
-            seq_len=seq_len, windows=int(ids.shape[0]), seed=seed, device=str(loaded.device),
+            seq_len=seq_len, windows=int(ids.shape[0]), windows_start_with_bos=adds_bos(tok), seed=seed, device=str(loaded.device),
             dtype=str(loaded.dtype).replace("torch.", ""), batch_size=batch_size, streamed=loaded.streamer is not None,
             generate_prompts=generate_prompts, generate_tokens=generate_tokens,
             formats={f.name: f.spec() for f in fmts}, notes=notes, allow_other_model=allow_other_model,

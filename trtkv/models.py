@@ -564,6 +564,48 @@ def _load_tokenizer(d: Path, **kw):
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True, **kw)
 
 
+_GGUF_SPECIAL_FLAGS = {"tokenizer.ggml.add_bos_token": "add_bos_token", "tokenizer.ggml.add_eos_token": "add_eos_token"}
+
+
+def _gguf_special_flags(path: Path) -> dict[str, bool]:
+    """The GGUF's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (those present), as tokenizer attribute names."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    return {attr: bool(fields[key].contents()) for key, attr in _GGUF_SPECIAL_FLAGS.items() if key in fields}
+
+
+def _adds_eos(tok) -> bool:
+    eos = getattr(tok, "eos_token_id", None)
+    if eos is None or isinstance(eos, list):
+        return False
+    ids, plain = list(tok("x")["input_ids"]), list(tok("x", add_special_tokens=False)["input_ids"])
+    return bool(ids) and ids[-1] == eos and plain[-1:] != [eos]
+
+
+def _with_gguf_specials(tok, path: Path):
+    """``tok`` adding BOS / EOS exactly when the GGUF at ``path`` says so (transformers' GGUF tokenizers may not).
+
+    Applied on every load of a gguf's tokenizer, converted or not, so existing cache entries are right too;
+    the fast tokenizer rewrites its post-processor when ``add_bos_token`` / ``add_eos_token`` is set.
+    """
+    from trtkv.data import adds_bos
+
+    if tok is None:
+        return tok
+    does = {"add_bos_token": adds_bos, "add_eos_token": _adds_eos}
+    for attr, want in _gguf_special_flags(path).items():
+        if does[attr](tok) != want:
+            setattr(tok, attr, want)
+    return tok
+
+
+def _load_gguf_tokenizer(path: Path, ckpt: Path | None = None):
+    """The tokenizer of the gguf at ``path``: from its cache entry ``ckpt`` when given, else from the file's metadata."""
+    tok = _load_tokenizer(ckpt) if ckpt is not None else _load_tokenizer(path.parent, gguf_file=path.name)
+    return _with_gguf_specials(tok, path)
+
+
 def _convert_gguf(path: Path, sha: str, attn_implementation: str):
     """Dequantize a gguf with transformers and write it atomically to the cache. Returns (model, tok, dir)."""
     from transformers import AutoModelForCausalLM
@@ -575,7 +617,7 @@ def _convert_gguf(path: Path, sha: str, attn_implementation: str):
             str(path.parent), gguf_file=path.name, local_files_only=True, dtype=torch.float32,
             attn_implementation=attn_implementation,
         )
-    tok = _load_tokenizer(path.parent, gguf_file=path.name)
+    tok = _load_gguf_tokenizer(path)
     # The weights are plain floats now; drop the GGUF quantizer so save_pretrained accepts the model.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -648,9 +690,8 @@ def load_tokenizer(spec: str, tokenizer: str | Path | None = None, *, required: 
     path = resolve_model(spec)
     if path.is_file():  # gguf
         ckpt = _gguf_cache_dir(path, model_info(spec).sha256)
-        if (ckpt / _CACHE_MARKER).is_file() and has_tokenizer(ckpt):
-            return _load_tokenizer(ckpt)
-        return _load_tokenizer(path.parent, gguf_file=path.name)
+        cached = (ckpt / _CACHE_MARKER).is_file() and has_tokenizer(ckpt)
+        return _load_gguf_tokenizer(path, ckpt if cached else None)
     if has_tokenizer(path):
         return _load_tokenizer(path)
     if required:
@@ -726,7 +767,7 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 str(ckpt), local_files_only=True, dtype=dt, attn_implementation=attn_implementation
             )
-        tok = _load_tokenizer(ckpt) if has_tokenizer(ckpt) else None
+        tok = None if not has_tokenizer(ckpt) else _load_gguf_tokenizer(path, ckpt) if from_cache else _load_tokenizer(ckpt)
         if tok is None:
             log.debug("no tokenizer files in %s; LoadedModel.tokenizer is None", ckpt)
     if tokenizer is not None:

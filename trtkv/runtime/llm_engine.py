@@ -145,7 +145,8 @@ class LLMEngine:
         """Tokenize and validate a request (thread-safe: reads only constants); raises TrtkvError to reject it."""
         try:
             params.validate()
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            # a text prompt gets the special tokens the tokenizer adds (BOS when it adds one): tokenizer(prompt).input_ids
+            ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise TrtkvError("the prompt encodes to no tokens", "send a non-empty prompt")
             vocab = self.manifest.model.vocab_size
