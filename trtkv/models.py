@@ -15,7 +15,6 @@ RoPE layout (channel ``i`` pairs with ``i + head_dim/2``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.metadata
 import json
@@ -23,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -208,29 +206,18 @@ def _cache_root() -> Path:
     return Path(os.environ.get("TRTKV_CACHE") or "~/.cache/trtkv").expanduser()
 
 
-@functools.lru_cache(maxsize=64)
-def _sha256_file_cached(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_file(path: Path) -> str:
-    st = path.stat()
-    return _sha256_file_cached(str(path), st.st_size, st.st_mtime_ns)
+    """The file's sha256, cached per machine by (path, size, mtime) (``trtkv.content_hash``)."""
+    from trtkv.content_hash import sha256_file
+
+    return sha256_file(path)
 
 
 def _safetensors_files(d: Path) -> list[Path]:
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        extra = " (pytorch_model.bin is not supported)" if any(d.glob("*.bin")) else ""
-        raise TrtkvError(
-            f"model directory '{d}' has no *.safetensors weights{extra}",
-            "save the model with save_pretrained(..., safe_serialization=True) or pass a .gguf file",
-        )
-    return files
+    """The checkpoint's weight files (the shard index's when there is one): ``trtkv.shards.checkpoint_files``."""
+    from trtkv.shards import checkpoint_files
+
+    return checkpoint_files(d)
 
 
 def _dir_sha256(d: Path) -> str:
@@ -353,19 +340,6 @@ def _check_gguf_head_dim(cfg: dict, arch: str, arch_key: str, path: Path) -> Non
         )
 
 
-def _safetensors_numel(path: Path) -> int:
-    try:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    except Exception as e:
-        raise TrtkvError(
-            f"'{path}' is not a readable safetensors file ({type(e).__name__})",
-            "check that the download is complete",
-        ) from None
-
-
 def _token_ids(v: Any) -> tuple[int, ...]:
     """An eos id as configs write it (None, an int or a list) as a tuple."""
     return () if v is None else (int(v),) if isinstance(v, int) else tuple(int(e) for e in v)
@@ -472,7 +446,9 @@ def _dir_info(name: str, path: Path, dtype: str) -> ModelInfo:
     gen_path = path / "generation_config.json"
     eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
     fields = _config_fields(cfg, f"'{cfg_path}'", eos)
-    n = sum(_safetensors_numel(f) for f in _safetensors_files(path))
+    from trtkv.shards import tensor_index
+
+    n = sum(math.prod(e.shape) for e in tensor_index(path).values())
     return ModelInfo(
         name=name, source=str(path), sha256=_dir_sha256(path),
         param_bytes=n * _dtype_bytes(dtype), num_params=n, **fields,

@@ -136,20 +136,11 @@ def _swapped_layers(model: torch.nn.Module, stand_ins: Sequence[torch.nn.Module]
         parent._modules[name] = real
 
 
-def _files_of(ckpt: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it (the index's weight map when there is one)."""
-    import json
+def tensor_files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it (the index's weight map when there is one: ``trtkv.shards``)."""
+    from trtkv.shards import tensor_index
 
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: ckpt / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
+    return {k: e.file for k, e in tensor_index(Path(ckpt)).items()}
 
 
 class LayerStreamer:
@@ -161,7 +152,7 @@ class LayerStreamer:
 
     def __init__(self, model: torch.nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device):
         self.model, self.dtype, self.device = model, dtype, device
-        self.files = _files_of(checkpoint_dir)
+        self.files = tensor_files(checkpoint_dir)
         self.layers_path = decoder_layers_path(model)
         self.num_layers = len(_get(model, self.layers_path))
         self.read_bytes = 0
