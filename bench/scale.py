@@ -219,6 +219,41 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shape_info(shape: str, vocab: int = 128256):
+    """A ``ModelInfo`` of a named shape without a checkpoint (the memory plan needs only the geometry)."""
+    from trtkv.models import ModelInfo
+
+    c = SHAPES[shape]
+    h, L, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    hd = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    n = L * per_layer + vocab * h * (1 if c["tie_word_embeddings"] else 2) + h
+    return ModelInfo(name=shape, sha256="-", architecture="LlamaForCausalLM", num_layers=L, num_heads=c["num_attention_heads"],
+                     num_kv_heads=c["num_key_value_heads"], head_dim=hd, hidden_size=h, vocab_size=vocab, num_params=n)
+
+
+def fits_table() -> str:
+    """What fits where: each command's memory plan (trtkv.memory, the numbers the commands refuse by) for the real
+    vocabularies of Llama 3.1, at the commands' defaults (calibrate 64 x 512, eval 64 x 512 x 3 formats)."""
+    from trtkv.memory import GIB, activation_bytes, plan_memory
+
+    rows = ["| shape | parameters | command | float32 resident | bfloat16 resident | float32 streamed |", "|---|---:|---|---:|---:|---:|"]
+    cpu = torch.device("cpu")
+    for shape in ("llama-3.1-8b", "llama-3.1-70b"):
+        info = shape_info(shape)
+        for cmd, acts in (("calibrate", activation_bytes(info, batch=4, seq_len=512, dtype=torch.float32, logits=False)
+                           + 64 * 512 * info.hidden_size * 4),
+                          ("eval", activation_bytes(info, batch=4, seq_len=512, dtype=torch.float32, logits=True)
+                           + 3 * 64 * 512 * info.hidden_size * 4 + 3 * 4 * 512 * info.vocab_size * 4)):
+            cells = []
+            for dt_, streamed in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+                p = plan_memory(info, cpu, dt_, streamed=streamed, activations=acts, budget=None)
+                cells.append(f"{p.total / GIB:.1f} GiB")
+            rows.append(f"| {shape} | {info.num_params / 1e9:.2f} B | {cmd} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=[k for k in SHAPES if k != "llama-3.1-70b"])
@@ -228,7 +263,11 @@ def main() -> None:
     ap.add_argument("--steps", default="plan,calibrate,eval,build-engine,export,generate,plan-70b")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--fits", action="store_true", help="print what fits where (the memory plans of the shapes) and exit")
     args = ap.parse_args()
+    if args.fits:
+        print(fits_table())
+        return
 
     load0 = os.getloadavg()
     ckpt = write_checkpoint(args.shape, args.dir / args.shape)

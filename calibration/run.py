@@ -72,9 +72,12 @@ def calibrate_formats(
     stats: KVStats,
     formats: Sequence[KVFormat],
     method: str = "mse",
+    progress: Any = None,
     **knobs: Any,
 ) -> tuple[dict[str, list[LayerParams]], dict[str, FormatCalibration], dict[str, dict], dict[str, dict]]:
-    """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors)."""
+    """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors).
+
+    ``progress(line)``, when given, gets one line per format as its search ends (it takes minutes on an 8B model)."""
     params: dict[str, list[LayerParams]] = {}
     entries: dict[str, FormatCalibration] = {}
     ratios: dict[str, dict] = {}
@@ -82,6 +85,7 @@ def calibrate_formats(
     for fmt in formats:
         if not wants_params(fmt, method):
             continue
+        t0 = time.perf_counter()
         p = choose_params(stats, fmt, method, **knobs)
         params[fmt.name] = p
         ratios[fmt.name] = clip_ratio(stats, fmt, p)
@@ -91,6 +95,8 @@ def calibrate_formats(
             err.update({"k_max": base["k"], "v_max": base["v"]})
         errors[fmt.name] = err
         entries[fmt.name] = FormatCalibration(definition=fmt, method=method, layers=layer_choices(p, ratios[fmt.name]), mse=err)
+        if progress is not None:
+            progress(f"  scales of {fmt.name} ({method}) in {time.perf_counter() - t0:.1f} s")
     return params, entries, ratios, errors
 
 
@@ -190,7 +196,7 @@ def run_calibration(
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:
         resolve_dtype(dtype, resolve_device(device))
-        console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters", highlight=False)
+        console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; tokenizing {dataset}", highlight=False)
     tok = loaded.tokenizer if loaded is not None and tokenizer is None else load_tokenizer(model, tokenizer)
     if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
         samples = min(window_count(tok, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES) or None
@@ -209,7 +215,9 @@ def run_calibration(
 
     t0 = time.perf_counter()
     knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha)
-    params, entries, ratios, errors = calibrate_formats(stats, fmts, method, **knobs)
+    console.print(f"{stats.count:,} tokens through the model in {stats.seconds:.1f} s; choosing scales ({method}, "
+                  f"{stats.reservoir_size} sampled rows per layer)", highlight=False)
+    params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False), **knobs)
     search_s = time.perf_counter() - t0
     choice = None
     if want_budget is not None:
@@ -260,7 +268,9 @@ def run_calibration(
                     "search_seconds": round(search_s, 3)},
         exports=exports,
     )
+    t0 = time.perf_counter()
     files.update(render_report(recipe, stats, ratios, errors, exports))
+    console.print(f"  report in {time.perf_counter() - t0:.1f} s", highlight=False)
     if choice is not None:
         files["report.md"] = files["report.md"] + b"\n" + render_choice(choice, loaded.info.head_dim).encode()
     path = save_calibration(out, recipe, params, stats.to_tensors(), files)

@@ -422,6 +422,11 @@ def run_eval(
     if model is None:
         model = model_from_calibration(artifact) if artifact is not None else DEFAULT_MODEL
     info0 = model_info(model)
+    if progress:
+        from rich.console import Console
+
+        Console(stderr=True, soft_wrap=True).print(f"[bold]eval[/] {info0.name}: {info0.shape()}, {info0.num_params / 1e9:.2f} B parameters; "
+                                                   f"tokenizing {dataset}", highlight=False)
     fmts, notes = fit_formats(specs, info0.head_dim, optional=not formats)
     notes = skipped + notes
     if artifact is not None:
@@ -443,6 +448,8 @@ def run_eval(
                    console=Console(stderr=True, quiet=not progress, soft_wrap=True))
     if loaded.streamer is not None and generate_prompts > 0:
         notes.append("gen % skipped: the generation check needs the resident model (this run streamed its layers)")
+        if progress:
+            Console(stderr=True, soft_wrap=True).print(f"note: {notes[-1]}", highlight=False)
         generate_prompts = 0
     info = loaded.info
     params_for = (lambda f: artifact.params_for(f, info, allow_other_model=allow_other_model)) if artifact is not None else None
