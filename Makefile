@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= trtkv-out
 # Compiled Triton kernels are cached per user, like the converted GGUF (~/.cache/trtkv): a fresh clone reuses them.
-# A cold cache adds the AOT compile of every kernel configuration (minutes) to the first `make test`.
+# A cold cache adds the AOT compile of every kernel configuration (minutes) to the first `make test-tier2`.
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
