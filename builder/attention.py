@@ -28,6 +28,7 @@ from onnx import TensorProto
 from trtkv.builder.graph import Graph
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.formats import KVFormat, TensorFormat
+from trtkv.plugins.contract.capabilities import CAPABILITIES, ExecutionPath
 from trtkv.quant import TensorParams, hadamard_matrix, per_channel
 
 NEG_INF = float("-inf")
@@ -68,24 +69,24 @@ class AttentionBackend(ABC):
     """One way to compute attention over the paged cache inside the step network."""
 
     name: str = ""
-    block_sizes: tuple[int, ...] = ()
-    head_dims: tuple[int, ...] | None = None  # None: any (even for int4)
+
+    @property
+    def path(self) -> ExecutionPath:
+        """This backend's row of the capability table (plugins/contract/capabilities.py)."""
+        return CAPABILITIES[self.name]
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return self.path.block_sizes
+
+    @property
+    def head_dims(self) -> tuple[int, ...] | None:  # None: any (even for int4)
+        return self.path.head_dims
 
     def reasons(self, fmt: KVFormat, head_dim: int, block_size: int) -> list[str]:
-        """Why this backend cannot build ``fmt`` at this head dim and block size ([] when it can)."""
-        out = []
-        if block_size not in self.block_sizes:
-            out.append(f"{self.name} attention supports block sizes {list(self.block_sizes)}, not {block_size}")
-        if self.head_dims is not None and head_dim not in self.head_dims:
-            out.append(f"{self.name} attention supports head dims {list(self.head_dims)}, not {head_dim}")
-        for which, t in (("k", fmt.k), ("v", fmt.v)):
-            r = self.format_reason(t)
-            if r:
-                out.append(f"{which}={t.short()}: {r}")
-        return out
-
-    def format_reason(self, t: TensorFormat) -> str | None:
-        return None
+        """Why this backend cannot build ``fmt`` at this head dim and block size ([] when it can): the table's answer
+        (the pool layout and the model are asked apart, by the builder)."""
+        return [*self.path.size_reasons(block_size, head_dim), *self.path.format_reasons(fmt)]
 
     @abstractmethod
     def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
@@ -131,7 +132,6 @@ def _lut(ctx: StepContext, t: TensorFormat, plane: int | None = None) -> str:
 
 class NativeAttention(AttentionBackend):
     name = "native"
-    block_sizes = (4, 8, 16, 32, 64, 128, 256)
 
     # ------------------------------------------------------------------ decode of the gathered pool
 

@@ -24,6 +24,7 @@ from trtkv.builder.step_network import check_model
 from trtkv.errors import TrtkvError
 from trtkv.manifest import Backend
 from trtkv.models import load_model, model_info
+from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path
 
 ENGINE_BACKENDS = ("auto", *get_args(Backend))  # what --backend takes: the manifest's backends, or auto
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
@@ -153,17 +154,13 @@ def build_engine(
     if calibration is not None:  # a format the calibration holds by name (e.g. a --budget choice) is its definition
         kv = load_calibration(calibration).definition(kv)
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
-    if base_fmt.is_per_layer and backend != "torch":
-        raise TrtkvError(f"KV format {base_fmt.name} stores each layer its own way, which only the torch engine reads "
-                         "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch")
+    for r in CAPABILITIES["torch" if backend == "torch" else attention].layout_reasons(base_fmt):  # the capability table
+        raise TrtkvError(r, r.hint)
     bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads
     att = get_backend(attention)
-    if attention == "plugin" and backend == "tensorrt-rtx":
-        raise TrtkvError(
-            "plugin attention needs the trtkv TensorRT plugins, and TensorRT-RTX loads no plugins",
-            "use --attention native with --backend tensorrt-rtx (or --backend tensorrt / onnxruntime for plugin attention)",
-        )
+    if (rtx := backend_path(backend)) is not None and (r := rtx.attention_reason(attention)) is not None:
+        raise TrtkvError(r, r.hint)
 
     # ------------------------------------------------------------ model and calibration
     base_info = loaded.info if loaded is not None else model_info(model)

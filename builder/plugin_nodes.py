@@ -24,12 +24,7 @@ OP_TYPE = C.PREFILL.name  # the op every layer emits; plugins/ort_ops.py runs it
 
 
 class PluginAttention(AttentionBackend):
-    name = "plugin"
-    block_sizes = tuple(b for b in (16, 32, 64, 128) if C.LIMITS.block_size_problem(b) is None)
-    head_dims = tuple(d for d in (32, 64, 128, 256) if C.LIMITS.head_dim_problem(d) is None)
-
-    def format_reason(self, t) -> str | None:
-        return C.LIMITS.dtype_problem(t.dtype)
+    name = "plugin"  # block sizes, head dims and storage dtypes: the capability table's ``plugin`` row
 
     def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
         g, lay = ctx.g, ctx.layout

@@ -26,37 +26,22 @@ from trtkv.builder.weights import ModelWeights
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.manifest import TensorSpec
+from trtkv.plugins.contract.capabilities import CAPABILITIES, SOFTCAPPED, STEP_ARCHITECTURES  # noqa: F401  (re-exported)
 
 BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
 
-# Architectures the step network computes (trtkv.models accepts no other).
-STEP_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-}
-_SOFTCAPPED = {"Gemma2ForCausalLM"}  # attention-logit soft-capping inside the softmax
+# Architectures the step network computes and those that soft-cap: rows of the capability table.
+_SOFTCAPPED = SOFTCAPPED
 
 
 def check_model(info, attention: str, backend: str = "onnxruntime") -> None:
     """Refuse, before any weights load, a model (``trtkv.models.ModelInfo``) the engine would compute wrongly: the step
     network for ONNX backends (the torch engine runs transformers' own layers: every accepted family)."""
-    arch = info.architecture
-    if backend == "torch":  # transformers' own layers; windows and soft-capping reach its paged attention per call
-        return
-    if arch not in STEP_ARCHITECTURES:
-        raise TrtkvError(
-            f"build-engine cannot build {arch} yet: the ONNX step network does not implement its layers",
-            f"use trtkv eval / calibrate / plan for this model, or build an engine for one of {', '.join(sorted(STEP_ARCHITECTURES))}",
-        )
-    if attention == "native":
-        return
-    if info.has_sliding_layers:
-        raise TrtkvError(
-            f"{info.name} has sliding-window layers (window {info.sliding_window}) and {attention} attention has no window start per layer",
-            "use --attention native",
-        )
-    if arch in _SOFTCAPPED:
-        raise TrtkvError(f"{arch} soft-caps its attention logits and {attention} attention does not", "use --attention native")
+    # the torch engine runs transformers' own layers (the table's ``torch`` row: windows and soft-capping reach its
+    # paged attention per call); ONNX backends the step network with ``attention``'s row
+    path = CAPABILITIES["torch" if backend == "torch" else attention]
+    for r in path.model_reasons(info):
+        raise TrtkvError(r, r.hint)
 
 
 def graph_dtype(layout: PagedKVLayout, which: str, plugin: bool = False) -> int:

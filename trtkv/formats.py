@@ -731,6 +731,20 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
     return fmt, note
 
 
+def _fit_hint(fmt: KVFormat, head_dim: int) -> str:
+    """The fix for a format that does not fit ``head_dim``: the alignment rules it breaks (int4 2, int2 4, int3 8;
+    Hadamard: even), read from the ``DTYPES`` rows."""
+    rules = {}
+    for f in fmt.layer_formats():
+        for t in (f.k, f.v):
+            if head_dim % t.traits.row_align:
+                rules[t.dtype] = f"{t.dtype} needs a head_dim that is a multiple of {t.traits.row_align}"
+            if t.hadamard and head_dim % 2:
+                rules["hadamard"] = "hadamard needs an even head_dim"
+    why = f" ({'; '.join(rules.values())})" if rules else ""
+    return f"choose a format that fits head_dim {head_dim}{why}, e.g. the int8 or fp8 preset"
+
+
 def fit_formats(specs: list[str | KVFormat], head_dim: int, *, optional: bool = False) -> tuple[list[KVFormat], list[str]]:
     """Resolve ``specs`` for a model of ``head_dim``: ``(formats, one-line notes)``.
 
@@ -756,7 +770,7 @@ def fit_formats(specs: list[str | KVFormat], head_dim: int, *, optional: bool = 
             if optional:
                 notes.append(f"skipped {note}")
                 continue
-            raise TrtkvError(f"KV format {note}", "choose a format without int4 / hadamard for this model")
+            raise TrtkvError(f"KV format {note}", _fit_hint(fmt, head_dim))
         if note:
             notes.append(note)
         out.append(fitted)

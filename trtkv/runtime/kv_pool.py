@@ -28,6 +28,7 @@ from trtkv.artifacts import LayerParams, tensors_to_params
 from trtkv.cache_layout import TAIL_DTYPE, KVPool, PagedKVLayout, WindowRing, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
+from trtkv.plugins.contract.capabilities import seal_with_kernels
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
 
@@ -77,7 +78,9 @@ class PagedKVCache:
             groups.setdefault(suffix, []).append(i)
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
-        self.seal_with_kernels = torch.device(device).type == "cuda"  # the Triton seal kernel, in place (seal_device.py)
+        # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
+        # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
+        self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
         for which in ("k", "v"):
             tail = layout.tail_shape()
             self.tensors[f"{which}_tail"] = torch.zeros((num_layers, *tail), dtype=TAIL_DTYPE, device=device)

@@ -47,7 +47,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import load_model
 from trtkv.plugins import ops
-from trtkv.plugins.contract import LIMITS
+from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.backends import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -322,16 +322,12 @@ class _DecodeGraph:
 def kernels_lack(config, manifest: EngineManifest | None = None) -> str | None:
     """What of this model's attention (and of the engine's KV format / layout) trtkv's kernels do not implement
     (None: nothing): such engines run the torch ops, on CUDA too."""
-    if manifest is not None:
-        lim = LIMITS
-        if not lim.takes(manifest.kv_format):
-            return f"KV format {manifest.kv_spec} (the kernels take {', '.join(lim.dtypes)}, no mse seal)"
-        for what, problem in (("block size", lim.block_size_problem(manifest.limits.block_size)),
-                              ("head_dim", lim.head_dim_problem(manifest.model.head_dim))):
-            if problem:
-                return f"{what} {problem}"
-    # sliding windows (a window ring included) and attention-logit soft-capping are the kernels' own
-    return None
+    # the capability table's ``kernels`` row; sliding windows (a window ring included) and attention-logit
+    # soft-capping are the kernels' own, so the model's config adds no reason
+    if manifest is None:
+        return None
+    reasons = KERNEL_ATTENTION.reasons(manifest.kv_format, None, manifest.limits.block_size, manifest.model.head_dim)
+    return reasons[0] if reasons else None
 
 
 def _text_config(config):

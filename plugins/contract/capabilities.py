@@ -1,0 +1,173 @@
+"""The one capability table: which execution path runs which KV format, model, block size and head dim.
+
+One object per execution path answers ``reasons(fmt, model, block_size, head_dim)``: why the path cannot run them
+(``[]`` when it can). Every argument but ``fmt`` may be None (not asked). The builder (``--attention`` and
+``--backend`` checks, ``check_model``), the attention backends' ``reasons``, the torch engine's ``auto`` choice
+(``kernels_lack``), the pool's seal (``kv_pool.seal_with_kernels``) and the support matrix in README.md /
+docs/architecture.md (``docs/gen_support_matrix.py``) all read this table; nothing else decides what runs where.
+
+It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer: the core's formats and model info are all
+it reads, and the runtime and the stages above may all import it (tests/test_layering.py).
+
+Each reason is a ``Reason``: a ``str`` (the message the callers have always raised) with the ``hint`` a caller
+puts beside it in a ``TrtkvError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trtkv.plugins.contract.limits import LIMITS
+
+# Architectures the ONNX step network computes (trtkv.models accepts no other).
+STEP_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+})
+SOFTCAPPED = frozenset({"Gemma2ForCausalLM"})  # attention-logit soft-capping inside the softmax
+
+NATIVE_BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
+KERNEL_BLOCK_SIZES = tuple(b for b in (16, 32, 64, 128) if LIMITS.block_size_problem(b) is None)
+KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_problem(d) is None)
+
+
+class Reason(str):
+    """A reason a path refuses a configuration: the message, with the hint a ``TrtkvError`` shows beside it."""
+
+    hint: str = ""
+    kind: str = ""  # "layout" (the format's pool layout), "format", "size", "model"
+
+    def __new__(cls, text: str, hint: str = "", kind: str = "") -> "Reason":
+        r = super().__new__(cls, text)
+        r.hint, r.kind = hint, kind
+        return r
+
+
+@dataclass(frozen=True)
+class ExecutionPath:
+    """One way of running attention over the paged cache (or of sealing it): what it accepts, and why not."""
+
+    name: str
+    title: str
+    per_layer: bool = False  # reads a per-layer format (one pool layout per layer group)
+    step_network: bool = False  # the ONNX step network: only STEP_ARCHITECTURES
+    windows: bool = True  # sliding-window layers (a window start per layer)
+    softcap: bool = True  # attention-logit soft-capping
+    kernels: bool = False  # the Triton kernels' storage dtypes, block sizes and head dims (LIMITS), no mse search
+    attention_op: bool = False  # the kernels as the step network's attention ops: storage dtypes only (the pool seals)
+    block_sizes: tuple[int, ...] | None = None  # None: any (or LIMITS)
+    head_dims: tuple[int, ...] | None = None  # None: any (or LIMITS)
+    attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
+    prefix_cache: bool = True  # the block manager's prefix cache works over this path
+    window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
+
+    # ------------------------------------------------------------------ the questions
+
+    def reasons(self, fmt, model=None, block_size: int | None = None, head_dim: int | None = None) -> list[Reason]:
+        """Why this path cannot run ``fmt`` for ``model`` (``trtkv.models.ModelInfo``) at this block size and head
+        dim ([] when it can); arguments left None are not asked."""
+        return [*self.layout_reasons(fmt), *self.size_reasons(block_size, head_dim), *self.format_reasons(fmt),
+                *self.model_reasons(model)]
+
+    def layout_reasons(self, fmt) -> list[Reason]:
+        if fmt.is_per_layer and not self.per_layer:
+            return [Reason(f"KV format {fmt.name} stores each layer its own way, which only the torch engine reads "
+                           "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
+        return []
+
+    def size_reasons(self, block_size: int | None = None, head_dim: int | None = None) -> list[Reason]:
+        out = []
+        if self.kernels:
+            for what, value, problem in (("block size", block_size, LIMITS.block_size_problem),
+                                         ("head_dim", head_dim, LIMITS.head_dim_problem)):
+                p = problem(value) if value is not None else None
+                if p:
+                    out.append(Reason(f"{what} {p}", "choose another --block-size, or the torch ops", "size"))
+            return out
+        if self.block_sizes is not None and block_size is not None and block_size not in self.block_sizes:
+            out.append(Reason(f"{self.name} attention supports block sizes {list(self.block_sizes)}, not {block_size}",
+                              "choose another --block-size", "size"))
+        if self.head_dims is not None and head_dim is not None and head_dim not in self.head_dims:
+            out.append(Reason(f"{self.name} attention supports head dims {list(self.head_dims)}, not {head_dim}",
+                              "choose another model or --attention", "size"))
+        return out
+
+    def tensor_reason(self, t) -> str | None:
+        """Why this path cannot store / read one tensor format (``TensorFormat``), or None."""
+        if not (self.kernels or self.attention_op):
+            return None
+        if LIMITS.dtype_problem(t.dtype):
+            return LIMITS.dtype_problem(t.dtype)
+        if t.mse and self.kernels:
+            return "searches its scales (mse), which the Triton kernels do not (the reference quantizer does)"
+        return None
+
+    def format_reasons(self, fmt) -> list[Reason]:
+        if self.attention_op:  # per tensor, as the attention backends have always said it
+            return [Reason(f"{which}={t.short()}: {r}", "choose another --kv, or --attention native", "format")
+                    for f in fmt.layer_formats() for which, t in (("k", f.k), ("v", f.v)) if (r := self.tensor_reason(t))]
+        if not self.kernels:
+            return []
+        if any(self.tensor_reason(t) for f in fmt.layer_formats() for t in (f.k, f.v)):
+            return [Reason(f"KV format {fmt.spec()} (the kernels take {', '.join(LIMITS.dtypes)}, no mse seal)",
+                           "choose another --kv, or the torch ops", "format")]
+        return []
+
+    def model_reasons(self, model) -> list[Reason]:
+        if model is None:
+            return []
+        arch = model.architecture
+        if self.step_network and arch not in STEP_ARCHITECTURES:
+            return [Reason(f"build-engine cannot build {arch} yet: the ONNX step network does not implement its layers",
+                           "use trtkv eval / calibrate / plan for this model, or build an engine for one of "
+                           f"{', '.join(sorted(STEP_ARCHITECTURES))}", "model")]
+        out = []
+        if not self.windows and model.has_sliding_layers:
+            out.append(Reason(f"{model.name} has sliding-window layers (window {model.sliding_window}) and {self.name} attention has no "
+                              "window start per layer", "use --attention native", "model"))
+        if not self.softcap and arch in SOFTCAPPED:
+            out.append(Reason(f"{arch} soft-caps its attention logits and {self.name} attention does not", "use --attention native", "model"))
+        return out
+
+    def attention_reason(self, attention: str) -> Reason | None:
+        """Why this backend cannot run the builder's ``--attention`` mode, or None."""
+        if attention in self.attention_modes:
+            return None
+        return Reason("plugin attention needs the trtkv TensorRT plugins, and TensorRT-RTX loads no plugins",
+                      "use --attention native with --backend tensorrt-rtx (or --backend tensorrt / onnxruntime for plugin attention)")
+
+    # ------------------------------------------------------------------ cache tensors
+
+    def cache_shapes(self, layout) -> dict[str, tuple]:
+        """The cache tensors this path reads (``cache_layout.PagedKVLayout``): name -> shape of one layer's tensor.
+        Every path reads the same paged layout (docs/kv-cache-format.md)."""
+        out = {}
+        for which in ("k", "v"):
+            for field, shape in (("data", layout.data_shape(which)), ("scale", layout.scale_shape(which)), ("zero", layout.zero_shape(which))):
+                if shape is not None:
+                    out[f"{which}_{field}"] = tuple(shape)
+            out[f"{which}_tail"] = tuple(layout.tail_shape())
+        return out
+
+
+ONNX_NATIVE = ExecutionPath("native", "ONNX step network, native attention", step_network=True, block_sizes=NATIVE_BLOCK_SIZES)
+ONNX_PLUGIN = ExecutionPath("plugin", "ONNX step network, plugin attention (trtkv:: ops)", step_network=True, windows=False,
+                            softcap=False, attention_op=True, block_sizes=KERNEL_BLOCK_SIZES, head_dims=KERNEL_HEAD_DIMS)
+TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attention only, no plugins)", step_network=True,
+                             block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
+TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True)
+KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
+KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
+
+CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, KERNEL_ATTENTION, KERNEL_SEAL)}
+
+
+def backend_path(backend: str) -> ExecutionPath | None:
+    """The path an engine backend adds its own limits with (TensorRT-RTX: no plugins), or None."""
+    return CAPABILITIES.get(backend) if backend == "tensorrt-rtx" else None
+
+
+def seal_with_kernels(device, fmt, block_size: int, head_dim: int) -> bool:
+    """Whether the pool seals with the Triton seal kernel: on CUDA, when the seal path takes the format and sizes
+    (an ``mse`` format is sealed by the reference quantizer, which runs its search)."""
+    return getattr(device, "type", str(device).split(":")[0]) == "cuda" and not KERNEL_SEAL.reasons(fmt, None, block_size, head_dim)

@@ -1,0 +1,213 @@
+"""The capability table (plugins/contract/capabilities.py): each path's reasons on a grid of formats, sizes and
+model features; the pool's seal asks it (an ``mse`` format is not sealed by the kernel on CUDA); the generated
+support matrix in README.md / docs/architecture.md is current."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trtkv.cache_layout import PagedKVLayout
+from trtkv.errors import TrtkvError
+from trtkv.formats import PRESETS, fit_formats, get_format
+from trtkv.plugins.contract import LIMITS
+from trtkv.plugins.contract import capabilities as cap
+from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, seal_with_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+MSE = {
+    "int8": "k=int8:bchannel:sym:mse,v=int8:token:sym,block=64",
+    "int4": "k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64,sink=4",
+    "int3": "k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=64,sink=4",
+    "int2": "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4",
+}
+PER_LAYER = "k=int8:bchannel:sym,v=int8:token:sym,block=64,layers=" + "|".join(
+    f"{PRESETS[n].k.short()}/{PRESETS[n].v.short()}" for n in ("int8", "int4"))
+BLOCKS = (4, 8, 12, 16, 32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 48, 64, 128, 256, 512)
+
+
+def model(arch="LlamaForCausalLM", window=None):
+    return SimpleNamespace(name="m", architecture=arch, has_sliding_layers=window is not None, sliding_window=window)
+
+
+FORMATS = [*PRESETS, *MSE.values(), PER_LAYER]
+
+
+@pytest.mark.parametrize("spec", FORMATS)
+def test_format_reasons_of_every_path(spec):
+    fmt = get_format(spec)
+    mse = any(t.mse for f in fmt.layer_formats() for t in (f.k, f.v))
+    for name in ("kernels", "seal"):
+        r = CAPABILITIES[name].reasons(fmt, None, 64, 128)
+        assert bool(r) == mse, (name, r)
+        if mse:
+            assert "mse" in r[0] and r[0].kind == "format"
+    for name in ("native", "plugin", "tensorrt-rtx"):  # the pool seals for the step network: mse is no reason
+        r = CAPABILITIES[name].reasons(fmt, None, 64, 128)
+        assert bool(r) == fmt.is_per_layer, (name, r)
+        if fmt.is_per_layer:
+            assert "stores each layer its own way" in r[0] and r[0].hint == "build it with --backend torch"
+    assert CAPABILITIES["torch"].reasons(fmt, model(), 4, 48) == []
+
+
+def test_size_reasons_of_every_path():
+    for bs in BLOCKS:
+        for d in HEAD_DIMS:
+            kernel_ok = LIMITS.block_size_problem(bs) is None and LIMITS.head_dim_problem(d) is None
+            for name in ("kernels", "seal"):
+                r = CAPABILITIES[name].size_reasons(bs, d)
+                assert (not r) == kernel_ok, (name, bs, d, r)
+                assert all(x.startswith(("block size ", "head_dim ")) for x in r)
+            plugin = CAPABILITIES["plugin"].size_reasons(bs, d)
+            assert (not plugin) == (bs in (16, 32, 64, 128) and d in (32, 64, 128, 256)), (bs, d, plugin)
+            for name in ("native", "tensorrt-rtx"):
+                assert (not CAPABILITIES[name].size_reasons(bs, d)) == (bs in (4, 8, 16, 32, 64, 128, 256)), (name, bs, d)
+            assert CAPABILITIES["torch"].size_reasons(bs, d) == []
+    assert CAPABILITIES["plugin"].size_reasons(8, 64) == ["plugin attention supports block sizes [16, 32, 64, 128], not 8"]
+    assert CAPABILITIES["plugin"].size_reasons(16, 48) == ["plugin attention supports head dims [32, 64, 128, 256], not 48"]
+
+
+def test_storage_dtypes_the_kernels_lack_are_reasons(monkeypatch):
+    monkeypatch.setattr(cap, "LIMITS", type(LIMITS)(dtypes=("fp16", "int8")))
+    fmt = get_format("int4")
+    assert "the kernels take fp16, int8" in CAPABILITIES["kernels"].reasons(fmt)[0]
+    assert CAPABILITIES["seal"].reasons(fmt)
+    plugin = CAPABILITIES["plugin"].reasons(fmt)
+    assert len(plugin) == 2 and plugin[0].startswith("k=int4:") and plugin[1].startswith("v=int4:") and "storage int4" in plugin[0]
+    assert not CAPABILITIES["native"].reasons(fmt) and not CAPABILITIES["torch"].reasons(fmt)
+    assert not CAPABILITIES["plugin"].reasons(get_format("int8-token"))
+
+
+@pytest.mark.parametrize("arch,window", [("LlamaForCausalLM", None), ("Gemma3ForCausalLM", 512), ("Gemma2ForCausalLM", 4096),
+                                         ("Gemma2ForCausalLM", None), ("FalconForCausalLM", None), ("MistralForCausalLM", 4096)])
+def test_model_reasons_of_every_path(arch, window):
+    m = model(arch, window)
+    known = arch in cap.STEP_ARCHITECTURES
+    for name in ("native", "tensorrt-rtx"):
+        r = CAPABILITIES[name].model_reasons(m)
+        assert bool(r) == (not known), (name, r)
+    r = CAPABILITIES["plugin"].model_reasons(m)
+    if not known:
+        assert len(r) == 1 and "does not implement its layers" in r[0]
+    else:
+        assert any("sliding-window" in x for x in r) == (window is not None)
+        assert any("soft-caps" in x for x in r) == (arch == "Gemma2ForCausalLM")
+        assert all(x.hint == "use --attention native" for x in r)
+    for name in ("torch", "kernels", "seal"):  # transformers' layers; windows and soft-cap are the kernels' own
+        assert CAPABILITIES[name].model_reasons(m) == []
+
+
+def test_tensorrt_rtx_runs_native_attention_only():
+    rtx = backend_path("tensorrt-rtx")
+    assert rtx is CAPABILITIES["tensorrt-rtx"] and rtx.attention_reason("native") is None
+    assert "TensorRT-RTX loads no plugins" in rtx.attention_reason("plugin")
+    assert all(backend_path(b) is None for b in ("onnxruntime", "tensorrt", "torch"))
+    assert CAPABILITIES["native"].attention_reason("plugin") is None
+
+
+def test_cache_shapes_are_the_layouts():
+    lay = PagedKVLayout(get_format("int4"), 2, 64, 64, 8, 3)
+    shapes = CAPABILITIES["kernels"].cache_shapes(lay)
+    assert shapes["k_data"] == tuple(lay.data_shape("k")) and shapes["v_tail"] == tuple(lay.tail_shape())
+    assert set(shapes) >= {"k_data", "k_scale", "v_data", "v_scale", "k_tail", "v_tail"}
+
+
+# ----------------------------------------------------------------------------- the pool's seal (the bug)
+
+
+def test_seal_kernel_only_where_the_seal_row_takes_the_format():
+    cuda = torch.device("cuda")
+    assert seal_with_kernels(cuda, get_format("int4"), 64, 128)
+    assert seal_with_kernels("cuda:0", get_format("int3"), 64, 128)
+    assert not seal_with_kernels(cuda, get_format(MSE["int4"]), 64, 128)  # was sealed without its search
+    assert not seal_with_kernels(cuda, get_format("int4"), 8, 128)  # blocks the kernel does not take
+    assert not seal_with_kernels(cuda, get_format("int4"), 64, 48)
+    assert not seal_with_kernels(torch.device("cpu"), get_format("int4"), 64, 128)
+
+
+@pytest.mark.parametrize("spec,kernel", [("int4", True), (MSE["int4"], False), (MSE["int2"], False), ("int2", True)])
+def test_pool_asks_the_table_before_sealing_with_the_kernel(monkeypatch, spec, kernel):
+    """The pool on a (forced) CUDA device seals an ``mse`` format with the reference quantizer (its search): the
+    seal kernel would seal it with plain ranges while attention fell back to the torch ops."""
+    from trtkv.runtime import kv_pool
+
+    asked = []
+
+    def as_if_cuda(device, fmt, block_size, head_dim):
+        asked.append((device.type, block_size, head_dim))
+        return seal_with_kernels(torch.device("cuda"), fmt, block_size, head_dim)
+
+    monkeypatch.setattr(kv_pool, "seal_with_kernels", as_if_cuda)
+    cache = kv_pool.PagedKVCache(PagedKVLayout(get_format(spec), 2, 64, 64, 4, 2), 2)
+    assert asked == [("cpu", 64, 64)]
+    assert cache.seal_with_kernels is kernel
+
+
+# ----------------------------------------------------------------------------- the callers read the table
+
+
+def test_callers_are_lookups_in_the_table(monkeypatch):
+    from trtkv.builder.attention import get_backend
+    from trtkv.runtime.torch_engine import kernels_lack
+
+    assert get_backend("native").block_sizes == CAPABILITIES["native"].block_sizes
+    assert get_backend("plugin").head_dims == CAPABILITIES["plugin"].head_dims
+    assert LIMITS.takes(get_format("int3")) and not LIMITS.takes(get_format(MSE["int3"]))
+    man = SimpleNamespace(kv_format=get_format(MSE["int4"]), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=128))
+    assert "no mse seal" in kernels_lack(None, man)
+    man.kv_format = get_format("int4")
+    assert kernels_lack(None, man) is None
+    man.limits.block_size = 256
+    assert kernels_lack(None, man).startswith("block size must be a power of two")
+
+
+def test_check_model_reads_the_table():
+    from trtkv.builder.step_network import check_model
+
+    gemma2 = SimpleNamespace(name="g", architecture="Gemma2ForCausalLM", has_sliding_layers=True, sliding_window=4096)
+    with pytest.raises(TrtkvError, match="sliding-window layers") as ei:
+        check_model(gemma2, "plugin")
+    assert "use --attention native" in str(ei.value)
+    check_model(gemma2, "native")
+    check_model(SimpleNamespace(name="f", architecture="FalconForCausalLM", has_sliding_layers=False, sliding_window=None), "plugin", "torch")
+    with pytest.raises(TrtkvError, match="does not implement its layers"):
+        check_model(SimpleNamespace(name="f", architecture="FalconForCausalLM", has_sliding_layers=False, sliding_window=None), "native")
+
+
+def test_fit_hint_names_the_alignment_rule():
+    with pytest.raises(TrtkvError) as ei:
+        fit_formats(["k=int3:token:asym,v=int3:token:asym"], 36)
+    assert "int3 needs a head_dim that is a multiple of 8" in str(ei.value)
+    with pytest.raises(TrtkvError) as ei:
+        fit_formats(["k=int2:token:asym,v=int8:token:sym"], 34)
+    assert "int2 needs a head_dim that is a multiple of 4" in str(ei.value) and "int4" not in str(ei.value)
+
+
+# ----------------------------------------------------------------------------- the generated matrix
+
+
+def test_support_matrix_in_docs_is_generated_from_the_table():
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_support_matrix.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_support_matrix_follows_the_table(monkeypatch):
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import gen_support_matrix as gen
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    before = gen.table()
+    rows = {line.split("`")[1]: line for line in before.splitlines()[2:]}
+    assert "| yes (no mse) | yes | yes (no mse) | yes (no mse) | yes (no mse) |" in rows["kernels"]  # int3 / int2 taken
+    assert "| no | no | no |" in rows["plugin"]  # per-layer, windows, soft-cap
+    monkeypatch.setitem(CAPABILITIES, "plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
+    assert gen.table() != before
+    doc = (ROOT / "README.md").read_text()
+    assert gen.render(doc, ROOT / "README.md") != doc
