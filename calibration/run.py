@@ -121,6 +121,9 @@ def _load(model: str, info: Any, tok: Any, windows: Any, *, device: str, dtype: 
         raise TrtkvError("--budget measures each layer's choice on the whole model, which a layer-streamed run does not hold",
                          "drop --stream always (or --budget), or give the process memory for the resident model")
     plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=can_stream, stream=stream, command="calibrate")
+    # every check passed: say what is about to load (an 8B model's first line, before minutes of work)
+    console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; "
+                  f"{n} windows of {seq_len} tokens", highlight=False)
     if plan.note:
         console.print(f"note: {plan.note}", highlight=False)
     dt = str(plan.dtype).removeprefix("torch.")
@@ -196,7 +199,6 @@ def run_calibration(
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:
         resolve_dtype(dtype, resolve_device(device))
-        console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; tokenizing {dataset}", highlight=False)
     tok = loaded.tokenizer if loaded is not None and tokenizer is None else load_tokenizer(model, tokenizer)
     if samples is None:  # every calib window, capped so a large corpus does not calibrate for hours
         samples = min(window_count(tok, dataset, seq_len=seq_len, split="calib", text_field=text_field), DEFAULT_MAX_SAMPLES) or None

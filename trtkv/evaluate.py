@@ -422,11 +422,6 @@ def run_eval(
     if model is None:
         model = model_from_calibration(artifact) if artifact is not None else DEFAULT_MODEL
     info0 = model_info(model)
-    if progress:
-        from rich.console import Console
-
-        Console(stderr=True, soft_wrap=True).print(f"[bold]eval[/] {info0.name}: {info0.shape()}, {info0.num_params / 1e9:.2f} B parameters; "
-                                                   f"tokenizing {dataset}", highlight=False)
     fmts, notes = fit_formats(specs, info0.head_dim, optional=not formats)
     notes = skipped + notes
     if artifact is not None:
@@ -503,6 +498,9 @@ def _load(model: str, info, tok, windows: torch.Tensor, n_formats: int, *, devic
     scores = 3 * batch * seq_len * info.vocab_size * f32  # the reference and a format's logits, and a log-softmax
     acts = activation_bytes(info, batch=batch, seq_len=seq_len, dtype=torch.float32, logits=True) + held + cache + scores
     plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=True, stream=stream, command="eval")
+    # every check passed: say what is about to load (an 8B model's first line, before minutes of work)
+    console.print(f"[bold]eval[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; {n} windows of "
+                  f"{seq_len} tokens", highlight=False)
     if plan.note:
         console.print(f"note: {plan.note}", highlight=False)
     dt = str(plan.dtype).removeprefix("torch.")
