@@ -288,27 +288,28 @@ def main() -> None:
         "export": ([TRTKV, "export", "--model", m, "--calibration", c, "--to", "vllm", "--out", str(work / "vllm"), "--force"], args.limit_gib),
         "generate": ([TRTKV, "generate", "--engine", str(work / "engine-int4"), "def fibonacci(n):", "-n", "8", "--kv-memory", "0.25"],
                      args.generate_limit_gib),
-        "plan-70b": ([TRTKV, "plan", "--layers", str(s70["num_hidden_layers"]), "--kv-heads", str(s70["num_key_value_heads"]),
-                      "--head-dim", str(s70["hidden_size"] // s70["num_attention_heads"]), "--weights-gib", "131.4",
+        # 70B on paper: one tensor-parallel rank of two (half the KV heads, half the 131.4 GiB of bf16 weights) per H200
+        "plan-70b": ([TRTKV, "plan", "--layers", str(s70["num_hidden_layers"]), "--kv-heads", str(s70["num_key_value_heads"] // 2),
+                      "--head-dim", str(s70["hidden_size"] // s70["num_attention_heads"]), "--weights-gib", "65.7",
                       "--gpu", "H200-141GB", "--context", "32768"], args.limit_gib),
     }
     wanted = [s.strip() for s in args.steps.split(",") if s.strip()]
     today = dt.date.today().isoformat()
-    base = args.results / f"scale-{args.shape}-{today}"
+    json_path, md_path = (args.results / f"scale-{args.shape}-{today}{ext}" for ext in (".json", ".md"))
 
     def save(done: list[dict]) -> dict:
         """Write the day's results after every step; steps run before (another invocation the same day) are kept."""
         ran = {r["step"] for r in done}
         kept = []
-        if base.with_suffix(".json").is_file():
-            kept = [s for s in json.loads(base.with_suffix(".json").read_text())["steps"] if s["step"] not in ran]
+        if json_path.is_file():
+            kept = [s for s in json.loads(json_path.read_text())["steps"] if s["step"] not in ran]
         merged = sorted(kept + done, key=lambda r: list(steps).index(r["step"]))
         result = dict(shape=args.shape, date=today, params_b=total / 2 / 1e9, checkpoint_gib=total / 2**30,
                       shards=len(set(index["weight_map"].values())), machine=machine(), load_at_start=load0,
                       command=" ".join([Path(sys.executable).name, *sys.argv]), steps=merged,
                       maxrss_self_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, 2))
-        base.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        base.with_suffix(".md").write_text(render(result))
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        md_path.write_text(render(result))
         return result
 
     results: list[dict] = []
