@@ -21,9 +21,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -392,7 +393,8 @@ def _write_vllm(tmp: Path, loaded: Any, scales: dict[str, torch.Tensor], fmt: KV
         loaded.tokenizer.save_pretrained(str(tmp))
 
 
-def _write_vllm_copied(tmp: Path, src: Any, scales: dict[str, torch.Tensor], fmt: KVFormat, dtype: str, max_shard_size: str | int) -> None:
+def _write_vllm_copied(tmp: Path, src: Any, scales: dict[str, torch.Tensor], fmt: KVFormat, dtype: str, max_shard_size: str | int,
+                       progress: Callable[[str], None]) -> None:
     """The vLLM checkpoint copied tensor by tensor from the source checkpoint's shards, no model in memory: at most
     one output shard (``max_shard_size``) and one source tensor are held. What a model too large for the process takes
     (the resident writer holds the model and a copy of it); the names are the source's Hugging Face ones."""
@@ -409,12 +411,15 @@ def _write_vllm_copied(tmp: Path, src: Any, scales: dict[str, torch.Tensor], fmt
     names: list[str] = []
     size, total = 0, 0
 
+    t0 = time.perf_counter()
+
     def flush() -> None:
         nonlocal size
         name = f".shard-{len(names):05d}.safetensors"
         save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
         names.append(name)
         shards[-1] = {}
+        progress(f"  shard {len(names)} written ({size / 2**30:.2f} GiB; {total / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s)")
         size = 0
 
     by_file: dict[Path, list[str]] = {}
@@ -487,6 +492,7 @@ def export_checkpoint(
     q_windows: int | None = None,
     loaded: Any = None,
     allow_other_model: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> ExportResult:
     """Write a complete ``target`` checkpoint of ``model`` with the KV scales of ``calibration``.
 
@@ -494,7 +500,9 @@ def export_checkpoint(
     load time; the value is only echoed in the serve command); ``dtype``: weights dtype (``auto``:
     the source's fp16/bf16, else float16); ``max_shard_size``: vLLM shard size (``save_pretrained``);
     ``q_windows``: TensorRT-LLM FP8 only, how many of the recorded calibration windows to run for the
-    query range (default all, 0 = leave Q out); ``loaded``: an already loaded ``LoadedModel`` of ``model``.
+    query range (default all, 0 = leave Q out); ``loaded``: an already loaded ``LoadedModel`` of ``model``;
+    ``progress(line)``: told what is about to be read once every check and the memory plan passed (an 8B model's
+    first line, before a minute of reading), then each shard written when copying tensor by tensor.
     """
     from trtkv.artifacts import atomic_directory, load_calibration
     from trtkv.models import load_model, model_info
@@ -515,14 +523,19 @@ def export_checkpoint(
     info = loaded.info if loaded is not None else model_info(model)
     params = cal.params_for(fmt, info, allow_other_model=allow_other_model)  # refuses another model / missing format
     load_note = None
+    say = progress or (lambda line: None)
     if loaded is None:  # the memory plan before a weight is read: a refusal writes nothing
+        first = (f"export {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; {fmt.name} KV scales into a "
+                 f"{target} checkpoint")
         try:
             load_dtype, load_note = _plan_load(model, info, target, fmt, tp_size, dtype, cal, q_windows)
+            say(f"{first}; loading the weights in {str(load_dtype).removeprefix('torch.')}")
             loaded = load_model(model, device="cpu", dtype=load_dtype)
         except TrtkvError as refused:
             if target != "vllm" or not refused.problem.startswith("export does not fit"):
                 raise
             loaded, load_note = _copy_source(model, info, dtype, max_shard_size, refused)
+            say(f"{first}; copying the weights tensor by tensor, at most {max_shard_size} per shard")
     if target == "trtllm":
         check_trtllm_model(loaded.info, loaded.model.config, tp_size)
     elif loaded.info.num_heads % tp_size:
@@ -556,7 +569,7 @@ def export_checkpoint(
     what = f"the {target} checkpoint"
     with atomic_directory(dest, what=what) as tmp:
         if target == "vllm" and loaded.model is None:
-            _write_vllm_copied(tmp, loaded, scales, fmt, out_dtype, max_shard_size)
+            _write_vllm_copied(tmp, loaded, scales, fmt, out_dtype, max_shard_size, say)
         elif target == "vllm":
             _write_vllm(tmp, loaded, scales, fmt, out_dtype, max_shard_size)
         else:

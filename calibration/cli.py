@@ -84,10 +84,14 @@ def register(app: typer.Typer, handle_errors) -> None:
         q_windows: Annotated[Optional[int], typer.Option(help="trtllm fp8: calibration windows run to measure the query range (default all; 0 skips)")] = None,
     ) -> None:
         """Write a complete vLLM or TensorRT-LLM checkpoint of the model with the calibrated KV scales."""
+        from rich.console import Console
+
         from trtkv.calibration.checkpoint import export_checkpoint
 
+        err = Console(stderr=True, soft_wrap=True)
         res = export_checkpoint(calibration, model, to, out, kv=kv, tp_size=tp_size, force=force, dtype=dtype,
-                                max_shard_size=max_shard_size, q_windows=q_windows)
+                                max_shard_size=max_shard_size, q_windows=q_windows,
+                                progress=lambda line: err.print(line, highlight=False))
         console.print(f"{res.target} checkpoint ({res.format} KV, {res.dtype} weights, {len(res.files)} files) written to [bold]{res.out}[/]", soft_wrap=True)
         for note in res.notes:
             console.print(f"  {note}", soft_wrap=True)

@@ -42,6 +42,7 @@ from trtkv.calibration.checkpoint import export_checkpoint
 from trtkv.calibration.stats import KVStats
 from trtkv.cli import app
 from trtkv.errors import TrtkvError
+from trtkv.models import model_info
 
 runner = CliRunner()
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -460,6 +461,8 @@ def test_cli_export_and_one_line_errors(tiny, tmp_path):
     r = runner.invoke(app, ["export", "--calibration", str(cal), "--model", str(d), "--to", "trtllm", "--out", str(out),
                             "--tp-size", "2", "--kv", "int8-static"])
     assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]  # said before the weights load: what is exported, how the weights are read
+    assert first.startswith("export ") and "int8-static KV scales into a trtllm checkpoint; loading the weights in float32" in first
     assert "trtllm-build --checkpoint_dir" in r.output and (out / "rank1.safetensors").is_file()
     r = runner.invoke(app, ["export", "--calibration", str(cal), "--model", str(d), "--to", "trtllm", "--out", str(out)])
     assert r.exit_code == 2 and "error:" in r.output and "already exists" in r.output and "--force" in r.output
@@ -514,8 +517,14 @@ def test_vllm_export_copies_tensor_by_tensor_when_the_model_does_not_fit(tiny, t
     assert not any("copied" in n for n in ref.notes)
     params = sum(p.numel() for p in model.parameters())
     monkeypatch.setenv(memory.LIMIT_ENV, str(memory.HOST_OVERHEAD + params * 2 - 1))  # not even the float16 model fits
-    res = export_checkpoint(cal, str(d), "vllm", tmp_path / "copied", dtype="float16", max_shard_size="40KB")
+    lines: list[str] = []
+    res = export_checkpoint(cal, str(d), "vllm", tmp_path / "copied", dtype="float16", max_shard_size="40KB", progress=lines.append)
     assert any("copied tensor by tensor" in n for n in res.notes)
+    # the first line says what is about to be copied, then one line per shard written, counting up
+    assert lines[0].startswith(f"export {model_info(str(d)).name}:") and "copying the weights tensor by tensor" in lines[0]
+    shard_lines = [ln for ln in lines[1:] if "shard" in ln]
+    assert len(shard_lines) == len(list((tmp_path / "copied").glob("*.safetensors"))) > 1
+    assert [int(ln.split()[1]) for ln in shard_lines] == list(range(1, len(shard_lines) + 1))
 
     def tensors(out: Path) -> dict[str, torch.Tensor]:
         files = sorted(out.glob("*.safetensors"))
