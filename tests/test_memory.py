@@ -381,3 +381,34 @@ def test_export_plans_its_load(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv(LIMIT_ENV, "64GiB")
     res = export_checkpoint(cal, str(model_dir), "vllm", tmp_path / "vllm2", kv="fp8", dtype="float16")
     assert not any("weights loaded" in note for note in res.notes)
+
+
+# --------------------------------------------------------------------------- the GGUF conversion
+
+
+def test_gguf_conversion_is_refused_in_one_line_when_the_float32_model_does_not_fit(tiny_models, tmp_path, monkeypatch):
+    """transformers dequantizes a GGUF whole in float32: a limit under that is refused before anything is read or
+    written; at the limit it converts."""
+    from test_families import FAMILIES, GGUF, GGUF_UNMAPPED, _write_gguf
+    from transformers import AutoTokenizer
+
+    from trtkv.models import _CACHE_MARKER, checkpoint_dir, gguf_cache_dir, model_info
+
+    monkeypatch.setenv("TRTKV_CACHE", str(tmp_path / "cache"))
+    arch, kw = FAMILIES["qwen3"]
+    d, model = tiny_models(arch, with_tokenizer=True, **{k: v for k, v in kw.items() if k not in GGUF_UNMAPPED})
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(model, AutoTokenizer.from_pretrained(str(d)), path, GGUF["qwen3"])
+    info = model_info(str(path))
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    need = memory.conversion_bytes(info)
+    assert need == params * 4 + emb * 4 + memory.HOST_OVERHEAD  # independent count: the model's own parameters
+    monkeypatch.setenv(memory.LIMIT_ENV, str(need - 1))
+    with pytest.raises(TrtkvError, match=r"converting tiny\.gguf .* needs .* float32") as e:
+        checkpoint_dir(str(path))
+    assert "\n" not in str(e.value) and str(gguf_cache_dir(str(path))) in e.value.fix
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+    monkeypatch.setenv(memory.LIMIT_ENV, str(need))
+    ckpt, _ = checkpoint_dir(str(path))
+    assert (ckpt / _CACHE_MARKER).is_file()

@@ -404,8 +404,27 @@ def choose_load(info, device: torch.device, dtype_request: str, *, activations: 
     raise TrtkvError(f"{command} does not fit in memory: {best.describe()}", "try " + ", or ".join(fixes))
 
 
+def conversion_bytes(info) -> int:
+    """Host bytes the one-time GGUF conversion holds: transformers dequantizes the whole model in float32 before it
+    is saved (the GGUF itself is memory-mapped: page cache the kernel can drop), plus the largest tensor's
+    dequantization transient (the embeddings) and the overhead."""
+    return info.num_params * 4 + info.vocab_size * info.hidden_size * 4 + HOST_OVERHEAD
+
+
+def check_conversion(info, cache_dir: Path) -> None:
+    """Refuse, in one line and before anything is read, a GGUF conversion the host memory cannot hold (a kill by the
+    kernel otherwise, with nothing printed)."""
+    need, budget = conversion_bytes(info), host_memory()
+    if need > budget.bytes:
+        raise TrtkvError(
+            f"converting {Path(info.source).name} to a Hugging Face checkpoint (once; it is cached) needs {gib(need)} of host "
+            f"memory (transformers dequantizes the whole model in float32); the process can have {gib(budget.bytes)} ({budget.source})",
+            f"convert it once where that memory is (e.g. `trtkv plan --model {info.source}` on a larger machine) and copy "
+            f"{cache_dir} here, or pass a Hugging Face safetensors directory as --model")
+
+
 __all__ = [
     "GIB", "GPU_OVERHEAD", "HOST_OVERHEAD", "LIMIT_ENV", "SOURCES", "LoadPlan", "MemoryBudget", "MemoryPlan",
-    "activation_bytes", "available_memory", "cgroup_available", "choose_load", "gpu_memory", "host_memory",
+    "activation_bytes", "available_memory", "cgroup_available", "check_conversion", "choose_load", "conversion_bytes", "gpu_memory", "host_memory",
     "layer_params", "mem_available", "non_layer_params", "parse_bytes", "plan_memory", "weight_bytes",
 ]

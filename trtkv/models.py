@@ -582,11 +582,16 @@ def _load_gguf_tokenizer(path: Path, ckpt: Path | None = None):
     return _with_gguf_specials(tok, path)
 
 
-def _convert_gguf(path: Path, sha: str, attn_implementation: str):
-    """Dequantize a gguf with transformers and write it atomically to the cache. Returns (model, tok, dir)."""
+def _convert_gguf(info: ModelInfo, attn_implementation: str):
+    """Dequantize a gguf with transformers and write it atomically to the cache, refused first when the host memory
+    cannot hold it (trtkv.memory.check_conversion). Returns (model, tok, dir)."""
     from transformers import AutoModelForCausalLM
 
+    from trtkv.memory import check_conversion
+
+    path, sha = Path(info.source), info.sha256
     final = _gguf_cache_dir(path, sha)
+    check_conversion(info, final)
     log.info("converting %s (first load; cached afterwards in %s)", path.name, final)
     with _from_pretrained_errors(f"the GGUF file '{path}'"):
         model = AutoModelForCausalLM.from_pretrained(
@@ -702,7 +707,7 @@ def checkpoint_dir(spec: str, attn_implementation: str = "sdpa") -> tuple[Path, 
     if (ckpt / _CACHE_MARKER).is_file():
         return ckpt, True
     with _quiet_transformers():
-        _convert_gguf(path, base.sha256, attn_implementation)
+        _convert_gguf(base, attn_implementation)
     return ckpt, False
 
 
@@ -734,7 +739,7 @@ def load_model(
             from_cache = True
         else:
             with _quiet_transformers():
-                model, tok, ckpt = _convert_gguf(path, base.sha256, attn_implementation)
+                model, tok, ckpt = _convert_gguf(base, attn_implementation)
     else:
         ckpt = path
 
