@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from marker_block import replace_block, run
+
 from trtkv.formats import PRESETS, KVFormat, TensorFormat
 
 DOC = Path(__file__).resolve().parent / "kv-formats.md"
@@ -56,24 +58,12 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str) -> str:
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{DOC} lacks the markers {BEGIN!r} ... {END!r}")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+def render(doc: str, where: Path = DOC) -> str:
+    return replace_block(doc, where, BEGIN, END, table())
 
 
 def main(argv: list[str]) -> int:
-    doc = DOC.read_text()
-    new = render(doc)
-    if "--check" in argv:
-        if new != doc:
-            print(f"{DOC} preset table is out of date with trtkv.formats.PRESETS: run python docs/gen_preset_table.py")
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return run(argv, [DOC], render, "{path} preset table is out of date with trtkv.formats.PRESETS: run python docs/gen_preset_table.py")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from marker_block import replace_block, run
+
 from trtkv.formats import PRESETS, get_format
 from trtkv.plugins.contract.capabilities import CAPABILITIES, LIMITS, ExecutionPath
 
@@ -66,26 +68,11 @@ def table() -> str:
 
 
 def render(doc: str, where: Path) -> str:
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{where} lacks the markers {BEGIN!r} ... {END!r}")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return replace_block(doc, where, BEGIN, END, table())
 
 
 def main(argv: list[str]) -> int:
-    stale = []
-    for path in DOCS:
-        doc = path.read_text()
-        new = render(doc, path)
-        if "--check" in argv:
-            if new != doc:
-                stale.append(path)
-        else:
-            path.write_text(new)
-    for path in stale:
-        print(f"{path} support matrix is out of date with the capability table: run python docs/gen_support_matrix.py")
-    return 1 if stale else 0
+    return run(argv, DOCS, render, "{path} support matrix is out of date with the capability table: run python docs/gen_support_matrix.py")
 
 
 if __name__ == "__main__":
