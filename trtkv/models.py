@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
 
 log = logging.getLogger(__name__)
@@ -202,10 +203,6 @@ def resolve_model(spec: str) -> Path:
     return p
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("TRTKV_CACHE") or "~/.cache/trtkv").expanduser()
-
-
 def _sha256_file(path: Path) -> str:
     """The file's sha256, cached per machine by (path, size, mtime) (``trtkv.content_hash``)."""
     from trtkv.content_hash import sha256_file
@@ -234,7 +231,7 @@ def gguf_cache_dir(spec: str) -> Path:
 
 
 def _gguf_cache_dir(path: Path, sha: str) -> Path:
-    return _cache_root() / "models" / f"{path.stem}-{sha[:16]}-v{_CACHE_FORMAT}"
+    return cache_root() / "models" / f"{path.stem}-{sha[:16]}-v{_CACHE_FORMAT}"
 
 
 def is_cached(spec: str) -> bool:
