@@ -116,7 +116,7 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=1024, help="tokens of the shared system prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=RuntimeConfig.max_batched_tokens)
+    ap.add_argument("--max-batched-tokens", type=int, default=RuntimeConfig().max_batched_tokens)
     ap.add_argument("--kv-memory", type=float, default=1.0)
 
 

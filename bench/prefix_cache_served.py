@@ -34,6 +34,7 @@ from prefix_cache import workload_args
 from report import write_report
 from serve import machine, pct
 
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.client import stream_generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
 from trtkv.triton_repo.server import TritonServer, free_port
@@ -98,8 +99,9 @@ def run_mode(name: str, engine_dir: Path, prefix_caching: bool, args, workdir: P
 
     tok = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"), local_files_only=True)
     system = system_prompt(tok, args.prefix)
-    opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.requests, max_batched_tokens=args.max_batched_tokens,
-                       instance_kind="cpu", enable_prefix_caching=prefix_caching)
+    runtime = RuntimeConfig(kv_memory_gib=args.kv_memory, max_seqs=args.requests, max_batched_tokens=args.max_batched_tokens,
+                            enable_prefix_caching=prefix_caching)
+    opts = RepoOptions(runtime=runtime, instance_kind="cpu")
     mode = "on" if prefix_caching else "off"
     repo = write_repository(engine_dir, workdir / f"repo-{name}-{mode}", opts, force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=workdir / f"server-{name}-{mode}.log")

@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.client import stream_generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
 from trtkv.triton_repo.server import TritonServer, free_port
@@ -116,8 +117,8 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path, instances: in
 
     m = load_manifest(engine_dir)
     tok = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"), local_files_only=True)
-    opts = RepoOptions(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, instance_kind="cpu",
-                       instances=instances)
+    runtime = RuntimeConfig(kv_memory_gib=args.kv_memory, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens)
+    opts = RepoOptions(runtime=runtime, instance_kind="cpu", instances=instances)
     repo = write_repository(engine_dir, workdir / f"repo-{name}", opts, force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=workdir / f"server-{name}.log")
     out = {"engine": str(engine_dir), "kv_spec": m.kv_spec, "block_size": m.limits.block_size, "model": m.model.name, "instances": instances,

@@ -32,7 +32,7 @@ def test_each_family_is_served_like_offline(family, tmp_path):
         engine = build_engine(str(family(name)[0]), None, "int4", tmp_path / name / "eng", backend="torch", block_size=16, max_batch=4, max_seq_len=128)
         llm = LLMEngine.from_engine_dir(engine, RuntimeConfig(kv_memory_gib=0.01, max_seqs=8))
         want[name] = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
-        repo = write_repository(engine, tmp_path / name / "repo", RepoOptions(instance_kind="cpu", kv_memory_gib=0.01, max_seqs=8), force=True)
+        repo = write_repository(engine, tmp_path / name / "repo", RepoOptions(runtime=RuntimeConfig(kv_memory_gib=0.01, max_seqs=8), instance_kind="cpu"), force=True)
         servers[name] = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp_path / name / "server.log")
     try:
         with ThreadPoolExecutor(len(servers)) as pool:

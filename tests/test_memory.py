@@ -342,6 +342,7 @@ def test_torch_backend_build_still_checks_a_step_when_the_weights_fit(tiny_model
 def test_serve_counts_every_instance_copy_of_the_weights(tiny_model, tmp_path, monkeypatch):
     from trtkv.builder.build import build_engine
     from trtkv.manifest import load_manifest
+    from trtkv.runtime.config import RuntimeConfig
     from trtkv.runtime.torch_engine import load_plan
     from trtkv.triton_repo.cli import _plan_torch_serve
     from trtkv.triton_repo.repository import RepoOptions
@@ -353,9 +354,9 @@ def test_serve_counts_every_instance_copy_of_the_weights(tiny_model, tmp_path, m
     one = load_plan(m, torch.device("cpu"), kv_bytes=GIB // 100).plan
     assert one.kv == GIB // 100 and one.weights == m.model.num_params * 4 and one.activations > 0
     monkeypatch.setenv(LIMIT_ENV, str(one.total + (one.weights + one.activations) // 2))
-    _plan_torch_serve(m, RepoOptions(kv_memory_gib=0.01, instances=1, instance_kind="cpu"))
+    _plan_torch_serve(m, RepoOptions(runtime=RuntimeConfig(kv_memory_gib=0.01), instances=1, instance_kind="cpu"))
     with pytest.raises(TrtkvError, match="2 instances need"):
-        _plan_torch_serve(m, RepoOptions(kv_memory_gib=0.01, instances=2, instance_kind="cpu"))
+        _plan_torch_serve(m, RepoOptions(runtime=RuntimeConfig(kv_memory_gib=0.01), instances=2, instance_kind="cpu"))
 
 
 def test_export_plans_its_load(tiny_model, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient")
 
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.client import GenerateError, generate, stream_generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
 from trtkv.triton_repo.server import TritonServer, free_port
@@ -43,8 +44,9 @@ def engines(tmp_path_factory):
     return out
 
 
-def start(engine: Path, tmp: Path, **opts) -> TritonServer:
-    repo = write_repository(engine, tmp / f"repo-{engine.name}", RepoOptions(instance_kind="cpu", **opts), force=True)
+def start(engine: Path, tmp: Path, instances: int = 1, **runtime) -> TritonServer:
+    """A server on ``engine``: ``runtime`` are RuntimeConfig fields."""
+    repo = write_repository(engine, tmp / f"repo-{engine.name}", RepoOptions(runtime=RuntimeConfig(**runtime), instance_kind="cpu", instances=instances), force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp / f"{engine.name}.log")
     return server.start(timeout=120)
 

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("pytriton")
 pytest.importorskip("tritonclient")
 
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.client import generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
 from trtkv.triton_repo.server import TritonServer, free_port
@@ -42,8 +43,9 @@ def engine(tmp_path_factory) -> Path:
     return build_engine(str(root / "model"), kv="int4", out=root / "engine-int4", backend="onnxruntime", block_size=16, max_batch=8, max_seq_len=512, loaded=loaded)
 
 
-def start(engine: Path, tmp: Path, **opts) -> TritonServer:
-    repo = write_repository(engine, tmp / "repo", RepoOptions(instance_kind="cpu", **opts), force=True)
+def start(engine: Path, tmp: Path, **runtime) -> TritonServer:
+    """A server on ``engine``: ``runtime`` are RuntimeConfig fields."""
+    repo = write_repository(engine, tmp / "repo", RepoOptions(runtime=RuntimeConfig(**runtime), instance_kind="cpu"), force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp / "tritonserver.log")
     return server.start(timeout=120)
 
@@ -246,6 +248,25 @@ def test_error_hints_keep_square_brackets(capsys):
     with pytest.raises(typer.Exit):
         fail()
     assert "pip install 'trtkv[serve]'" in capsys.readouterr().err
+
+
+def test_a_hand_corrupted_runtime_config_fails_the_load_with_one_line_naming_file_and_field(engine, tmp_path):
+    """The python model validates runtime_config.json where tritonserver runs it: the server does not come up,
+    and its log has one line naming the file and the field (tests/test_runtime_config.py covers the cases)."""
+    from trtkv.errors import TrtkvError
+    from trtkv.triton_repo.repository import RUNTIME_CONFIG
+
+    repo = write_repository(engine, tmp_path / "repo", RepoOptions(instance_kind="cpu"), force=True)
+    path = repo / "ensemble" / "1" / RUNTIME_CONFIG
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_seqs": 0}))
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp_path / "tritonserver.log")
+    try:
+        with pytest.raises(TrtkvError, match="while loading"):
+            server.start(timeout=120)
+    finally:
+        server.stop(0)
+    want = f"trtkv: {path}: max_seqs (--max-seqs) = 0: "
+    assert any(want in line for line in (tmp_path / "tritonserver.log").read_text().splitlines())
 
 
 # ---------------------------------------------------------------- 4. preemption through the server

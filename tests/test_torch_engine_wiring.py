@@ -84,7 +84,7 @@ def test_served_greedy_equals_offline(engines, tmp_path):
     from trtkv.triton_repo.server import TritonServer, free_port
 
     want = offline(engines["torch"], PROMPTS, 16, ignore_eos=True)
-    repo = write_repository(engines["torch"], tmp_path / "repo", RepoOptions(instance_kind="cpu", kv_memory_gib=0.01, max_seqs=16), force=True)
+    repo = write_repository(engines["torch"], tmp_path / "repo", RepoOptions(runtime=RuntimeConfig(kv_memory_gib=0.01, max_seqs=16), instance_kind="cpu"), force=True)
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=tmp_path / "server.log")
     server.start(timeout=180)
     try:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.inputs import parse_request
 from trtkv.triton_repo.interface import INPUTS, OUTPUTS
-from trtkv.triton_repo.repository import RepoOptions, llm_config, parse_config, write_repository
+from trtkv.triton_repo.repository import RUNTIME_CONFIG, RepoOptions, instance_runtime, llm_config, parse_config, write_repository
 
 # TensorRT-LLM's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt): the
 # inputs and outputs a client of it relies on, with their types and dims.
@@ -62,34 +62,40 @@ def test_public_model_parses_and_matches_tensorrt_llm_ensemble(tmp_path):
 
 @pytest.mark.parametrize("kind,want", [("cpu", "KIND_CPU"), ("gpu", "KIND_GPU")])
 def test_llm_config_is_decoupled_python_with_instance_kind(tmp_path, kind, want):
-    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", RepoOptions(kv_memory_gib=0.5, max_seqs=8), kind))
+    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", RepoOptions(runtime=RuntimeConfig(kv_memory_gib=0.5, max_seqs=8)), kind))
     cfg = parse_config(tmp_path / "c.pbtxt")
     assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled
     assert [type(cfg.instance_group[0]).Kind.Name(cfg.instance_group[0].kind)] == [want]
-    assert cfg.parameters["engine_dir"].string_value == "/engines/e"
-    assert cfg.parameters["kv_memory_gib"].string_value == "0.5"
-    assert cfg.parameters["max_seqs"].string_value == "8"
+    assert {k: v.string_value for k, v in cfg.parameters.items()} == {"engine_dir": "/engines/e"}  # the runtime's: runtime_config.json
 
 
-@pytest.mark.parametrize("kind, opts, count, gib", [
-    ("cpu", RepoOptions(kv_memory_gib=0.9, instances=3), 3, 0.3),  # the server's budget split evenly
-    ("gpu", RepoOptions(kv_memory_gib=12.0, instances=2), 2, 6.0),
-    ("cpu", RepoOptions(instances=4), 4, None),  # the CPU default budget, split (checked below against its home)
-    ("cpu", RepoOptions(kv_memory_gib=0.5), 1, 0.5),
+@pytest.mark.parametrize("kind, gib, instances, want", [
+    ("cpu", 0.9, 3, 0.3),  # the server's budget split evenly
+    ("gpu", 12.0, 2, 6.0),
+    ("cpu", None, 4, None),  # the CPU default budget, split (checked below against its home)
+    ("cpu", 0.5, 1, 0.5),
+    ("gpu", None, 1, None),  # one instance on a GPU: a fraction of free memory at load
 ])
-def test_instances_split_the_kv_budget(tmp_path, kind, opts, count, gib):
-    from trtkv.runtime.llm_engine import DEFAULT_CPU_KV_GIB
-
+def test_instances_split_the_kv_budget(tmp_path, kind, gib, instances, want):
+    opts = RepoOptions(runtime=RuntimeConfig(kv_memory_gib=gib), instances=instances)
     (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, kind))
-    cfg = parse_config(tmp_path / "c.pbtxt")
-    assert cfg.instance_group[0].count == count
-    want = gib if gib is not None else DEFAULT_CPU_KV_GIB / count
-    assert float(cfg.parameters["kv_memory_gib"].string_value) == pytest.approx(want)
+    assert parse_config(tmp_path / "c.pbtxt").instance_group[0].count == instances
+    got = instance_runtime(opts, kind)
+    if want is None and kind == "cpu":
+        want = RuntimeConfig.CPU_KV_MEMORY_GIB / instances
+    assert got.kv_memory_gib == (None if want is None else pytest.approx(want))
+    assert got.device == ("cuda" if kind == "gpu" else "cpu")
 
 
-def test_instances_on_a_gpu_need_an_explicit_budget():
+def test_instances_on_a_gpu_need_an_explicit_budget(tmp_path):
     with pytest.raises(TrtkvError, match="--kv-memory"):
-        llm_config("/engines/e", RepoOptions(instances=2), "gpu")
+        instance_runtime(RepoOptions(instances=2), "gpu")
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "manifest.json").write_text("{}")
+    with pytest.raises(TrtkvError, match="--kv-memory"):  # refused before anything is written
+        write_repository(eng, tmp_path / "repo", RepoOptions(instances=2, instance_kind="gpu"))
+    assert not (tmp_path / "repo").exists()
 
 
 def test_parse_config_rejects_unknown_fields(tmp_path):
@@ -111,8 +117,8 @@ def test_write_repository_references_or_copies_and_reuses(tmp_path):
     mtime = (repo / "ensemble/config.pbtxt").stat().st_mtime_ns
     write_repository(eng, repo, RepoOptions(instance_kind="cpu"))  # unchanged: reused
     assert (repo / "ensemble/config.pbtxt").stat().st_mtime_ns == mtime
-    write_repository(eng, repo, RepoOptions(instance_kind="cpu", max_seqs=4))  # options changed: rewritten
-    assert '"max_seqs" value: { string_value: "4" }' in (repo / "ensemble/config.pbtxt").read_text()
+    write_repository(eng, repo, RepoOptions(runtime=RuntimeConfig(max_seqs=4), instance_kind="cpu"))  # options changed: rewritten
+    assert RuntimeConfig.load(repo / "ensemble/1" / RUNTIME_CONFIG).max_seqs == 4
     copied = write_repository(eng, tmp_path / "repo2", RepoOptions(instance_kind="cpu", copy_engine=True))
     assert (copied / "ensemble/1/engine/manifest.json").is_file()
     assert 'string_value: "engine"' in (copied / "ensemble/config.pbtxt").read_text()
@@ -211,43 +217,36 @@ def test_client_wait_ready_times_out_with_a_clear_error():
         wait_ready(f"http://127.0.0.1:{free_port()}", 1)
 
 
-def test_serving_defaults_have_one_home(tmp_path):
-    """RuntimeConfig's defaults are what RepoOptions, the generated config, the CLI options and the python model use."""
+def test_serving_defaults_have_one_home():
+    """RuntimeConfig's defaults are what RepoOptions and the serve / triton-repo options use (field_option)."""
     import inspect
 
-    from trtkv.runtime.config import RuntimeConfig
     from trtkv.triton_repo import cli
 
     want = RuntimeConfig()
-    opts = RepoOptions()
-    assert (opts.max_seqs, opts.max_batched_tokens) == (want.max_seqs, want.max_batched_tokens)
-    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, "cpu"))
-    cfg = parse_config(tmp_path / "c.pbtxt")
-    params = {k: v.string_value for k, v in cfg.parameters.items()}
-    assert (int(params["max_seqs"]), int(params["max_batched_tokens"])) == (want.max_seqs, want.max_batched_tokens)
+    assert RepoOptions().runtime == want
     app = __import__("typer").Typer()
     cli.register(app, lambda f: f)
     checked = []
     for command in app.registered_commands:
         sig = inspect.signature(command.callback)
         if "max_seqs" in sig.parameters:
-            assert sig.parameters["max_seqs"].default == want.max_seqs, command.callback.__name__
-            assert sig.parameters["max_batched_tokens"].default == want.max_batched_tokens, command.callback.__name__
+            for name in cli.RUNTIME_OPTIONS:
+                assert sig.parameters[name].default == getattr(want, name), (command.callback.__name__, name)
             checked.append(command.callback.__name__)
     assert {"triton_repo", "serve"} <= set(checked)
-    # the python model imports triton_python_backend_utils (only inside the server): check its source instead
-    src = (Path(cli.__file__).parent / "python_model.py").read_text()
-    assert 'num("max_seqs", int) or RuntimeConfig.max_seqs' in src
-    assert 'num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens' in src
 
 
-@pytest.mark.parametrize("flag,want", [(True, "1"), (False, "0")])
-def test_prefix_cache_flag_reaches_the_python_models_config(tmp_path, flag, want):
-    """``trtkv serve --no-prefix-cache`` / ``triton-repo --no-prefix-cache`` -> the parameter the python model reads."""
+@pytest.mark.parametrize("flag", [True, False])
+def test_prefix_cache_flag_reaches_the_python_models_config(tmp_path, flag):
+    """``trtkv serve --no-prefix-cache`` / ``triton-repo --no-prefix-cache`` -> the file the python model reads."""
     from trtkv.triton_repo.cli import REPO_OPTIONS, _repo_options
 
     defaults = {name: default for name, _, default in REPO_OPTIONS}
-    opts = _repo_options(**{**defaults, "max_seqs": 8, "max_batched_tokens": 64, "instance_kind": "cpu", "prefix_cache": flag})
-    (tmp_path / "c.pbtxt").write_text(llm_config("/engines/e", opts, "cpu"))
-    assert parse_config(tmp_path / "c.pbtxt").parameters["enable_prefix_caching"].string_value == want
-    assert RepoOptions().enable_prefix_caching is True
+    opts = _repo_options(**{**defaults, "max_seqs": 8, "max_batched_tokens": 64, "instance_kind": "cpu", "enable_prefix_caching": flag})
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "manifest.json").write_text("{}")
+    repo = write_repository(eng, tmp_path / "repo", opts)
+    assert RuntimeConfig.load(repo / "ensemble/1" / RUNTIME_CONFIG).enable_prefix_caching is flag
+    assert RepoOptions().runtime.enable_prefix_caching is True

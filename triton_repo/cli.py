@@ -13,65 +13,63 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from trtkv.cli_options import field_option
 from trtkv.errors import TrtkvError
 from trtkv.runtime.config import RuntimeConfig
 
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
-KvMemoryOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="KV cache budget in GiB (pool blocks + open blocks of every slot); default 1 GiB on CPU, --kv-fraction of free GPU memory")]
-KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-fraction", help="on a GPU: fraction of free memory for the KV cache (default 0.8)")]
-MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", help="sequence slots = most sequences running at once (each costs one fp16 open block)")]
-BatchedTokensOpt = Annotated[int, typer.Option("--max-batched-tokens", help="tokens per scheduler step (prefill chunks + decodes)")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="auto | onnxruntime | tensorrt | tensorrt-rtx")]
-PrefixCacheOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="share the sealed KV blocks of common prompt prefixes between requests")]
-FreeWindowOpt = Annotated[bool, typer.Option("--free-window-blocks/--keep-window-blocks", help="sliding-window layers free blocks their window has passed (torch engine; no prefix caching then)")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton model instances) in this server; the KV budget is split among them")]
 
-# The repository's runtime options: `triton-repo` and `serve` both write a repository, so both take these (declared once).
+# The RuntimeConfig fields that `triton-repo` and `serve` take as options, their flags, help and defaults generated from
+# the fields (trtkv.cli_options.field_option); `device` is not one: the repository writes the instance kind's.
+RUNTIME_OPTIONS = ("kv_memory_gib", "kv_memory_fraction", "max_seqs", "max_batched_tokens", "backend", "enable_prefix_caching", "free_window_blocks")
+# `generate --engine` runs one prompt offline: four slots and a small pool that loads fast. Its own, named defaults
+# (the options and their help take them from here, and so does the run).
+GENERATE_CONFIG = RuntimeConfig(kv_memory_gib=0.25, max_seqs=4)
+GENERATE_OPTIONS = ("kv_memory_gib", "backend")
+
+
+def runtime_options(names, base: RuntimeConfig) -> tuple:
+    """``(name, annotation, default)`` of the options for RuntimeConfig fields ``names``, defaults from ``base``."""
+    return tuple((name, *field_option(RuntimeConfig, name, getattr(base, name))) for name in names)
+
+
+# The repository's options: `triton-repo` and `serve` both write a repository, so both take these (declared once).
 REPO_OPTIONS = (
-    ("kv_memory", KvMemoryOpt, None),
-    ("kv_fraction", KvFractionOpt, None),
-    ("max_seqs", MaxSeqsOpt, RuntimeConfig.max_seqs),
-    ("max_batched_tokens", BatchedTokensOpt, RuntimeConfig.max_batched_tokens),
-    ("backend", BackendOpt, "auto"),
-    ("prefix_cache", PrefixCacheOpt, RuntimeConfig.enable_prefix_caching),
-    ("free_window_blocks", FreeWindowOpt, RuntimeConfig.free_window_blocks),
+    *runtime_options(RUNTIME_OPTIONS, RuntimeConfig()),
     ("instances", InstancesOpt, 1),
     ("instance_kind", Annotated[str, typer.Option(help="auto | cpu | gpu (KIND_CPU / KIND_GPU instances)")], "auto"),
     ("copy_engine", Annotated[bool, typer.Option(help="copy the engine into the repository instead of referencing its path")], False),
 )
 
 
-def with_repo_options(command):
-    """Give ``command`` the ``REPO_OPTIONS`` as keyword parameters (typer reads the signature); it receives them in ``**repo_opts``."""
-    sig = inspect.signature(command)
-    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, ann, default in REPO_OPTIONS]
-    command.__signature__ = sig.replace(parameters=own + added)
-    command.__annotations__ = {**command.__annotations__, **{name: ann for name, ann, _ in REPO_OPTIONS}}
-    return command
+def with_options(options):
+    """Give a command ``options`` (``(name, annotation, default)``) as keyword parameters (typer reads the signature);
+    it receives them in its ``**kwargs``."""
+
+    def add(command):
+        sig = inspect.signature(command)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, ann, default in options]
+        command.__signature__ = sig.replace(parameters=own + added)
+        command.__annotations__ = {**command.__annotations__, **{name: ann for name, ann, _ in options}}
+        return command
+
+    return add
 
 
-def _repo_options(*, kv_memory, kv_fraction, max_seqs, max_batched_tokens, backend, prefix_cache, free_window_blocks, instances, instance_kind, copy_engine):
+with_repo_options = with_options(REPO_OPTIONS)
+
+
+def _repo_options(*, instances, instance_kind, copy_engine, **runtime):
+    """The command's options -> RepoOptions; RuntimeConfig validates the runtime ones (one line naming the flag)."""
     from trtkv.triton_repo.repository import RepoOptions
 
-    if kv_memory is not None and kv_memory <= 0:
-        raise TrtkvError(f"--kv-memory must be positive, got {kv_memory}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
-    if max_seqs < 1 or max_batched_tokens < 1 or instances < 1:
-        raise TrtkvError("--max-seqs, --max-batched-tokens and --instances must be at least 1", "pass positive integers")
-    return RepoOptions(
-        kv_memory_gib=kv_memory,
-        kv_memory_fraction=kv_fraction,
-        max_seqs=max_seqs,
-        max_batched_tokens=max_batched_tokens,
-        backend=backend,
-        instance_kind=instance_kind,
-        instances=instances,
-        copy_engine=copy_engine,
-        enable_prefix_caching=prefix_cache,
-        free_window_blocks=free_window_blocks,
-    )
+    if instances < 1:
+        raise TrtkvError(f"--instances must be at least 1, got {instances}", "pass a positive integer")
+    return RepoOptions(runtime=RuntimeConfig(**runtime), instance_kind=instance_kind, instances=instances, copy_engine=copy_engine)
 
 
 def _pool_summary(m, opts) -> str:
@@ -80,11 +78,11 @@ def _pool_summary(m, opts) -> str:
 
     from trtkv.runtime.llm_engine import plan_budget
 
-    if opts.kv_memory_gib is None and torch.cuda.is_available():
+    if opts.runtime.kv_memory_gib is None and torch.cuda.is_available():
         return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
-    from trtkv.triton_repo.repository import instance_budget
+    from trtkv.triton_repo.repository import instance_runtime
 
-    cfg = RuntimeConfig(kv_memory_gib=instance_budget(opts, "cpu"), max_seqs=opts.max_seqs, free_window_blocks=opts.free_window_blocks)
+    cfg = instance_runtime(opts, "cpu")
     each = "" if opts.instances == 1 else f"{opts.instances} instances, each "
     return f"KV format {m.kv_spec}: {each}{plan_budget(m, cfg, torch.device('cpu'), m.backend).describe()}"
 
@@ -96,13 +94,13 @@ def _plan_torch_serve(m, opts) -> None:
     import torch
 
     from trtkv.memory import GIB, gib
-    from trtkv.runtime.llm_engine import DEFAULT_CPU_KV_GIB
     from trtkv.runtime.torch_engine import load_plan
     from trtkv.triton_repo.repository import detect_instance_kind
 
     kind = detect_instance_kind(opts.instance_kind)
     dev = torch.device("cuda" if kind == "gpu" and torch.cuda.is_available() else "cpu")
-    kv = opts.kv_memory_gib if opts.kv_memory_gib is not None else (DEFAULT_CPU_KV_GIB if dev.type == "cpu" else 0.0)
+    kv = opts.runtime.kv_memory(gpu=dev.type == "cuda")
+    kv = 0.0 if kv is None else kv
     lp = load_plan(m, dev, kv_bytes=int(kv * GIB))
     p = lp.plan
     need = p.total + (opts.instances - 1) * (p.weights + p.activations)
@@ -182,7 +180,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
         opts = _repo_options(**repo_opts)
-        if manifest.backend == "torch" and opts.backend in ("auto", "torch"):
+        if manifest.backend == "torch" and opts.runtime.backend in ("auto", "torch"):
             _plan_torch_serve(manifest, opts)  # the weights + KV of every instance, before the server reads any
         summary = _pool_summary(manifest, opts)
         path = write_repository(engine_dir, repo or Path("trtkv-out/triton_repo"), opts)
@@ -258,6 +256,7 @@ def register(app: typer.Typer, handle_errors) -> None:
 
     @app.command()
     @handle_errors
+    @with_options(runtime_options(GENERATE_OPTIONS, GENERATE_CONFIG))
     def generate(
         prompt: Annotated[str, typer.Argument(help="the prompt")],
         engine: Annotated[Optional[Path], typer.Option("--engine", help="run the engine directory offline (no server)")] = None,
@@ -269,9 +268,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         seed: Annotated[Optional[int], typer.Option(help="reproducible sampling")] = None,
         stop: Annotated[Optional[list[str]], typer.Option("--stop", help="stop word (repeatable)")] = None,
         stream: Annotated[bool, typer.Option("--stream/--no-stream", help="print tokens as they come")] = True,
-        kv_memory: KvMemoryOpt = None,
-        backend: BackendOpt = "auto",
         wait: Annotated[float, typer.Option(help="with --url: wait up to this many seconds for the server to be ready")] = 0.0,
+        **runtime_opts,
     ) -> None:
         """Generate text for PROMPT, offline with --engine or from a running server with --url."""
         if (engine is None) == (url is None):
@@ -283,7 +281,7 @@ def register(app: typer.Typer, handle_errors) -> None:
                 wait_ready(url, wait)
             _generate_remote(url, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream)
         else:
-            _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, kv_memory, backend)
+            _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, GENERATE_CONFIG.replace(**runtime_opts))
 
 
 EXIT_MARGIN_S = 5  # tritonserver's own exit timeout is the grace plus this; serve SIGKILLs it after the grace plus twice this
@@ -338,13 +336,13 @@ def _shutdown_outcome(outcome: str | None, rc) -> tuple[int, str]:
     return 4, "the model did not confirm the drain; requests in flight may have been cut"
 
 
-def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, kv_memory, backend) -> None:
-    from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
+def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p, seed, stop, stream, config: RuntimeConfig) -> None:
+    from trtkv.runtime.llm_engine import LLMEngine
     from trtkv.runtime.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_words=stop).validate()
     t0 = time.monotonic()
-    llm = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(kv_memory_gib=kv_memory if kv_memory is not None else 0.25, max_seqs=4, backend=backend))
+    llm = LLMEngine.from_engine_dir(engine_dir, config)
     t1 = time.monotonic()
     first = {}
 

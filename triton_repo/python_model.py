@@ -22,8 +22,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by the python backend
 
 from trtkv.errors import TrtkvError
+from trtkv.runtime.config import RuntimeConfig
 from trtkv.runtime.engine_loop import ShuttingDown
 from trtkv.triton_repo.inputs import ParsedRequest, parse_request
+from trtkv.triton_repo.repository import RUNTIME_CONFIG
 from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV
 
 METRIC_INTERVAL_S = 0.25
@@ -154,26 +156,21 @@ class _Drain:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from trtkv.runtime.engine_loop import EngineLoop
-        from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
-
-        cfg = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-        engine_dir = Path(params["engine_dir"])
-        if not engine_dir.is_absolute():
-            engine_dir = Path(args["model_repository"]) / args["model_version"] / engine_dir
-        num = lambda k, f: f(params[k]) if params.get(k) else None
-        config = RuntimeConfig(
-            kv_memory_gib=num("kv_memory_gib", float),
-            kv_memory_fraction=num("kv_memory_fraction", float),
-            max_seqs=num("max_seqs", int) or RuntimeConfig.max_seqs,
-            max_batched_tokens=num("max_batched_tokens", int) or RuntimeConfig.max_batched_tokens,
-            backend=params.get("backend") or "auto",
-            device=params.get("device") or "auto",
-            enable_prefix_caching=params.get("enable_prefix_caching", "1" if RuntimeConfig.enable_prefix_caching else "0") != "0",
-            free_window_blocks=params.get("free_window_blocks", "1" if RuntimeConfig.free_window_blocks else "0") != "0",
-        )
         self.logger = pb_utils.Logger
+        cfg = json.loads(args["model_config"])
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        engine_dir = Path(cfg["parameters"]["engine_dir"]["string_value"])
+        if not engine_dir.is_absolute():
+            engine_dir = version_dir / engine_dir
+        try:  # the settings the repository wrote (trtkv.triton_repo.repository), validated before the engine loads
+            config = RuntimeConfig.load(version_dir / RUNTIME_CONFIG)
+        except TrtkvError as exc:
+            self.logger.log_error(f"trtkv: {exc}")  # one line naming the file and the field, ahead of Triton's own report
+            raise
+
+        from trtkv.runtime.engine_loop import EngineLoop
+        from trtkv.runtime.llm_engine import LLMEngine
+
         self.engine = LLMEngine.from_engine_dir(engine_dir, config)
         stats = self.engine.stats()
         self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.describe_cache()}")

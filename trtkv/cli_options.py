@@ -7,8 +7,10 @@ The core CLI (``trtkv.cli``) and each stage's commands (``calibration/cli.py``, 
 from __future__ import annotations
 
 import functools
+import types
+import typing
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -29,6 +31,27 @@ DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16")]
 StreamOpt = Annotated[str, typer.Option("--stream", help="layer streaming (one decoder layer in memory at a time): auto (when the resident model does not fit) | always | never")]
 TextFieldOpt = Annotated[str, typer.Option(help="field holding the text in .jsonl / parquet / datasets sources")]
+
+
+_FIELD_DEFAULT = object()
+
+
+def field_option(model, name: str, default: Any = _FIELD_DEFAULT) -> tuple[Any, Any]:
+    """``(annotation, default)`` of a typer option generated from pydantic ``model``'s field ``name``: its flag
+    (``json_schema_extra["flag"]``), its description as the help, and typer shows the parameter's own default, so no
+    help text restates one. ``default``: a command's own, named override of the field's;
+    a ``None`` default is shown as the field's ``json_schema_extra["unset"]``. The model validates the values."""
+    info = model.model_fields[name]
+    extra = info.json_schema_extra or {}
+    value = info.default if default is _FIELD_DEFAULT else default
+    base = info.annotation
+    if typing.get_origin(base) in (typing.Union, types.UnionType):
+        base = next(a for a in typing.get_args(base) if a is not type(None))
+    if typing.get_origin(base) is Literal:
+        base = str  # the model names the allowed values in its error and the description lists them
+    shown = True if value is not None else extra.get("unset", "unset")  # typer shows the parameter's default itself
+    ann = Annotated[Optional[base] if value is None else base, typer.Option(extra["flag"], help=info.description, show_default=shown)]
+    return ann, value
 
 
 def handle_errors(fn):

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
+from trtkv.engine_backends import Backend
 from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat
 from trtkv.models import ModelInfo
@@ -45,7 +46,6 @@ def accepts_any_shape(backend: str) -> bool:
     """ONNX Runtime (and the torch reference) run any batch / pool size; TensorRT plans only their profile's ``limits``."""
     return backend in SHAPE_FREE_BACKENDS
 
-Backend = Literal["onnxruntime", "tensorrt-rtx", "tensorrt", "torch"]  # torch: no network, the model by reference (builder/torch_build.py)
 Attention = Literal["native", "plugin"]
 ComputeDtype = Literal["fp16", "fp32"]
 _REBUILD = "rebuild the engine with `trtkv build-engine ... --force`"

@@ -1,25 +1,109 @@
-"""``RuntimeConfig``: the serving settings and their defaults, in one place.
+"""``RuntimeConfig``: every serving setting, its default, its range and its description, in one place.
 
-Kept free of torch so that the CLI options, the generated Triton repository and the python model
-can take their defaults from here without loading the runtime.
+Everything asks it: ``LLMEngine`` (the budget rule ``kv_memory``), the Triton repository (which writes it
+once, as JSON, and whose python model validates it on load), and the CLI, whose ``serve`` / ``triton-repo`` /
+``generate`` options and help are generated from the fields (``trtkv.cli_options.field_option``). Kept free of
+torch so that the CLI and the repository writer can read it without loading the runtime.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trtkv.engine_backends import RUNTIME_BACKENDS
+from trtkv.errors import TrtkvError
+
+RuntimeBackend = Literal[RUNTIME_BACKENDS]  # Literal of a tuple: its members
 
 
-@dataclass
-class RuntimeConfig:
-    kv_memory_gib: float | None = None  # the KV budget: pool blocks + open blocks of every slot
-    kv_memory_fraction: float | None = None  # instead: this fraction of free device memory (cuda)
-    max_seqs: int = 64  # sequence slots (each costs one fp16 open block per layer and K/V)
-    max_batched_tokens: int = 512  # tokens per scheduler step (prefill chunks + decodes)
-    backend: str = "auto"  # passed to trtkv.runtime.backends
-    device: str = "auto"
-    # share sealed blocks between requests with a common prompt prefix (runtime/prefix_cache.py); on by default:
-    # a hit gives the same outputs as recomputing (tests/test_prefix_cache.py, every preset format)
-    enable_prefix_caching: bool = True
-    # sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing): the torch
-    # engine only; prefix caching is then off for such a model (a hit would need the freed blocks)
-    free_window_blocks: bool = True
+def _flag(flag: str, unset: str | None = None) -> dict:
+    """A field's CLI flag (typer's declaration) and, for a ``None`` default, what unset means (shown as the default)."""
+    return {"flag": flag, **({"unset": unset} if unset else {})}
+
+
+class RuntimeConfig(BaseModel):
+    """The runtime's settings. Strict (``"8"`` is not 8, ``"1"`` is not True) and closed (an unknown key is an error):
+    the repository's ``runtime_config.json`` may be edited by hand, and a typo must not be ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    CPU_KV_MEMORY_GIB: ClassVar[float] = 1.0  # the KV budget on CPU when kv_memory_gib is unset
+
+    kv_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache budget in GiB (pool blocks + open blocks of every slot)",
+        json_schema_extra=_flag("--kv-memory", f"{CPU_KV_MEMORY_GIB:g} GiB on CPU, --kv-fraction of free GPU memory"))
+    kv_memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="on a GPU without --kv-memory: the fraction of device memory free once the engine is loaded, for the KV cache",
+        json_schema_extra=_flag("--kv-fraction"))
+    max_seqs: int = Field(
+        64, ge=1, description="sequence slots = most sequences running at once (each costs one fp16 open block per layer and K/V)",
+        json_schema_extra=_flag("--max-seqs"))
+    max_batched_tokens: int = Field(
+        512, ge=1, description="tokens per scheduler step (prefill chunks + decodes)", json_schema_extra=_flag("--max-batched-tokens"))
+    backend: RuntimeBackend = Field(
+        "auto", description=f"engine backend: {' | '.join(RUNTIME_BACKENDS)} (auto: the manifest's; TensorRT when it has a plan and a GPU is present)",
+        json_schema_extra=_flag("--backend"))
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="the device of the model instance (the repository writes its instance kind; the engine backend places itself)")
+    enable_prefix_caching: bool = Field(
+        True, description="share the sealed KV blocks of common prompt prefixes between requests (runtime/prefix_cache.py; "
+        "a hit gives the same outputs as recomputing)", json_schema_extra=_flag("--prefix-cache/--no-prefix-cache"))
+    free_window_blocks: bool = Field(
+        True, description="sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing; "
+        "torch engine only, and no prefix caching for such a model then)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))
+
+    def __init__(self, **values):
+        """Validate, and turn a bad value into one ``TrtkvError`` line that names the field (and its CLI flag)."""
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise RuntimeConfigError(exc, "runtime config", "see `trtkv serve --help` for each setting and its range") from None
+
+    @classmethod
+    def load(cls, path: Path | str) -> "RuntimeConfig":
+        """The config in the JSON file ``path``; a missing, malformed or invalid file is one line naming it and the field."""
+        path = Path(path)
+        fix = "correct the file, or rewrite the repository (`trtkv triton-repo ENGINE --force` or `trtkv serve`)"
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise TrtkvError(f"cannot read the runtime config {path}: {exc.strerror}", fix) from None
+        try:
+            return cls.model_validate_json(text)  # pydantic runs __init__ (a custom one) on the parsed fields
+        except RuntimeConfigError as exc:
+            raise TrtkvError(f"{path}: {exc.detail}", fix) from None
+        except ValidationError as exc:  # not JSON, or not an object
+            raise RuntimeConfigError(exc, str(path), fix) from None
+
+    def dump_json(self) -> str:
+        """Every field, defaults included (the file then says what the server runs with, whatever a later default)."""
+        return self.model_dump_json(indent=2) + "\n"
+
+    def replace(self, **changes) -> "RuntimeConfig":
+        """A validated copy with ``changes`` (``model_copy(update=...)`` would not validate them)."""
+        return RuntimeConfig(**{**self.model_dump(), **changes})
+
+    def kv_memory(self, *, gpu: bool) -> float | None:
+        """The KV budget in GiB: kv_memory_gib, else the CPU default off a GPU; None on a GPU without
+        kv_memory_gib (the pool takes kv_memory_fraction of what is free once the engine is loaded)."""
+        if self.kv_memory_gib is not None:
+            return self.kv_memory_gib
+        return None if gpu else self.CPU_KV_MEMORY_GIB
+
+
+class RuntimeConfigError(TrtkvError):
+    """Pydantic's first error as one line, ``where: field (--flag) = value: message``; ``detail`` is all but ``where``."""
+
+    def __init__(self, exc: ValidationError, where: str, fix: str):
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        info = RuntimeConfig.model_fields.get(loc)
+        flag = (info.json_schema_extra or {}).get("flag") if info is not None else None
+        field = f"{loc} ({flag.split('/')[0]})" if flag else loc
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        self.field = loc or None
+        self.detail = (f"{field} = {err['input']!r}: " if loc else "") + f"{err['msg']}{more}".replace("\n", " ")
+        super().__init__(f"{where}: {self.detail}", fix)

@@ -32,9 +32,6 @@ from trtkv.runtime.scheduler import Chunk, Scheduler, SchedulerOutput
 from trtkv.runtime.sequence import SamplingParams, Sequence
 from trtkv.runtime.swap import Swapper
 
-DEFAULT_CPU_KV_GIB = 1.0
-DEFAULT_GPU_KV_FRACTION = 0.8  # of the device memory that is free once the engine is loaded
-
 
 @dataclass
 class RequestOutput:
@@ -427,17 +424,13 @@ def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: 
 
 
 def resolve_kv_budget(config: RuntimeConfig, device: torch.device) -> int:
-    """The KV budget in bytes: --kv-memory, else a fraction of free device memory (cuda), else 1 GiB on CPU."""
-    if config.kv_memory_gib is not None:
-        if config.kv_memory_gib <= 0:
-            raise TrtkvError(f"--kv-memory must be positive, got {config.kv_memory_gib}", "give the KV budget in GiB, e.g. --kv-memory 0.5")
-        return int(config.kv_memory_gib * GIB)
-    if torch.device(device).type == "cuda":
-        from trtkv.gpu import device_memory
+    """The KV budget in bytes: ``config.kv_memory`` on this device, else (a GPU) its fraction of free device memory.
+    The values were validated when ``config`` was made (RuntimeConfig's ranges)."""
+    device = torch.device(device)
+    gib = config.kv_memory(gpu=device.type == "cuda")
+    if gib is not None:
+        return int(gib * GIB)
+    from trtkv.gpu import device_memory
 
-        frac = config.kv_memory_fraction if config.kv_memory_fraction is not None else DEFAULT_GPU_KV_FRACTION
-        if not 0 < frac <= 1:
-            raise TrtkvError(f"--kv-fraction must be in (0, 1], got {frac}", "e.g. --kv-fraction 0.8")
-        free, _total = device_memory(torch.device(device).index or 0)
-        return int(free * frac)
-    return int(DEFAULT_CPU_KV_GIB * GIB)
+    free, _total = device_memory(device.index or 0)
+    return int(free * config.kv_memory_fraction)
