@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from marker_block import replace_block, run
+from marker_block import Block
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
@@ -93,13 +93,8 @@ def section() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str, where: Path = DOC) -> str:
-    return replace_block(doc, where, BEGIN, END, section())
-
-
-def main(argv: list[str]) -> int:
-    return run(argv, [DOC], render, "{path} Layers section is out of date with docs/gen_layers.py's PACKAGES: run python docs/gen_layers.py")
+GENERATED = Block(BEGIN, END, section, [DOC], "{path} Layers section is out of date with docs/gen_layers.py's PACKAGES: run python docs/gen_layers.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(GENERATED.main(sys.argv[1:]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from marker_block import replace_block, run
+from marker_block import Block
 
 from trtkv.formats import PRESETS, KVFormat, TensorFormat
 
@@ -58,13 +58,8 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str, where: Path = DOC) -> str:
-    return replace_block(doc, where, BEGIN, END, table())
-
-
-def main(argv: list[str]) -> int:
-    return run(argv, [DOC], render, "{path} preset table is out of date with trtkv.formats.PRESETS: run python docs/gen_preset_table.py")
+GENERATED = Block(BEGIN, END, table, [DOC], "{path} preset table is out of date with trtkv.formats.PRESETS: run python docs/gen_preset_table.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(GENERATED.main(sys.argv[1:]))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from marker_block import replace_block, run
+from marker_block import Block
 
 from trtkv.formats import PRESETS, get_format
 from trtkv.plugins.contract.capabilities import CAPABILITIES, LIMITS, ExecutionPath
@@ -67,13 +67,9 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str, where: Path) -> str:
-    return replace_block(doc, where, BEGIN, END, table())
-
-
-def main(argv: list[str]) -> int:
-    return run(argv, DOCS, render, "{path} support matrix is out of date with the capability table: run python docs/gen_support_matrix.py")
+GENERATED = Block(BEGIN, END, table, DOCS, "{path} support matrix is out of date with the capability table: run python docs/gen_support_matrix.py")
+render = GENERATED.render  # what tests/test_capabilities.py renders a doc with
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(GENERATED.main(sys.argv[1:]))
