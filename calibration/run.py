@@ -102,34 +102,23 @@ def calibrate_formats(
 
 def _load(model: str, info: Any, tok: Any, windows: Any, *, device: str, dtype: str, batch_size: int, reservoir: int,
           stream: str, can_stream: bool, console: Any) -> Any:
-    """The model as the memory plan says (trtkv.memory): resident, or streamed layer by layer; refused before any
-    weights are read when neither fits. ``--budget`` scores every layer's choice on the whole model: no streaming."""
-    from trtkv.memory import activation_bytes, choose_load
-    from trtkv.models import load_model, resolve_device
-    from trtkv.streaming import load_streamed
+    """The model as the memory plan says (``trtkv.streaming.load_planned``) for calibration's working set: the windows'
+    hidden states and the reservoir. ``--budget`` scores every layer's choice on the whole model: no streaming."""
+    import torch
+
+    from trtkv.memory import activation_bytes
+    from trtkv.streaming import load_planned
 
     n, seq_len = windows.shape
     f32 = 4
     held = n * seq_len * info.hidden_size * f32  # every window's hidden states, between two streamed layers
     res = 2 * info.num_layers * reservoir * info.num_kv_heads * info.head_dim * f32  # the reservoir sample of K and V
-    import torch
-
     acts = activation_bytes(info, batch=min(batch_size, n), seq_len=seq_len, dtype=torch.float32, logits=False) + held + res
     if stream == "always" and not can_stream:
-        from trtkv.errors import TrtkvError
-
         raise TrtkvError("--budget measures each layer's choice on the whole model, which a layer-streamed run does not hold",
                          "drop --stream always (or --budget), or give the process memory for the resident model")
-    plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=can_stream, stream=stream, command="calibrate")
-    # every check passed: say what is about to load (an 8B model's first line, before minutes of work)
-    console.print(f"[bold]calibrate[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; "
-                  f"{n} windows of {seq_len} tokens", highlight=False)
-    if plan.note:
-        console.print(f"note: {plan.note}", highlight=False)
-    dt = str(plan.dtype).removeprefix("torch.")
-    if plan.streamed:
-        return load_streamed(model, device, dt, tokenizer=tok)
-    return load_model(model, device=device, dtype=dt, tokenizer=tok)
+    return load_planned(model, info, tok, command="calibrate", windows=(n, seq_len), activations=acts, device=device, dtype=dtype,
+                        stream=stream, can_stream=can_stream, console=console)
 
 
 DEFAULT_MAX_SAMPLES = 64  # windows used when --samples is not given (fewer if the calib split is smaller)

@@ -143,3 +143,53 @@ def test_smollm2_streamed_eval_equals_resident(builtin_model):
         assert rb.ppl == pytest.approx(ra.ppl, rel=1e-6)
         assert rb.kld_mean == pytest.approx(ra.kld_mean, rel=1e-6, abs=1e-12)
     assert a[-1].kld_mean > 1e-4  # int4 sealed 2 blocks of each window
+
+
+def test_load_planned_says_its_first_line_only_after_the_plan(tiny_models, monkeypatch):
+    """The one loader of calibrate and eval: the plan first (a refusal prints nothing else), then the command's own
+    first line and the plan's note, then the model resident or streamed as the plan says."""
+    import io
+
+    from rich.console import Console
+
+    from trtkv import memory
+    from trtkv.errors import TrtkvError
+    from trtkv.models import model_info
+    from trtkv.streaming import load_planned
+
+    d, _ = tiny_models("llama", with_tokenizer=True, num_hidden_layers=4)
+    info = model_info(str(d))
+    resident = memory.plan_memory(info, torch.device("cpu"), torch.float32, streamed=False, activations=0)
+    streamed = memory.plan_memory(info, torch.device("cpu"), torch.float32, streamed=True, activations=0)
+
+    def load(command: str, limit: int, **kw):
+        monkeypatch.setenv(memory.LIMIT_ENV, str(limit))
+        out = io.StringIO()
+        kw = {"device": "cpu", "dtype": "auto", "stream": "auto", "can_stream": True, **kw}
+        loaded = load_planned(str(d), info, None, command=command, windows=(3, 16), activations=0,
+                              console=Console(file=out, width=400), **kw)
+        return loaded, out.getvalue().splitlines()
+
+    loaded, lines = load("eval", resident.total * 4)
+    assert loaded.streamer is None and lines[0].startswith(f"eval {info.name}: ") and lines[0].endswith("; 3 windows of 16 tokens")
+    loaded, lines = load("calibrate", (resident.total + streamed.total) // 2)
+    assert loaded.streamer is not None and lines[0].startswith(f"calibrate {info.name}: ")
+    assert lines[1].startswith("note: calibrate: loading the weights in float32, streamed layer by layer")
+    out = io.StringIO()
+    monkeypatch.setenv(memory.LIMIT_ENV, "1MiB")
+    with pytest.raises(TrtkvError, match="eval does not fit in memory"):
+        load_planned(str(d), info, None, command="eval", windows=(3, 16), activations=0, device="cpu", dtype="auto",
+                     stream="auto", can_stream=True, console=Console(file=out))
+    assert out.getvalue() == ""  # refused before the first line
+
+
+def test_calibrate_budget_refuses_stream_always_before_the_weights(tiny_models, tmp_path, monkeypatch):
+    from trtkv import streaming
+    from trtkv.calibration.run import run_calibration
+    from trtkv.errors import TrtkvError
+
+    d, _ = tiny_models("qwen3", with_tokenizer=True, head_dim=128)  # the default --budget-formats fit head_dim 128
+    monkeypatch.setattr(streaming, "load_planned", lambda *a, **k: pytest.fail("the weights were planned for"))
+    with pytest.raises(TrtkvError, match="--budget measures each layer's choice on the whole model"):
+        run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8-static"], samples=2, seq_len=16,
+                        progress=False, reservoir=8, budget="kl=0.01", stream="always")

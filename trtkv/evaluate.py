@@ -484,11 +484,10 @@ def run_eval(
 
 def _load(model: str, info, tok, windows: torch.Tensor, n_formats: int, *, device: str, dtype: str, batch_size: int,
           stream: str, console) -> Any:
-    """The model as the memory plan says (trtkv.memory): resident, or streamed layer by layer; refused before any
-    weights are read when neither fits."""
-    from trtkv.memory import activation_bytes, choose_load
-    from trtkv.models import load_model, resolve_device
-    from trtkv.streaming import load_streamed
+    """The model as the memory plan says (``trtkv.streaming.load_planned``) for eval's working set: every format's
+    windows, the reference cache and the logits."""
+    from trtkv.memory import activation_bytes
+    from trtkv.streaming import load_planned
 
     n, seq_len = windows.shape
     f32 = 4
@@ -497,16 +496,8 @@ def _load(model: str, info, tok, windows: torch.Tensor, n_formats: int, *, devic
     cache = batch * seq_len * info.num_layers * info.num_kv_heads * info.head_dim * 2 * f32  # the fp16 run's cache, model dtype
     scores = 3 * batch * seq_len * info.vocab_size * f32  # the reference and a format's logits, and a log-softmax
     acts = activation_bytes(info, batch=batch, seq_len=seq_len, dtype=torch.float32, logits=True) + held + cache + scores
-    plan = choose_load(info, resolve_device(device), dtype, activations=acts, can_stream=True, stream=stream, command="eval")
-    # every check passed: say what is about to load (an 8B model's first line, before minutes of work)
-    console.print(f"[bold]eval[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; {n} windows of "
-                  f"{seq_len} tokens", highlight=False)
-    if plan.note:
-        console.print(f"note: {plan.note}", highlight=False)
-    dt = str(plan.dtype).removeprefix("torch.")
-    if plan.streamed:
-        return load_streamed(model, device, dt, tokenizer=tok)
-    return load_model(model, device, dt, tokenizer=tok)
+    return load_planned(model, info, tok, command="eval", windows=(n, seq_len), activations=acts, device=device, dtype=dtype,
+                        stream=stream, can_stream=True, console=console)
 
 
 # --------------------------------------------------------------------------- output

@@ -366,3 +366,24 @@ def load_streamed(spec: str, device: str = "auto", dtype: str | torch.dtype = "a
     info = models.info_from_model(base, model)
     return models.LoadedModel(model=model, tokenizer=tok, info=info, device=dev, dtype=dt, checkpoint_dir=ckpt,
                               from_cache=from_cache, load_seconds=time.perf_counter() - t0, streamer=streamer)
+
+
+def load_planned(model: str, info: Any, tok: Any, *, command: str, windows: tuple[int, int], activations: int, device: str,
+                 dtype: str, stream: str, can_stream: bool, console: Any) -> Any:
+    """``model`` loaded as the memory plan says (``trtkv.memory.choose_load``): resident, or streamed layer by layer
+    (``load_streamed``); refused in one line before any weight is read when neither fits. Once every check has passed
+    the command's first line (``windows``: how many, of how many tokens) and the plan's note go to ``console``, so an
+    8B model says what it loads before minutes of work. ``activations``: the command's own working set in bytes."""
+    from trtkv.memory import choose_load
+    from trtkv.models import load_model, resolve_device
+
+    plan = choose_load(info, resolve_device(device), dtype, activations=activations, can_stream=can_stream, stream=stream, command=command)
+    n, seq_len = windows
+    console.print(f"[bold]{command}[/] {info.name}: {info.shape()}, {info.num_params / 1e9:.2f} B parameters; {n} windows of "
+                  f"{seq_len} tokens", highlight=False)
+    if plan.note:
+        console.print(f"note: {plan.note}", highlight=False)
+    dt = str(plan.dtype).removeprefix("torch.")
+    if plan.streamed:
+        return load_streamed(model, device, dt, tokenizer=tok)
+    return load_model(model, device=device, dtype=dt, tokenizer=tok)
