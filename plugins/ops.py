@@ -31,7 +31,9 @@ block-table entries or pool blocks before it, so a window ring's table (``Window
 the mask. Both default to 0 (none).
 
 The custom ops take formats as ``TensorFormat.short()`` spec strings (``"int4:bchannel:asym"``: a torch op schema
-carries no objects), the launchers ``TensorFormat`` objects (a string is parsed once, ``contract.as_tensor_format``).
+carries no objects), parsed once per distinct string (``_spec_format``); the launchers, the dispatchers the custom ops
+call (``seal_into``, ``decode``, ``prefill``) and the wrappers on trtkv objects (``seal_kv``, ``decode_attention``,
+``prefill_attention``: what the runtime calls on its hot path) take ``TensorFormat`` objects and never parse.
 Static scales may be ``[]``, ``[kv_heads]`` or ``[kv_heads, head_dim]``; smoothing factors ``[kv_heads, head_dim]``;
 ``clip`` ``[]`` or ``[kv_heads]``.
 
@@ -49,6 +51,7 @@ Head dim, block size and partition limits are ``contract.LIMITS``; launch grids 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -358,13 +361,24 @@ T = torch.Tensor
 OT = Optional[torch.Tensor]
 
 
-@torch.library.custom_op("trtkv::seal_blocks", mutates_args=("data", "scale", "zero"))
-def seal_blocks(rows: T, blocks: T, data: T, scale: OT, zero: OT, fmt: str,
-                static_scale: OT = None, smooth: OT = None, clip: OT = None) -> None:
+@functools.lru_cache(maxsize=None)
+def _spec_format(spec: str) -> TensorFormat:
+    """A custom op's format argument (a schema carries strings): parsed once per distinct spec string."""
+    return C.as_tensor_format(spec)
+
+
+def seal_into(rows, blocks, data, scale, zero, fmt: TensorFormat, static_scale=None, smooth=None, clip=None) -> None:
+    """``seal_blocks`` on a TensorFormat: the kernel on CUDA (or under ``TRITON_INTERPRET=1``), else the reference."""
     if rows.is_cuda or interpret_requested():
         launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, interpret=not rows.is_cuda)
     else:
         _ref.seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip)
+
+
+@torch.library.custom_op("trtkv::seal_blocks", mutates_args=("data", "scale", "zero"))
+def seal_blocks(rows: T, blocks: T, data: T, scale: OT, zero: OT, fmt: str,
+                static_scale: OT = None, smooth: OT = None, clip: OT = None) -> None:
+    seal_into(rows, blocks, data, scale, zero, _spec_format(fmt), static_scale, smooth, clip)
 
 
 @seal_blocks.register_fake
@@ -386,13 +400,12 @@ def _ref_attention(q, cu, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_ta
                                     sm_scale, window, softcap)
 
 
-@torch.library.custom_op("trtkv::paged_decode_attention", mutates_args=())
-def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, v_scale: OT, v_zero: OT,
-                           k_tail: T, v_tail: T, k_new: T, v_new: T, block_table: T, context_lens: T, slot_ids: T,
-                           k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
-                           v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
-                           partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
-                           softcap: float = 0.0) -> T:
+def decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table, context_lens,
+           slot_ids, k_fmt: TensorFormat, v_fmt: TensorFormat, k_static_scale=None, k_smooth=None, v_static_scale=None,
+           v_smooth=None, sm_scale=None, partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
+           softcap: float = 0.0) -> torch.Tensor:
+    """``paged_decode_attention`` on TensorFormats: the kernels on CUDA (or under ``TRITON_INTERPRET=1``), else the
+    reference."""
     if q.is_cuda or interpret_requested():
         return launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                                    block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
@@ -403,11 +416,38 @@ def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, 
                           v_static_scale, v_smooth, sm_scale, window, softcap)
 
 
+@torch.library.custom_op("trtkv::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, v_scale: OT, v_zero: OT,
+                           k_tail: T, v_tail: T, k_new: T, v_new: T, block_table: T, context_lens: T, slot_ids: T,
+                           k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
+                           v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
+                           partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
+                           softcap: float = 0.0) -> T:
+    return decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
+                  context_lens, slot_ids, _spec_format(k_fmt), _spec_format(v_fmt), k_static_scale, k_smooth,
+                  v_static_scale, v_smooth, sm_scale, partition_size, precision, window, softcap)
+
+
 @paged_decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table, context_lens,
       slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
       partition_size=DEFAULT_PARTITION, precision="auto", window=0, softcap=0.0):
     return torch.empty_like(q)
+
+
+def prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
+            context_lens, slot_ids, k_fmt: TensorFormat, v_fmt: TensorFormat, k_static_scale=None, k_smooth=None,
+            v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q: int | None = None, precision: str = "auto",
+            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """``paged_prefill_attention`` on TensorFormats (dispatch as ``decode``)."""
+    if q.is_cuda or interpret_requested():
+        return launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
+                                    k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale,
+                                    k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision,
+                                    interpret=not q.is_cuda, window=window, softcap=softcap)
+    return _ref_attention(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
+                          v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
+                          v_static_scale, v_smooth, sm_scale, window, softcap)
 
 
 @torch.library.custom_op("trtkv::paged_prefill_attention", mutates_args=())
@@ -417,14 +457,9 @@ def paged_prefill_attention(q: T, cu_seqlens_q: T, k_data: T, k_scale: OT, k_zer
                             v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
                             max_seqlen_q: Optional[int] = None, precision: str = "auto", window: int = 0,
                             softcap: float = 0.0) -> T:
-    if q.is_cuda or interpret_requested():
-        return launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
-                                    k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale,
-                                    k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision,
-                                    interpret=not q.is_cuda, window=window, softcap=softcap)
-    return _ref_attention(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
-                          v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
-                          v_static_scale, v_smooth, sm_scale, window, softcap)
+    return prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
+                   block_table, context_lens, slot_ids, _spec_format(k_fmt), _spec_format(v_fmt), k_static_scale,
+                   k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision, window, softcap)
 
 
 @paged_prefill_attention.register_fake
@@ -446,11 +481,10 @@ def _p(params: TensorParams | None, name: str):
 def seal_kv(layout: PagedKVLayout, k_rows: torch.Tensor, v_rows: torch.Tensor, blocks: torch.Tensor,
             k_pool: KVPool, v_pool: KVPool, k_params: TensorParams | None = None,
             v_params: TensorParams | None = None) -> None:
-    """Seal full K and V blocks [n, kv_heads, block_size, head_dim] into pool blocks ``blocks`` (``seal_blocks``)."""
+    """Seal full K and V blocks [n, kv_heads, block_size, head_dim] into pool blocks ``blocks`` (``seal_into``)."""
     for which, rows, pool, params in (("k", k_rows, k_pool, k_params), ("v", v_rows, v_pool, v_params)):
-        torch.ops.trtkv.seal_blocks(rows, blocks, pool.data, pool.scale, pool.zero,
-                                    layout.tensor_format(which).short(), _p(params, "scale"), _p(params, "smooth"),
-                                    _p(params, "clip"))
+        seal_into(rows, blocks, pool.data, pool.scale, pool.zero, layout.tensor_format(which), _p(params, "scale"),
+                  _p(params, "smooth"), _p(params, "clip"))
 
 
 def _pool_args(k_pool: KVPool, v_pool: KVPool):
@@ -463,13 +497,13 @@ def decode_attention(q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: 
                      v_params: TensorParams | None = None, sm_scale: float | None = None,
                      partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
                      softcap: float = 0.0) -> torch.Tensor:
-    """``paged_decode_attention`` on trtkv objects. A sliding layer (``window``) may pass a block table whose column
+    """``paged_decode_attention`` on trtkv objects (``decode``: the formats travel as objects). A sliding layer (``window``) may pass a block table whose column
     ``j`` is where the sequence's sealed block ``j`` lives only from its window's first block on
     (``cache_layout.first_window_block``): a window ring's (``WindowRing.block``); earlier entries are never read."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
-    return torch.ops.trtkv.paged_decode_attention(
-        q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids, fmt.k.short(),
-        fmt.v.short(), _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"), _p(v_params, "smooth"),
+    return decode(
+        q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids, fmt.k,
+        fmt.v, _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"), _p(v_params, "smooth"),
         sm_scale, partition_size, precision, int(window or 0), float(softcap or 0.0))
 
 
@@ -479,10 +513,10 @@ def prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, layout: Paged
                       v_params: TensorParams | None = None, sm_scale: float | None = None,
                       max_seqlen_q: int | None = None, precision: str = "auto", window: int = 0,
                       softcap: float = 0.0) -> torch.Tensor:
-    """``paged_prefill_attention`` on trtkv objects (``window``, ``softcap`` and ringed block tables as for
+    """``paged_prefill_attention`` on trtkv objects (``prefill``; ``window``, ``softcap`` and ringed block tables as for
     ``decode_attention``)."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
-    return torch.ops.trtkv.paged_prefill_attention(
+    return prefill(
         q, cu_seqlens_q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids,
-        fmt.k.short(), fmt.v.short(), _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"),
+        fmt.k, fmt.v, _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"),
         _p(v_params, "smooth"), sm_scale, max_seqlen_q, precision, int(window or 0), float(softcap or 0.0))

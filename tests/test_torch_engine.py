@@ -210,6 +210,37 @@ def test_device_seal_path_writes_the_reference_bytes(tiny_dir, monkeypatch):
         assert torch.equal(t, dev.tensors[name]), name
 
 
+@pytest.mark.parametrize("attention", ["torch", "kernels"])
+def test_steps_parse_no_format_string(tiny_dir, monkeypatch, attention):
+    """The hot path carries TensorFormat objects: after the engine and cache exist, prefill and decode steps (the kernel
+    path's ops and the device seal included; on CPU they run the torch references) never make or parse a spec string."""
+    import trtkv.formats
+    import trtkv.plugins.contract.attrs
+    from trtkv.formats import TensorFormat
+
+    [fmt], _ = fit_formats(["int4"], 32)  # sinks, Hadamard, per-block-channel K, groups of V
+    lay = PagedKVLayout(fmt.with_block_size(KERNEL_BLOCK), 2, 32, KERNEL_BLOCK, 12, 3)
+    te = TorchEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model, attention=attention)
+    cache = PagedKVCache(lay, 2)
+    cache.seal_with_kernels = attention == "kernels"  # seal_device.py's path
+    calls = []
+    real_parse, real_short = trtkv.formats.parse_tensor_spec, TensorFormat.short
+
+    def parse(text):
+        calls.append(text)
+        return real_parse(text)
+
+    def short(self):
+        calls.append(self)
+        return real_short(self)
+
+    for mod in (trtkv.formats, trtkv.plugins.contract.attrs):
+        monkeypatch.setattr(mod, "parse_tensor_spec", parse)
+    monkeypatch.setattr(TensorFormat, "short", short)
+    _run(te, cache, _prompts(320, (19, 5), seed=6), 13)  # seals a first block (sinks) and a second one
+    assert int(cache.tensors["k_data"].view(torch.uint8).any()) and calls == []
+
+
 # --------------------------------------------------------------------------- the real model (SmolLM2-135M)
 
 

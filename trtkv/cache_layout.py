@@ -31,11 +31,12 @@ from typing import Literal
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat
+from trtkv.formats import SCALE_BITS, KVFormat, TensorFormat
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 Which = Literal["k", "v"]
 TAIL_DTYPE = torch.float16
+SCALE_DTYPE = torch.float16  # dynamic scales and zero-points, ``SCALE_BITS`` wide (the byte counts read SCALE_BITS)
 
 
 @dataclass
@@ -94,47 +95,88 @@ class PagedKVLayout:
     def data_dtype(self, which: Which) -> torch.dtype:
         return storage_dtype(self.tensor_format(which))
 
-    def data_shape(self, which: Which) -> tuple[int, int, int, int]:
-        return (self.num_blocks, self.num_kv_heads, self.block_size, self.packed_dim(which))
+    # Shapes: ``num_blocks`` / ``num_slots`` default to this layout's and may be symbolic (a graph's "num_blocks");
+    # ``layers`` (an int or a name) puts a leading layer axis in front: the stacked pools of the step contract.
 
-    def scale_shape(self, which: Which) -> tuple[int, ...] | None:
-        return self.tensor_format(which).scale_shape((self.num_blocks,), self.num_kv_heads, self.block_size, self.head_dim)
+    def _lead(self, n, default: int, layers) -> tuple:
+        n = default if n is None else n
+        return (n,) if layers is None else (layers, n)
 
-    def zero_shape(self, which: Which) -> tuple[int, ...] | None:
-        return None if self.tensor_format(which).symmetric else self.scale_shape(which)
+    def data_shape(self, which: Which, num_blocks=None, layers=None) -> tuple:
+        return (*self._lead(num_blocks, self.num_blocks, layers), self.num_kv_heads, self.block_size, self.packed_dim(which))
+
+    def scale_shape(self, which: Which, num_blocks=None, layers=None) -> tuple | None:
+        lead = self._lead(num_blocks, self.num_blocks, layers)
+        return self.tensor_format(which).scale_shape(lead, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def zero_shape(self, which: Which, num_blocks=None, layers=None) -> tuple | None:
+        return None if self.tensor_format(which).symmetric else self.scale_shape(which, num_blocks, layers)
 
     @property
     def sink_tokens(self) -> int:
         return self.fmt.sink_tokens
 
-    def tail_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_slots, self.num_kv_heads, self.fmt.tail_rows, self.head_dim)
+    @property
+    def tail_rows(self) -> int:
+        """Rows of one slot's tail: the open block's ``block_size``, then the ``sink_tokens`` sink rows."""
+        return self.fmt.tail_rows
+
+    def tail_shape(self, num_slots=None, layers=None) -> tuple:
+        return (*self._lead(num_slots, self.num_slots, layers), self.num_kv_heads, self.tail_rows, self.head_dim)
+
+    # Tail rows: views of a tail tensor [..., H, tail_rows, D] (any leading axes: stacked layers, slots, one slot).
+
+    def open_rows(self, tail: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """The open block's rows of ``tail`` (its first ``n`` rows; default all ``block_size``): a view."""
+        return tail.narrow(-2, 0, self.block_size if n is None else n)
+
+    def sink_rows(self, tail: torch.Tensor) -> torch.Tensor:
+        """The sink rows of ``tail`` (a sequence's first ``sink_tokens`` tokens once its first block is sealed): a view."""
+        return tail.narrow(-2, self.block_size, self.sink_tokens)
+
+    # Byte counts: codes at the ``DTYPES`` row's bits per code, scales and zero-points at ``SCALE_BITS``, the tail
+    # at ``KVFormat.tail_bytes``; everything that counts cache memory asks these.
+
+    def tensor_bytes_per_block(self, which: Which) -> int:
+        """Bytes of one pool block of K or V: its codes plus its dynamic scales and zero-points."""
+        bits = self.num_kv_heads * self.block_size * self.head_dim * self.tensor_format(which).traits.bits
+        for shape in (self.scale_shape(which, 1), self.zero_shape(which, 1)):
+            if shape is not None:
+                bits += _numel(shape) * SCALE_BITS
+        return bits // 8
 
     def bytes_per_block(self) -> int:
         """Bytes of one pool block of K and V together, scales included."""
-        total = 0
-        for which in ("k", "v"):
-            total += _numel(self.data_shape(which)) // self.num_blocks * self.data_dtype(which).itemsize
-            for shape in (self.scale_shape(which), self.zero_shape(which)):
-                if shape is not None:
-                    total += _numel(shape) // self.num_blocks * 2
-        return total
+        return self.tensor_bytes_per_block("k") + self.tensor_bytes_per_block("v")
+
+    def bytes_per_token(self) -> float:
+        """Pool bytes per sealed token, K and V, scales included (per-block scales amortised over the block)."""
+        return self.bytes_per_block() / self.block_size
 
     def tail_bytes_per_slot(self) -> int:
         """Bytes of one sequence slot's open blocks and sink rows, K and V together (fp16)."""
         return self.fmt.tail_bytes_per_slot(1, self.num_kv_heads, self.head_dim)
 
-    def allocate(self, which: Which, device: torch.device | str = "cpu") -> KVPool:
-        """Zero-filled pool tensors and open blocks for K or V."""
+    def pool_bytes(self) -> int:
+        """Bytes of this layer's whole cache: ``num_blocks`` pool blocks and ``num_slots`` tails, K and V."""
+        return self.num_blocks * self.bytes_per_block() + self.num_slots * self.tail_bytes_per_slot()
+
+    def allocate_tail(self, device: torch.device | str = "cpu", layers: int | None = None) -> torch.Tensor:
+        """Zero-filled tails (open blocks, then sink rows) of every slot: ``tail_shape``, fp16."""
+        return torch.zeros(self.tail_shape(layers=layers), dtype=TAIL_DTYPE, device=device)
+
+    def allocate(self, which: Which, device: torch.device | str = "cpu", layers: int | None = None, tail: bool = True) -> KVPool:
+        """Zero-filled pool tensors (and, with ``tail``, the open blocks) for K or V; ``layers``: stacked for that many
+        layers of this storage (a leading axis)."""
 
         def zeros(shape, dtype):
             return None if shape is None else torch.zeros(shape, dtype=dtype, device=device)
 
         return KVPool(
-            data=torch.zeros(self.data_shape(which), dtype=self.data_dtype(which), device=device),
-            scale=zeros(self.scale_shape(which), torch.float16),
-            zero=zeros(self.zero_shape(which), torch.float16),
-            tail=zeros(self.tail_shape(), TAIL_DTYPE),
+            data=zeros(self.data_shape(which, layers=layers), self.data_dtype(which)),
+            scale=zeros(self.scale_shape(which, layers=layers), SCALE_DTYPE),
+            zero=zeros(self.zero_shape(which, layers=layers), SCALE_DTYPE),
+            tail=self.allocate_tail(device, layers) if tail else None,
         )
 
 
@@ -264,16 +306,23 @@ def sealing(block: torch.Tensor, block_index: int, sink_tokens: int, seq_axis: i
     return without_sink(block, sink_tokens, seq_axis), block.narrow(seq_axis, 0, sink_tokens)
 
 
+def open_block_to_seal(layout: PagedKVLayout, pool: KVPool, slot: int, block_index: int) -> torch.Tensor:
+    """What sealing open block ``slot`` -- its sequence's block number ``block_index`` -- quantizes, [1, H, bs, D]
+    float32; a first block also fills the slot's sink rows (``sealing``). The step the reference seal
+    (``seal_open_block``) and the device seal (``trtkv.runtime.seal_device``) share."""
+    assert pool.tail is not None
+    tail = pool.tail[slot : slot + 1]
+    rows, sink_rows = sealing(layout.open_rows(tail).float(), block_index, layout.sink_tokens)
+    if sink_rows is not None:
+        layout.sink_rows(tail).copy_(sink_rows)
+    return rows
+
+
 def seal_open_block(layout: PagedKVLayout, which: Which, pool: KVPool, slot: int, block: int, block_index: int,
                     params: TensorParams | None = None) -> None:
     """Seal open block ``slot`` -- its sequence's block number ``block_index`` -- into pool block ``block``;
-    a first block also fills the slot's sink rows (``sealing``)."""
-    assert pool.tail is not None
-    bs, sink = layout.block_size, layout.sink_tokens
-    rows, sink_rows = sealing(pool.tail[slot : slot + 1, :, :bs].float(), block_index, sink)
-    if sink_rows is not None:
-        pool.tail[slot : slot + 1, :, bs : bs + sink] = sink_rows
-    seal_blocks(layout, which, pool, rows, torch.tensor([block]), params)
+    a first block also fills the slot's sink rows (``open_block_to_seal``)."""
+    seal_blocks(layout, which, pool, open_block_to_seal(layout, pool, slot, block_index), torch.tensor([block]), params)
 
 
 def chunk_length(start: int, remaining: int, block_size: int | None, limit: int | None = None) -> int:
@@ -335,10 +384,10 @@ def gather_paged(
         x = dequantize(qt, layout.tensor_format(which), params, head_axis=-3)  # [sealed, H, bs, D]
         x = x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim)
         if sink:
-            x = torch.cat([pool.tail[slot, :, bs : bs + sink].transpose(0, 1).float(), x[sink:]])
+            x = torch.cat([layout.sink_rows(pool.tail[slot]).transpose(0, 1).float(), x[sink:]])
         parts.append(x)
     if open_len:
-        parts.append(pool.tail[slot, :, :open_len].transpose(0, 1).float())
+        parts.append(layout.open_rows(pool.tail[slot], open_len).transpose(0, 1).float())
     if not parts:
         return torch.zeros(0, layout.num_kv_heads, layout.head_dim)
     return torch.cat(parts, 0)

@@ -12,7 +12,7 @@ layers' pools are separate tensors, ``k_data@ring`` ... ``[L_sliding, num_slots 
 ``k_data`` ... hold the global layers only; ``pool(layer, which)`` hides the difference. Only the torch engine
 reads such a cache (its step contract is the same: the ring block follows from the slot).
 
-Shapes and dtypes come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
+Shapes, dtypes and the allocation itself come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
 ``write_new_rows`` copies every sequence's new K/V rows into its open block and, when the open block is
 full, seals it with ``trtkv.cache_layout.seal_open_block`` (the reference quantizer) into the pool block the
 sequence's block table names for it — the block manager allocates that block before the step.
@@ -20,12 +20,13 @@ sequence's block table names for it — the block manager allocates that block b
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import TAIL_DTYPE, KVPool, PagedKVLayout, WindowRing, seal_open_block
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins.contract.capabilities import seal_with_kernels
@@ -67,13 +68,15 @@ class PagedKVCache:
         if ring is not None and ring.block_size != layout.block_size:
             raise ValueError(f"a window ring of {ring.block_size}-token blocks for a cache of {layout.block_size}")
         layout.fmt.check_layers(num_layers)
+        # every layer's layout, made once: a per-layer format's ``layer(i)`` builds a format, not for every step
+        self._layouts = [layout.layer(i) for i in range(num_layers)]
         # pool groups: layers with one storage (a per-layer format's distinct K / V storages, ``@gN``), the sliding layers
         # of a ring apart (``@ring``); layer -> (tensor-name suffix, index in that group's stacked tensors)
         local = set(ring.layers) if ring is not None else set()
         storages = list(dict.fromkeys((f.k, f.v) for f in layout.fmt.layer_formats()))
         groups: dict[str, list[int]] = {}
         for i in range(num_layers):
-            lay = layout.layer(i)
+            lay = self._layouts[i]
             suffix = (f"@g{storages.index((lay.fmt.k, lay.fmt.v))}" if layout.fmt.is_per_layer else "") + (RING if i in local else "")
             groups.setdefault(suffix, []).append(i)
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
@@ -81,16 +84,16 @@ class PagedKVCache:
         # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
         # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
         self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
-        for which in ("k", "v"):
-            tail = layout.tail_shape()
-            self.tensors[f"{which}_tail"] = torch.zeros((num_layers, *tail), dtype=TAIL_DTYPE, device=device)
+        for which in ("k", "v"):  # the layout allocates: one group's pools stacked, a ring's with its ring blocks
+            self.tensors[f"{which}_tail"] = layout.allocate_tail(device, layers=num_layers)
             for suffix, layers in groups.items():
-                blocks = layout.num_slots * ring.ring_blocks if suffix.endswith(RING) else layout.num_blocks
-                lay = layout.layer(layers[0])
-                for field, shape, dtype in (("data", lay.data_shape(which), lay.data_dtype(which)),
-                                            ("scale", lay.scale_shape(which), torch.float16), ("zero", lay.zero_shape(which), torch.float16)):
-                    if shape is not None:
-                        self.tensors[f"{which}_{field}{suffix}"] = torch.zeros((len(layers), blocks, *shape[1:]), dtype=dtype, device=device)
+                lay = self._layouts[layers[0]]
+                if suffix.endswith(RING):
+                    lay = dataclasses.replace(lay, num_blocks=layout.num_slots * ring.ring_blocks)
+                pool = lay.allocate(which, device, layers=len(layers), tail=False)
+                for field in ("data", "scale", "zero"):
+                    if getattr(pool, field) is not None:
+                        self.tensors[f"{which}_{field}{suffix}"] = getattr(pool, field)
 
     @classmethod
     def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None,
@@ -113,7 +116,7 @@ class PagedKVCache:
 
     def layout_of(self, layer: int) -> PagedKVLayout:
         """The layout of ``layer``'s pools (its own storage under a per-layer format)."""
-        return self.layout.layer(layer)
+        return self._layouts[layer]
 
     @property
     def is_grouped(self) -> bool:

@@ -114,8 +114,7 @@ class PrefixCache:
         self.hit_tokens += seq.num_cached
         if blocks and blocks[0] in self.sinks:
             for name, rows in self.sinks[blocks[0]].items():
-                t = self.cache.tensors[name]
-                t[:, seq.slot, :, self.block_size :] = rows
+                self.cache.layout.sink_rows(self.cache.tensors[name][:, seq.slot]).copy_(rows)
 
     # -- registration (after a step sealed block ``index`` of ``seq``)
     def register(self, seq: Sequence, index: int) -> None:
@@ -129,8 +128,7 @@ class PrefixCache:
         self.key_of[block] = key
         self.refs[block] = 1
         if index == 0 and self.cache is not None and self.cache.layout.sink_tokens:
-            bs = self.block_size
-            self.sinks[block] = {n: self.cache.tensors[n][:, seq.slot, :, bs:].clone() for n in SINK_TENSORS}
+            self.sinks[block] = {n: self.cache.layout.sink_rows(self.cache.tensors[n][:, seq.slot]).clone() for n in SINK_TENSORS}
 
     # -- release and eviction (the block manager's free list holds only unregistered blocks)
     def release(self, block: int) -> bool:

@@ -16,8 +16,9 @@ calls ``paged_attention`` with the query, key and value after RoPE (``[B, heads,
     ``index_select``; where the format allows (the int4 / int8 presets) their scales folded into the query
     (keys) and the probabilities (values) so the codes are never dequantized, else ``trtkv.quant.dequantize``;
     one additive mask per step, GQA folded into the query axis;
-  - ``attention="kernels"`` (the CUDA default): trtkv's Triton kernels through ``torch.ops.trtkv``
-    (split-K decode for ``T == 1``, paged prefill otherwise); on CPU it runs under ``TRITON_INTERPRET=1``.
+  - ``attention="kernels"`` (the CUDA default): trtkv's Triton kernels through ``plugins.ops.decode_attention`` /
+    ``prefill_attention`` (split-K decode for ``T == 1``, paged prefill otherwise; the layouts' ``TensorFormat``
+    objects travel, no spec string is made or parsed per step); on CPU it runs under ``TRITON_INTERPRET=1``.
 
 Logits are taken at each sequence's last valid token (``new_lens - 1``) only. Compute dtype is the
 model's (float32 on CPU). Supported: decoder-only families whose attention calls the registry with
@@ -49,7 +50,7 @@ from trtkv.models import load_model
 from trtkv.plugins import ops
 from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
-from trtkv.runtime.backends import Engine
+from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch, StepOutput
 
@@ -359,7 +360,7 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
         x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
-            rows = forward_transform(pool.tail[b.slot_ids, :, bs : bs + sink].to(dtype), fmt, params, head_axis=-3)
+            rows = forward_transform(lay.sink_rows(pool.tail)[b.slot_ids].to(dtype), fmt, params, head_axis=-3)
             sealed[:, 0, :, :sink] = _where_sink(st, rows, sealed[:, 0, :, :sink])
         if not st.sealed_all_valid:  # other owners' blocks may hold NaN
             sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
@@ -369,7 +370,7 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
 def _open_rows(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> torch.Tensor:
     """``[B, H, open_max + T, D]`` in model space: each slot's open block (stale rows zeroed), then ``new_rows``."""
     pool = st.cache.pool(layer, which)
-    rest = torch.cat([pool.tail[st.batch.slot_ids, :, : st.open_max].to(new_rows.dtype), new_rows], 2)
+    rest = torch.cat([st.cache.layout_of(layer).open_rows(pool.tail, st.open_max)[st.batch.slot_ids].to(new_rows.dtype), new_rows], 2)
     if st.open_max:
         rest[:, :, : st.open_max].masked_fill_(st.kv_invalid[:, None, st.sealed_max * st.cache.block_size :, None], 0)  # stale tail rows
     return rest
@@ -478,7 +479,7 @@ def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: Tensor
         out = out + torch.einsum("xbhnt,xbhtg->xhng", ps, shift).repeat_interleave(D // groups, -1)
     out = inverse_transform(out, fmt, params, head_axis=-3)
     if p_sink is not None:
-        rows = pool.tail[st.batch.slot_ids, :, bs : bs + sink].to(out.dtype)
+        rows = lay.sink_rows(pool.tail)[st.batch.slot_ids].to(out.dtype)
         if not st.sealed_all_valid:  # a slot without a sealed block holds stale sink rows
             rows = rows.masked_fill(st.kv_invalid[:, None, :sink, None], 0)
         out = out + p_sink @ rows
@@ -511,7 +512,7 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
         ks, kr = None, _open_rows(st, layer, "k", k16)
         sealed = _folded_key_scores(st, layer, _fold_query(qg, kfmt, kp))
         if lay.sink_tokens:  # the first block's first rows are read from the sink rows (model space, fp16)
-            sink = st.cache.pool(layer, "k").tail[st.batch.slot_ids, :, lay.block_size : lay.block_size + lay.sink_tokens].to(qg.dtype)
+            sink = lay.sink_rows(st.cache.pool(layer, "k").tail)[st.batch.slot_ids].to(qg.dtype)
             if not st.sealed_all_valid:  # a slot without a sealed block holds stale sink rows
                 sink = sink.masked_fill(st.kv_invalid[:, None, : lay.sink_tokens, None], 0)
             sealed[:, 0, :, :, : lay.sink_tokens] = _where_sink(st, qg @ sink.transpose(-1, -2), sealed[:, 0, :, :, : lay.sink_tokens])
