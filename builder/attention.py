@@ -171,7 +171,7 @@ class NativeAttention(AttentionBackend):
         g, D = ctx.g, ctx.layout.head_dim
         f32 = TensorProto.FLOAT
 
-        rank = len(t.scale_shape(("B", "MB"), "H", "bs", D))  # [B, MB, H, D] block-wise, [B, MB, H, bs, G] per token
+        rank = len(ctx.layout.scale_shape(which, "MB", layers="B"))  # [B, MB, H, D] block-wise, [B, MB, H, bs, G] per token
 
         def gathered(name: str) -> str:  # heads before blocks, as the data: [B, H, MB, 1, D] / [B, H, MB, bs, G, 1]
             s = g.transpose(g.gather(ctx.pool[f"{which}_{name}"], idx), (0, 2, 1, *range(3, rank)))

@@ -60,15 +60,13 @@ def cache_input_specs(layout: PagedKVLayout, plugin: bool = False) -> list[tuple
     for which in ("k", "v"):
         dt = graph_dtype(layout, which, plugin)
         storage = str(layout.data_dtype(which)).removeprefix("torch.")
-        P = layout.packed_dim(which)
-        out.append((f"{which}_data", dt, ["num_layers", "num_blocks", layout.num_kv_heads, layout.block_size, P], storage))
-        shape = layout.tensor_format(which).scale_shape(("num_layers", "num_blocks"), layout.num_kv_heads, layout.block_size, layout.head_dim)
-        if shape is not None:
-            out.append((f"{which}_scale", TensorProto.FLOAT16, list(shape), None))
-            if layout.zero_shape(which) is not None:
-                out.append((f"{which}_zero", TensorProto.FLOAT16, list(shape), None))
+        sym = dict(num_blocks="num_blocks", layers="num_layers")  # the layout's shapes, with the graph's symbolic dims
+        out.append((f"{which}_data", dt, list(layout.data_shape(which, **sym)), storage))
+        for field, shape in (("scale", layout.scale_shape(which, **sym)), ("zero", layout.zero_shape(which, **sym))):
+            if shape is not None:
+                out.append((f"{which}_{field}", TensorProto.FLOAT16, list(shape), None))
     for which in ("k", "v"):
-        out.append((f"{which}_tail", TensorProto.FLOAT16, ["num_layers", "num_slots", layout.num_kv_heads, layout.fmt.tail_rows, layout.head_dim], None))
+        out.append((f"{which}_tail", TensorProto.FLOAT16, list(layout.tail_shape("num_slots", layers="num_layers")), None))
     return out
 
 

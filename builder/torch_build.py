@@ -37,13 +37,12 @@ def step_specs(layout, num_layers: int, vocab_size: int) -> tuple[list[TensorSpe
         TensorSpec(name="block_tables", shape=["batch", "max_blocks"], dtype="int64"),
         TensorSpec(name="slot_ids", shape=["batch"], dtype="int64"),
     ]
-    sym = {layout.num_blocks: "num_blocks"}
     for which in ("k", "v"):
-        ins.append(TensorSpec(name=f"{which}_data", shape=[L, "num_blocks", *layout.data_shape(which)[1:]], dtype=_name(layout.data_dtype(which))))
-        for field, shape in (("scale", layout.scale_shape(which)), ("zero", layout.zero_shape(which))):
+        ins.append(TensorSpec(name=f"{which}_data", shape=list(layout.data_shape(which, "num_blocks", layers=L)), dtype=_name(layout.data_dtype(which))))
+        for field, shape in (("scale", layout.scale_shape(which, "num_blocks", layers=L)), ("zero", layout.zero_shape(which, "num_blocks", layers=L))):
             if shape is not None:
-                ins.append(TensorSpec(name=f"{which}_{field}", shape=[L, *(sym.get(s, s) if i == 0 else s for i, s in enumerate(shape))], dtype="float16"))
-        ins.append(TensorSpec(name=f"{which}_tail", shape=[L, "num_slots", *layout.tail_shape()[1:]], dtype="float16"))
+                ins.append(TensorSpec(name=f"{which}_{field}", shape=list(shape), dtype="float16"))
+        ins.append(TensorSpec(name=f"{which}_tail", shape=list(layout.tail_shape("num_slots", layers=L)), dtype="float16"))
     outs = [
         TensorSpec(name="logits", shape=["batch", vocab_size], dtype="float32"),
         TensorSpec(name="new_k", shape=[L, "batch", "new_tokens", H, D], dtype="float16"),

@@ -38,13 +38,21 @@ def _register_variant(name: str) -> None:
     attrs = {a.name: attr_types[a.type] for a in spec.attrs}
     half = [t.dtype == "float16" or (t.dtype.startswith("codes") and (kc if t.dtype == "codes:k" else vc) == "f") for t in spec.inputs]
 
+    @functools.lru_cache(maxsize=None)
+    def validated(items: tuple) -> C.Attrs:  # a node's attributes never change: checked and parsed once per node kind
+        return C.validate_attrs(spec, dict(items))
+
     @onnx_op(op_type=name, inputs=types, outputs=[PyCustomOpDef.dt_float], attrs=attrs)
     def _op(*args, **kw):
         tensors = {}
         for t, a, h in zip(spec.inputs, args, half):
             x = torch.from_numpy(np.ascontiguousarray(a))
             tensors[t.name] = x.half() if h else x
-        return run_op(C.PREFILL.name, kw, tensors)[0].float().numpy()
+        try:
+            a = validated(tuple(sorted(kw.items())))
+        except TypeError:  # an unhashable attribute value: validate this call's
+            a = kw
+        return run_op(C.PREFILL.name, a, tensors)[0].float().numpy()
 
 
 def register_ort_ops(session_options) -> None:

@@ -152,7 +152,7 @@ def run_op(op: str, attrs: dict[str, Any], tensors: dict[str, torch.Tensor | Non
     whatever partitions it is given -- returns the attention output; the pair equals ``paged_attention_ref``.
     """
     spec = C.get_op(op)
-    a = C.validate_attrs(spec, dict(attrs))
+    a = attrs if isinstance(attrs, C.Attrs) and attrs.op is spec else C.validate_attrs(spec, dict(attrs))  # validated once: kept
     t = {x.name: (tensors.get(x.name) if x.used(a) else None) for x in spec.inputs}
     D, kvh = a["head_dim"], a["num_kv_heads"]
     if spec.name == "PagedKVSeal":

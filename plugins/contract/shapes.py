@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
+from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
+from trtkv.formats import KVFormat, TensorFormat
 
 from .attrs import Attrs
 from .specs import FIX, OpSpec, OpTensor, get_op
@@ -54,6 +57,20 @@ def check_inputs(op: OpSpec | str, attrs: Attrs, ranks: Sequence[int], dtypes: S
 
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(k: TensorFormat, v: TensorFormat, num_kv_heads: int, head_dim: int, block_size: int, sink_tokens: int) -> PagedKVLayout:
+    return PagedKVLayout(KVFormat(name="op", k=k, v=v, block_size=block_size, sink_tokens=sink_tokens), num_kv_heads, head_dim, block_size, 1, 1)
+
+
+def op_layout(attrs: Attrs) -> PagedKVLayout:
+    """The cache layout an op instance reads or writes (its formats, heads, head_dim, block size and sink rows): pool,
+    scale and tail shapes are asked of it (``num_blocks`` / ``num_slots`` passed per call, symbolic or not). PagedKVSeal's
+    one format is the layout's K."""
+    f = attrs.formats
+    k, v = f.get("k", f.get("x")), f.get("v", TensorFormat(dtype="fp16"))
+    return _layout(k, v, attrs["num_kv_heads"], attrs["head_dim"], attrs.get("block_size", 16), attrs.get("sink_tokens", 0))
+
+
 def num_partitions(max_blocks, attrs: Attrs, ops: SymOps = INT_OPS):
     """Split-K partitions of a decode op instance (``decode_partitions``)."""
     return decode_partitions(max_blocks, attrs["block_size"], attrs["partition_size"], ops)
@@ -65,12 +82,10 @@ def output_shapes(op: OpSpec | str, attrs: Attrs, shapes: Sequence[Sequence[Any]
     s = {t.name: tuple(sh) for t, sh in zip(op.inputs, shapes)}
     name = op.name
     if name == "PagedKVSeal":
-        f = attrs.tensor_format("x")
-        n, H, bs, D = s["rows"][0], attrs["num_kv_heads"], attrs["block_size"], attrs["head_dim"]
-        packed = f.packed_dim(D)
-        out = [(n, H, bs, packed)]
+        lay, n = op_layout(attrs), s["rows"][0]
+        out = [lay.data_shape("k", n)]
         for t in op.outputs[1:]:
-            out.append(f.scale_shape((n,), H, bs, D) if t.used(attrs) else placeholder_shape(t, attrs))
+            out.append(lay.scale_shape("k", n) if t.used(attrs) else placeholder_shape(t, attrs))
         return out
     if name == "PagedDecodePartition":
         B, M = s["block_tables"]
@@ -99,6 +114,7 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
     rows = batch if op.name == "PagedDecodePartition" else tokens
     S = partitions if partitions is not None else (
         num_partitions(max_blocks, attrs) if "partition_size" in attrs and "block_size" in attrs else 2)
+    lay = op_layout(attrs) if any(t.role in ("pool", "tail") for t in op.inputs) else None
 
     out = []
     for t in op.inputs:
@@ -108,8 +124,8 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
         shape = {
             "rows": (blocks, H, bs, D), "clip": (H,), "hadamard": (D, D),
             "q": (rows, Hq, D), "k_new": (rows, H, D), "v_new": (rows, H, D),
-            "k_tail": (num_slots, H, bs + attrs.get("sink_tokens", 0), D),
-            "v_tail": (num_slots, H, bs + attrs.get("sink_tokens", 0), D),
+            "k_tail": lay.tail_shape(num_slots) if lay else None,
+            "v_tail": lay.tail_shape(num_slots) if lay else None,
             "cu_seqlens": (batch + 1,), "block_tables": (batch, max_blocks), "context_lens": (batch,),
             "slot_ids": (batch,),
             "part_m": (batch, Hq, S), "part_l": (batch, Hq, S), "part_acc": (batch, Hq, S, D),
@@ -117,11 +133,8 @@ def expected_input_shapes(op: OpSpec | str, attrs: Attrs, *, batch: int = 2, tok
         if shape is None and t.role == "constant":
             shape = (H, D)
         if shape is None and t.role == "pool":
-            f = attrs.tensor_format(t.name[0])
-            if t.name.endswith("data"):
-                shape = (num_blocks, H, bs, f.packed_dim(D))
-            else:
-                shape = f.scale_shape((num_blocks,), H, bs, D)
+            which = t.name[0]
+            shape = lay.data_shape(which, num_blocks) if t.name.endswith("data") else lay.scale_shape(which, num_blocks)
         assert shape is not None, t.name
         out.append(shape)
     return out
