@@ -97,6 +97,29 @@ def test_a_corrupt_entry_is_ignored_and_rewritten(cache, tmp_path, garbage):
     assert json.loads(entry.read_text())["sha256"] == right
 
 
+def test_file_memo_computes_once_per_machine_and_again_when_the_file_changes(cache, tmp_path):
+    """A GGUF's parsed header is remembered like a digest: one parse per (path, size, mtime), a corrupt entry reparsed."""
+    f = _blob(tmp_path / "m.gguf")
+    calls: list[Path] = []
+
+    def parse(p: Path) -> dict:
+        calls.append(p)
+        return {"n": p.stat().st_size, "first": p.read_bytes()[:4].hex(), "pair": (1, 2)}
+
+    content_hash._memo_cached.cache_clear()
+    first = content_hash.file_memo(f, "meta", parse)
+    assert first == {"n": 100_000, "first": f.read_bytes()[:4].hex(), "pair": [1, 2]}  # as JSON gives it back
+    content_hash._memo_cached.cache_clear()  # a new process: read from disk, no parse
+    assert content_hash.file_memo(f, "meta", parse) == first and len(calls) == 1
+    [entry] = (cache.parent / "meta").glob("*.json")
+    entry.write_text("{not json")
+    content_hash._memo_cached.cache_clear()
+    assert content_hash.file_memo(f, "meta", parse) == first and len(calls) == 2
+    _blob(f, n=50_000, seed=3)
+    assert content_hash.file_memo(f, "meta", parse)["n"] == 50_000 and len(calls) == 3
+    content_hash._memo_cached.cache_clear()
+
+
 def test_progress_on_stderr_for_large_files_only(cache, tmp_path, monkeypatch, capsys):
     small = _blob(tmp_path / "small.bin")
     sha256_file(small)

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 PROGRESS_BYTES = 256 << 20
 PROGRESS_SECONDS = 2.0
@@ -42,25 +43,33 @@ def _entry_name(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json"
 
 
-def _read_entry(entry: Path, key: dict) -> str | None:
+def _read_entry(entry: Path, key: dict) -> dict | None:
+    """The entry's JSON when it parses and carries ``key``; else None (it is then recomputed and rewritten)."""
     try:
         data = json.loads(entry.read_text())
-        digest = data["sha256"]
-        if {k: data.get(k) for k in key} != key or not isinstance(digest, str) or len(digest) != 64:
-            return None
-        int(digest, 16)
-        return digest
-    except (OSError, ValueError, KeyError, TypeError):
+        return data if isinstance(data, dict) and {k: data.get(k) for k in key} == key else None
+    except (OSError, ValueError):
         return None
 
 
-def _write_entry(entry: Path, key: dict, digest: str) -> None:
+def _valid_digest(data: dict | None) -> str | None:
+    digest = (data or {}).get("sha256")
+    if not isinstance(digest, str) or len(digest) != 64:
+        return None
+    try:
+        int(digest, 16)
+    except ValueError:
+        return None
+    return digest
+
+
+def _write_entry(entry: Path, key: dict, payload: dict) -> None:
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump({**key, "sha256": digest}, f)
+                json.dump({**key, **payload}, f)
             os.replace(tmp, entry)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -91,10 +100,10 @@ def _hash(path: Path, size: int) -> str:
 def _sha256_cached(path: str, size: int, mtime_ns: int, cache: str) -> str:
     key = _key(Path(path), size, mtime_ns)
     entry = Path(cache) / _entry_name(key)
-    digest = _read_entry(entry, key)
+    digest = _valid_digest(_read_entry(entry, key))
     if digest is None:
         digest = _hash(Path(path), size)
-        _write_entry(entry, key, digest)
+        _write_entry(entry, key, {"sha256": digest})
     return digest
 
 
@@ -105,4 +114,27 @@ def sha256_file(path: str | Path) -> str:
     return _sha256_cached(str(p), st.st_size, st.st_mtime_ns, str(hash_cache_dir()))
 
 
-__all__ = ["sha256_file", "hash_cache_dir", "PROGRESS_BYTES"]
+@functools.lru_cache(maxsize=64)
+def _memo_cached(path: str, size: int, mtime_ns: int, directory: str, compute: Callable[[Path], Any]) -> Any:
+    key = _key(Path(path), size, mtime_ns)
+    entry = Path(directory) / _entry_name(key)
+    data = _read_entry(entry, key)
+    if data is not None and "value" in data:
+        return data["value"]
+    value = json.loads(json.dumps(compute(Path(path))))  # the same types a later process reads back
+    _write_entry(entry, key, {"value": value})
+    return value
+
+
+def file_memo(path: str | Path, kind: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(path)``, a JSON-serializable value read from the file (a GGUF's metadata: seconds to parse), remembered per
+    machine like the digests (under ``<cache>/<kind>``, keyed by path, size and mtime) and per process. Callers must
+    not change the returned value."""
+    from trtkv.cache_dir import cache_root
+
+    p = Path(path).resolve()
+    st = p.stat()
+    return _memo_cached(str(p), st.st_size, st.st_mtime_ns, str(cache_root() / kind), compute)
+
+
+__all__ = ["sha256_file", "hash_cache_dir", "file_memo", "PROGRESS_BYTES"]

@@ -258,6 +258,14 @@ def _dtype_bytes(dtype: str | torch.dtype) -> int:
 
 
 def _gguf_metadata(path: Path) -> dict:
+    """What trtkv reads from a GGUF's header (fields but the vocabulary, sizes, tokenizer flags): parsed once per
+    machine (``trtkv.content_hash.file_memo``; gguf's reader takes seconds on a 49k-token vocabulary), then read back."""
+    from trtkv.content_hash import file_memo
+
+    return file_memo(path, "gguf-meta", _read_gguf_metadata)
+
+
+def _read_gguf_metadata(path: Path) -> dict:
     try:
         import gguf
     except ImportError:
@@ -269,6 +277,7 @@ def _gguf_metadata(path: Path) -> dict:
         n_tokens = len(tokens.data) if tokens is not None else None
         n_params = sum(int(t.n_elements) for t in reader.tensors)
         tied = not any(t.name == "output.weight" for t in reader.tensors)
+        specials = {attr: bool(reader.fields[key].contents()) for key, attr in _GGUF_SPECIAL_FLAGS.items() if key in reader.fields}
     except TrtkvError:
         raise
     except Exception as e:  # corrupt or truncated file: gguf raises ValueError/IndexError/struct errors
@@ -276,7 +285,7 @@ def _gguf_metadata(path: Path) -> dict:
             f"'{path}' is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})",
             "check that the download is complete, or pass a Hugging Face model directory",
         ) from None
-    return {"fields": fields, "n_tokens": n_tokens, "n_params": n_params, "tied": tied}
+    return {"fields": fields, "n_tokens": n_tokens, "n_params": n_params, "tied": tied, "specials": specials}
 
 
 def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
@@ -542,10 +551,7 @@ _GGUF_SPECIAL_FLAGS = {"tokenizer.ggml.add_bos_token": "add_bos_token", "tokeniz
 
 def _gguf_special_flags(path: Path) -> dict[str, bool]:
     """The GGUF's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (those present), as tokenizer attribute names."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
-    return {attr: bool(fields[key].contents()) for key, attr in _GGUF_SPECIAL_FLAGS.items() if key in fields}
+    return _gguf_metadata(path)["specials"]
 
 
 def _adds_eos(tok) -> bool:
