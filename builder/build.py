@@ -16,17 +16,17 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from trtkv import __version__
 from trtkv.builder import torch_build
 from trtkv.builder.step_network import check_model
+from trtkv.engine_backends import RUNTIME_BACKENDS
 from trtkv.errors import TrtkvError
-from trtkv.manifest import Backend
 from trtkv.models import load_model, model_info
 from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path
 
-ENGINE_BACKENDS = ("auto", *get_args(Backend))  # what --backend takes: the manifest's backends, or auto
+ENGINE_BACKENDS = RUNTIME_BACKENDS  # what --backend takes: the manifest's backends, or auto
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
 FAIL_ENV = "TRTKV_BUILD_FAIL_AFTER"  # test hook: raise after the named stage (export | check | build)
 

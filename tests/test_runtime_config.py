@@ -303,3 +303,20 @@ def test_triton_repo_cli_writes_the_json_and_no_runtime_strings(tiny_model, tmp_
     for name in RuntimeConfig.model_fields:
         assert f'key: "{name}"' not in pbtxt, name
     assert 'string_value: "1"' not in pbtxt and 'string_value: "0"' not in pbtxt
+
+
+def test_every_backend_refusal_names_every_backend(tmp_path):
+    """build-engine and open_engine refuse an unknown backend naming exactly the list --backend takes."""
+    from trtkv.builder.build import build_engine
+    from trtkv.engine_backends import RUNTIME_BACKENDS
+    from trtkv.runtime.backends import open_engine
+
+    class _Manifest:
+        backend, plans = "onnxruntime", []
+
+    with pytest.raises(TrtkvError) as a:
+        open_engine(tmp_path, backend="tensorrt_llm", manifest=_Manifest())
+    with pytest.raises(TrtkvError) as b:
+        build_engine("smollm2-135m", None, "int4", tmp_path / "x", backend="tensorrt_llm")
+    for e in (a.value, b.value):
+        assert "tensorrt_llm" in e.problem and e.fix == f"use one of {', '.join(RUNTIME_BACKENDS)}"

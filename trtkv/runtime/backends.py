@@ -179,4 +179,6 @@ def open_engine(engine_dir: str | Path, backend: str = "auto", manifest: EngineM
         return OnnxRuntimeEngine(engine_dir, manifest=m, **kw)
     if backend in ("tensorrt", "tensorrt-rtx"):
         return TensorRTEngine(engine_dir, manifest=m, **kw)  # pragma: no cover - GPU only
-    raise TrtkvError(f"unknown engine backend {backend!r}", "use auto, onnxruntime, tensorrt or torch")
+    from trtkv.engine_backends import RUNTIME_BACKENDS
+
+    raise TrtkvError(f"unknown engine backend {backend!r}", f"use one of {', '.join(RUNTIME_BACKENDS)}")
