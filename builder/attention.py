@@ -255,11 +255,3 @@ class NativeAttention(AttentionBackend):
 def _np_dtype(elem: int):
     return np.float16 if elem == TensorProto.FLOAT16 else np.float32
 
-
-ATTENTION_MODES: dict[str, type[AttentionBackend]] = {"native": NativeAttention}
-
-
-def get_backend(name: str) -> AttentionBackend:
-    if name == "plugin" and "plugin" not in ATTENTION_MODES:
-        from trtkv.builder import plugin_nodes  # noqa: F401  (registers PluginAttention)
-    return ATTENTION_MODES[name]()

@@ -129,7 +129,7 @@ def build_engine(
     import torch
 
     from trtkv.artifacts import atomic_directory, calibration_sha256, load_calibration, params_to_tensors
-    from trtkv.builder.attention import get_backend
+    from trtkv.builder.plugin_nodes import get_backend
     from trtkv.builder.trt_build import check_capabilities
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from trtkv.builder.attention import ATTENTION_MODES, AttentionBackend, StepContext, _static
+from trtkv.builder.attention import AttentionBackend, NativeAttention, StepContext, _static
 from trtkv.plugins import contract as C
 from trtkv.quant import hadamard_matrix, per_channel
 
@@ -82,4 +82,9 @@ class PluginAttention(AttentionBackend):
         return ctx.extra["plugin_shared"]
 
 
-ATTENTION_MODES["plugin"] = PluginAttention
+# the --attention modes: the one registry, here because it names both backends (attention.py knows neither mode)
+ATTENTION_MODES: dict[str, type[AttentionBackend]] = {"native": NativeAttention, "plugin": PluginAttention}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    return ATTENTION_MODES[name]()

@@ -68,7 +68,7 @@ def section() -> str:
     lines = [
         "Imports point one way. `tests/test_layering.py` reads every module's imports (function-level ones included) and",
         "fails on an import that goes up a layer or sideways to a sibling package, and on an import cycle between two modules",
-        "of one package, lazy imports included (its `KNOWN_CYCLES` lists the ones not removed yet).",
+        "of one package, lazy imports included.",
         "",
         "| layer | package | folder on disk | what it holds | may import |",
         "|---|---|---|---|---|",

@@ -48,6 +48,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from . import contract as C  # noqa: E402
 from . import kernels as _k  # noqa: E402
+from .contract.capabilities import kernels_take  # noqa: E402
 
 ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
@@ -182,7 +183,7 @@ def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, g
                    q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION,
                    prefill_precision: str = PREFILL_PRECISION) -> list[KernelConfig]:
     """Every kernel configuration of the given formats (default: every preset the kernels take), deduplicated by name."""
-    formats = [f for f in PRESETS.values() if C.LIMITS.takes(f)] if formats is None else formats
+    formats = [f for f in PRESETS.values() if kernels_take(f)] if formats is None else formats
     out: dict[str, KernelConfig] = {}
     for d in head_dims:
         for fmt in formats:

@@ -17,7 +17,7 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, fit_formats, get_format
 from trtkv.plugins.contract import LIMITS
 from trtkv.plugins.contract import capabilities as cap
-from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, seal_with_kernels
+from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, kernels_take, seal_with_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 MSE = {
@@ -153,12 +153,12 @@ def test_pool_asks_the_table_before_sealing_with_the_kernel(monkeypatch, spec, k
 
 
 def test_callers_are_lookups_in_the_table(monkeypatch):
-    from trtkv.builder.attention import get_backend
+    from trtkv.builder.plugin_nodes import get_backend
     from trtkv.runtime.torch_engine import kernels_lack
 
     assert get_backend("native").block_sizes == CAPABILITIES["native"].block_sizes
     assert get_backend("plugin").head_dims == CAPABILITIES["plugin"].head_dims
-    assert LIMITS.takes(get_format("int3")) and not LIMITS.takes(get_format(MSE["int3"]))
+    assert kernels_take(get_format("int3")) and not kernels_take(get_format(MSE["int3"]))
     man = SimpleNamespace(kv_format=get_format(MSE["int4"]), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=128))
     assert "no mse seal" in kernels_lack(None, man)
     man.kv_format = get_format("int4")

@@ -130,18 +130,8 @@ def test_every_import_points_down_a_layer():
     assert violations(graph) == []
 
 
-# Cycles in files this change could not edit (another change owned them); each is a lazy import back. Remove an
-# entry when its cycle is gone: the test fails on a listed cycle that no longer exists, so the list only shrinks.
-KNOWN_CYCLES = [
-    ["trtkv.builder.attention", "trtkv.builder.plugin_nodes"],  # attention imports plugin_nodes to register PluginAttention
-    ["trtkv.plugins.contract.capabilities", "trtkv.plugins.contract.limits"],  # LIMITS.takes reads the seal row
-]
-
-
 def test_no_import_cycle_between_modules():
-    found = cycles(source_graph(type_checking=False))
-    assert [c for c in found if c not in KNOWN_CYCLES] == []
-    assert [c for c in KNOWN_CYCLES if c not in found] == [], "a known cycle is gone: remove it from KNOWN_CYCLES"
+    assert cycles(source_graph(type_checking=False)) == []
 
 
 def test_a_type_checking_import_closes_no_cycle():

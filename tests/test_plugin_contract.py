@@ -20,10 +20,11 @@ from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.formats import ELEM_TYPES, PRESETS, get_format
 from trtkv.plugins import contract as C
+from trtkv.plugins.contract.capabilities import kernels_take
 from trtkv.quant import TensorParams, hadamard_matrix, quantize_block
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET_NAMES = [n for n in PRESETS if C.LIMITS.takes(PRESETS[n])]  # every preset (int3 / int2 included); mse seals: rejected below
+PRESET_NAMES = [n for n in PRESETS if kernels_take(PRESETS[n])]  # every preset (int3 / int2 included); mse seals: rejected below
 GEOM = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 
 
@@ -712,7 +713,7 @@ def test_gpu_check_dry_run(tmp_path):
 def test_formats_the_kernels_lack_are_rejected_by_name(op, fmt):
     """The searched (mse) seal exists in the reference, eval and the ONNX native decode, not in the Triton seal
     kernel: the contract says so, naming the attribute, instead of sealing with plain min / max ranges."""
-    assert not C.LIMITS.takes(get_format(fmt))
+    assert not kernels_take(get_format(fmt))
     with pytest.raises(TrtkvError, match="mse") as ei:
         attrs(op, fmt, block_size=64)
     assert "format" in str(ei.value)

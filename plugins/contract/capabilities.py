@@ -159,6 +159,14 @@ TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, wi
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
 
+
+
+def kernels_take(fmt) -> bool:
+    """Whether the Triton kernels seal and decode every layer's K and V of ``fmt`` (storage dtypes, no ``mse`` seal):
+    the ``seal`` row, asked by the AOT configuration list and the contract tests."""
+    return not KERNEL_SEAL.format_reasons(fmt)
+
+
 CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, KERNEL_ATTENTION, KERNEL_SEAL)}
 
 

@@ -32,13 +32,6 @@ class KernelLimits:
             return None
         return f"has storage {dtype}, which the Triton kernels do not implement yet (they take {', '.join(self.dtypes)})"
 
-    def takes(self, fmt) -> bool:
-        """Whether the kernels implement both tensor formats of a KVFormat, every layer's (storage dtypes; no ``mse`` seal):
-        the capability table's ``seal`` row (capabilities.py)."""
-        from trtkv.plugins.contract.capabilities import KERNEL_SEAL
-
-        return not KERNEL_SEAL.format_reasons(fmt)
-
     def head_dim_problem(self, d: int) -> str | None:
         if _is_pow2(d) and self.head_dim_min <= d <= self.head_dim_max:
             return None
