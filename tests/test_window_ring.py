@@ -5,8 +5,9 @@
 * the torch engine over a ringed cache gives the logits of the same engine over a cache that keeps every block, for
   every sliding family, fp16 and int4 (sink rows), two sequences of different lengths, the ring wrapping many times;
   and fewer bytes;
-* the runtime: the budget pays the ring per slot and gives the rest to the global layers' blocks, the text equals the
-  kept-blocks runtime's, preemption (swap) restores the ring exactly, stats count bytes per layer type;
+* the runtime: the budget pays the ring per slot and gives the rest to the global layers' blocks, every batched step's
+  logits equal a kept-blocks shadow cache's over the same rows (``_shadow``), preemption (swap) restores the ring
+  exactly, stats count bytes per layer type;
 * refusals: prefix caching and the ONNX step network cannot take a ringed cache.
 """
 
@@ -172,7 +173,38 @@ def gemma3_engine(family, tmp_path_factory):
                         block_size=16, max_batch=4, max_seq_len=256)
 
 
+def _shadow(llm) -> list[tuple[float, bool]]:
+    """Run a cache that keeps every block beside ``llm``'s ringed one: each step also runs over it, and the ringed
+    step's new rows are written into both, so both hold the same rows (the shadow seals its own blocks from them).
+    Returns, per step, the largest logit gap and whether the greedy tokens agree.
+
+    Why not compare against a separate kept-blocks runtime's text: on the tiny random int4 Gemma 3 greedy text is
+    chaotic in float rounding. The ring sums over fewer keys than the kept cache's masked ones (1e-6 apart), the
+    fp16 open-block rows and then int4 codes at the seal flip, and the texts part (measured: prompt 1 from token 34
+    on). A kept runtime given one inert padding row per step parts from itself the same way (from token 30)."""
+    ringed = llm.cache
+    kept = PagedKVCache(ringed.layout, ringed.num_layers, ringed.params)
+    assert kept.ring is None and ringed.ring is not None
+    gaps: list[tuple[float, bool]] = []
+    step, write = llm.engine.step, ringed.write_new_rows
+
+    def shadow_step(batch, cache):
+        out = step(batch, cache)
+        ref = step(batch, kept)
+        gaps.append(((out.logits - ref.logits).abs().max().item(), torch.equal(out.logits.argmax(-1), ref.logits.argmax(-1))))
+        return out
+
+    def shadow_write(batch, out):
+        kept.write_new_rows(batch, out)
+        return write(batch, out)
+
+    llm.engine.step, ringed.write_new_rows = shadow_step, shadow_write
+    return gaps
+
+
 def test_runtime_frees_window_blocks_with_the_same_text(gemma3_engine):
+    """The budget's split, the per-layer-type stats, and each batched step's logits (so its greedy text) those of
+    the kept-blocks engine over the same rows (``_shadow`` says why not the text of a separate kept runtime)."""
     from trtkv.runtime.sequence import SamplingParams
 
     prompts = ["The quick brown fox jumps over the lazy dog " * 3, "Pack my box with five dozen liquor jugs"]
@@ -187,10 +219,11 @@ def test_runtime_frees_window_blocks_with_the_same_text(gemma3_engine):
     assert ringed.budget.num_blocks > 5 * kept.budget.num_blocks
     assert ringed.cache.nbytes() <= ringed.budget.budget_bytes
     seen = []
+    gaps = _shadow(ringed)
     got = ringed.generate(prompts, params, on_output=lambda o: seen.append(ringed.stats()))
-    want = kept.generate(prompts, params)
-    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
-    assert [o.text for o in got] == [o.text for o in want]
+    kept.generate(prompts, params)
+    assert [len(o.new_token_ids) for o in got] == [40, 40]
+    assert max(g for g, _ in gaps) < 1e-4 and all(same for _, same in gaps)  # measured <= 5e-6
     s = max(seen, key=lambda s: s["kv_bytes_used_full_attention"])
     assert s["prefix_caching"] is False and kept.stats()["prefix_caching"] is True
     # per layer type: 5 sliding layers hold at most their ring, the global one every sealed block
@@ -198,6 +231,27 @@ def test_runtime_frees_window_blocks_with_the_same_text(gemma3_engine):
     assert s["kv_bytes_used_sliding_attention"] <= 2 * 5 * (ring_bytes // 5 + per_slot)
     assert s["kv_bytes_used_full_attention"] > s["kv_bytes_used_sliding_attention"] / 5
     assert "keep a ring of" in ringed.describe_cache()
+
+
+def test_batched_ring_steps_equal_a_kept_shadow(gemma3_engine):
+    """Four sequences of odd, different lengths batched and a fifth taking a finished one's slot (prefill chunks
+    beside decodes, block boundaries crossed at different steps, each ring wrapped several times): every step's
+    logits equal those of a cache that keeps every block over the same rows (``_shadow``), and so do one-at-a-time
+    steps. Checked to fail on a ring read through batch rows instead of slots, on one first block for the whole
+    batch, and on seals into slot 0's or the next slot's ring."""
+    from trtkv.runtime.sequence import SamplingParams
+
+    prompts = [list(range(3, 8)), list(range(20, 43)), list(range(50, 91)), list(range(100, 157)), list(range(160, 173))]
+    lengths = [45, 29, 37, 21, 27]  # prompts of 5, 23, 41, 57, 13 tokens; the fifth waits for a slot
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    for max_seqs in (4, 1):
+        llm = _llm(gemma3_engine, max_seqs=max_seqs)
+        assert llm.cache.ring.ring_blocks == 1 and llm.cache.block_size == 16
+        gaps = _shadow(llm)
+        got = llm.generate(prompts, params)
+        assert [len(o.new_token_ids) for o in got] == lengths
+        assert max(g for g, _ in gaps) < 1e-4 and all(same for _, same in gaps), (max_seqs, max(gaps))
+        assert llm.stats_counters["peak_running"] == max_seqs
 
 
 def test_preempted_sequence_resumes_its_ring_exactly(gemma3_engine):
