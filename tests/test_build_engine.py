@@ -283,7 +283,9 @@ def test_polygraphy_inspects_the_onnx(tmp_path, tiny_dir, tiny_loaded):
 
 # --------------------------------------------------------------------------- the real model (SmolLM2-135M)
 
-REAL_FORMATS = ["fp16", "int8", "int8-static", "fp8", "int4"]
+# the first tier takes one format of each kind (unquantized, dynamic per-token int8, int4 with sealed blocks, sinks
+# and Hadamard); the statically calibrated ones run in the second tier (the same CI run, its own step)
+REAL_FORMATS = ["fp16", "int8", pytest.param("int8-static", marks=pytest.mark.tier2), pytest.param("fp8", marks=pytest.mark.tier2), "int4"]
 # Tolerances on logits of magnitude ~20 after 30 layers (float32 everywhere):
 # * against ``model_logits`` (the transformers model sealing ITS OWN K/V rows): the engine's rows come from
 #   ONNX Runtime's float32 matmuls, the reference's from torch's; they differ in the last bits, and the fp16
@@ -349,7 +351,6 @@ def test_real_model_logits_and_sealed_codes(builtin_model, real_engines, real_pr
     qc = QuantizedKVCache(fmt, m.model.num_layers, cache.params)
     with torch.inference_mode():
         ref = _prefill(builtin_model.model, ids, qc, fmt.block_size)  # model_logits, keeping the cache to read its codes
-        assert torch.equal(ref, model_logits(builtin_model.model, ids, fmt, cache.params))
     err = max((out64.logits - ref[:, 63]).abs().max().item(), (out100.logits - ref[:, 99]).abs().max().item())
     err_same = (out100.logits - same_cache_ref).abs().max().item()
     mismatch = []
