@@ -320,3 +320,24 @@ def test_every_backend_refusal_names_every_backend(tmp_path):
         build_engine("smollm2-135m", None, "int4", tmp_path / "x", backend="tensorrt_llm")
     for e in (a.value, b.value):
         assert "tensorrt_llm" in e.problem and e.fix == f"use one of {', '.join(RUNTIME_BACKENDS)}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "triton-repo"])
+def test_a_commands_own_options_keep_their_flags_and_help_beside_the_generated_ones(command):
+    """The generated options join the command's own: those keep their short flags and help (typer would read a
+    string annotation as a bare option named after the parameter)."""
+    import inspect
+
+    from trtkv.cli import app
+
+    text = _help(command)
+    fn = {"generate": "generate", "serve": "serve", "triton-repo": "triton_repo"}[command]
+    commands = {c.callback.__name__: c.callback for c in app.registered_commands}
+    for p in inspect.signature(commands[fn]).parameters.values():
+        meta = getattr(p.annotation, "__metadata__", None)
+        assert meta is not None, (command, p.name)  # every parameter carries its typer.Option / Argument
+        info = meta[0]
+        for flag in [d for d in (info.param_decls or ()) if d.startswith("-")]:
+            assert re.search(rf"(^|[\s,]){re.escape(flag)}(\s|,|$)", text, re.M), (command, flag)
+    if command == "generate":
+        assert "-n" in _option_help(text, "--max-tokens")

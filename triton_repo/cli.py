@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -51,7 +52,11 @@ def with_options(options):
 
     def add(command):
         sig = inspect.signature(command)
-        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        # the command's own annotations are strings here (from __future__ import annotations); typer would read an
+        # unresolved string as a plain option named after the parameter, losing its flags ("-n") and help
+        hints = typing.get_type_hints(command, include_extras=True)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
         added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, ann, default in options]
         command.__signature__ = sig.replace(parameters=own + added)
         command.__annotations__ = {**command.__annotations__, **{name: ann for name, ann, _ in options}}
