@@ -8,6 +8,9 @@ that does not parse or does not match its key is ignored and rewritten. Entries 
 
 Hashing a file larger than ``PROGRESS_BYTES`` prints progress on stderr (name, GiB done / total, MB/s) about every
 ``PROGRESS_SECONDS``; small files and cache hits print nothing.
+
+``file_memo(path, kind, compute)`` remembers any JSON value computed from a file the same way, under ``<cache>/<kind>``
+(a GGUF's parsed header: gguf's reader takes seconds per process).
 """
 
 from __future__ import annotations

@@ -262,7 +262,10 @@ def _gguf_metadata(path: Path) -> dict:
     machine (``trtkv.content_hash.file_memo``; gguf's reader takes seconds on a 49k-token vocabulary), then read back."""
     from trtkv.content_hash import file_memo
 
-    return file_memo(path, "gguf-meta", _read_gguf_metadata)
+    return file_memo(path, f"gguf-meta-v{_GGUF_META_VERSION}", _read_gguf_metadata)
+
+
+_GGUF_META_VERSION = 1  # bump when _read_gguf_metadata returns something else: old entries are then not read
 
 
 def _read_gguf_metadata(path: Path) -> dict:
