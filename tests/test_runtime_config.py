@@ -218,10 +218,9 @@ def _option_help(text: str, flag: str) -> str:
     return text[start: text.index("]", text.index("[default:", start)) + 1]
 
 
-def test_generate_help_shows_the_kv_memory_generate_uses(tmp_path, monkeypatch):
-    from trtkv.cli import app
+def _config_generate_opens(monkeypatch) -> dict:
+    """``seen["config"]``: the RuntimeConfig ``generate --engine`` hands the engine (which then stops the command)."""
     from trtkv.runtime.llm_engine import LLMEngine
-    from trtkv.triton_repo.cli import GENERATE_CONFIG
 
     seen = {}
 
@@ -230,6 +229,14 @@ def test_generate_help_shows_the_kv_memory_generate_uses(tmp_path, monkeypatch):
         raise TrtkvError("stop here")
 
     monkeypatch.setattr(LLMEngine, "from_engine_dir", staticmethod(from_engine_dir))
+    return seen
+
+
+def test_generate_help_shows_the_kv_memory_generate_uses(tmp_path, monkeypatch):
+    from trtkv.cli import app
+    from trtkv.triton_repo.cli import GENERATE_CONFIG
+
+    seen = _config_generate_opens(monkeypatch)
     out = runner.invoke(app, ["generate", "hi", "--engine", str(tmp_path)])
     assert out.exit_code == 2 and "stop here" in out.output
     used = seen["config"]
@@ -240,15 +247,8 @@ def test_generate_help_shows_the_kv_memory_generate_uses(tmp_path, monkeypatch):
 
 def test_generate_options_reach_its_config(tmp_path, monkeypatch):
     from trtkv.cli import app
-    from trtkv.runtime.llm_engine import LLMEngine
 
-    seen = {}
-
-    def from_engine_dir(engine_dir, config):
-        seen["config"] = config
-        raise TrtkvError("stop here")
-
-    monkeypatch.setattr(LLMEngine, "from_engine_dir", staticmethod(from_engine_dir))
+    seen = _config_generate_opens(monkeypatch)
     runner.invoke(app, ["generate", "hi", "--engine", str(tmp_path), "--kv-memory", "0.125", "--backend", "onnxruntime"])
     assert (seen["config"].kv_memory_gib, seen["config"].backend) == (0.125, "onnxruntime")
     out = runner.invoke(app, ["generate", "hi", "--engine", str(tmp_path), "--kv-memory", "-1"])
