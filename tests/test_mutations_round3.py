@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from test_mutations_round2 import _get  # a request's inputs as the python model hands them over
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import get_format
@@ -65,16 +66,6 @@ def test_each_layer_is_sealed_with_its_own_static_scale():
 
 
 # ---------------------------------------------------------------- Triton model
-
-
-def _get(**inputs):
-    def get(name):
-        v = inputs.get(name)
-        if v is None:
-            return None
-        return v if isinstance(v, np.ndarray) else np.array([[v]], dtype=object if isinstance(v, (str, bytes)) else None)
-
-    return get
 
 
 def test_empty_strings_in_the_word_lists_mean_none():
