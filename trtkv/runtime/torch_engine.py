@@ -47,16 +47,17 @@ from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import load_model
-from trtkv.plugins import ops
+from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
+from trtkv.runtime.lean import LeanDecoder
 from trtkv.runtime.step import StepBatch, StepOutput
 
 ATTN_NAME = "trtkv_paged"
 STEP_KWARG = "trtkv_step"  # the per-step context, passed through the model's **kwargs to the attention function
-ATTENTION_MODES = ("auto", "torch", "kernels")
+ATTENTION_MODES = ("auto", "torch", "cpu", "kernels")
 
 
 def _params_on(p: TensorParams, device: torch.device) -> TensorParams:
@@ -80,6 +81,9 @@ class _Step:
     kv_invalid: torch.Tensor | None = None  # its negation
     sealed_all_valid: bool = True  # every sequence has sealed_max sealed blocks (nothing to zero)
     sealed_max: int = 0
+    held: torch.Tensor | None = None  # [B] sealed blocks each sequence reads, from column 0 of its block table (torch / cpu)
+    first_pos: torch.Tensor | None = None  # [B] position of sealed column 0's first row (a ring view: its first block)
+    cpu_decode: "cpu_attention.DecodeStep | None" = None  # the CPU kernels' per-step arguments, made by the first layer
     open_max: int = 0
     cu_seqlens: torch.Tensor | None = None  # kernels, T > 1
     key_pos: torch.Tensor | None = None  # [B, C + T] positions of the mask's keys (torch attention)
@@ -115,20 +119,31 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model, manifest: EngineManifest | None = None, *, attention: str = "auto", device=None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, lean: bool = True):
         if attention not in ATTENTION_MODES:
             raise TrtkvError(f"unknown torch-engine attention {attention!r}", f"use one of {', '.join(ATTENTION_MODES)}")
         self.model = model.eval()
         self.manifest = manifest
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if attention == "auto":  # the kernels where they implement the model's attention and the engine's format, on CUDA
-            attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config, manifest) else "torch"
+        if attention == "auto":  # the kernels where they implement the model's attention and the engine's format, on CUDA;
+            # on CPU trtkv's C kernels when this machine compiles them
+            if self.device.type == "cuda":
+                attention = "torch" if kernels_lack(model.config, manifest) else "kernels"
+            else:
+                attention = "torch" if cpu_attention.unavailable() else "cpu"
+        if attention == "cpu":
+            if self.device.type != "cpu":
+                raise TrtkvError(f"--attention cpu runs on the CPU, not on {self.device}", "use --attention kernels or torch on a GPU")
+            cpu_attention.library()  # one line saying why, when they cannot be built here
         self.attention = attention
+        self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype
         register_attention()
         for cfg in {id(c): c for c in (model.config, _text_config(model.config))}.values():
             cfg._attn_implementation = ATTN_NAME
         self._decoder = model.get_decoder()
+        # the Llama family's layers in a fraction of the ops (runtime/lean.py); the others run transformers' modules
+        self.lean = LeanDecoder(model, paged_attention) if lean and LeanDecoder.reason(model) is None else None
         self._head = model.get_output_embeddings()
         self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
@@ -181,13 +196,16 @@ class TorchEngine(Engine):
             new_v=torch.empty(L, B, T, H, D, dtype=torch.float16, device=dev),
             valid=ar[None, :] < batch.new_lens[:, None],
         )
-        if self.attention == "torch":
+        if self.attention in ("torch", "cpu"):
             self._torch_masks(st)
         elif T > 1:
             st.cu_seqlens = F.pad(batch.new_lens.cumsum(0), (1, 0)).to(torch.int32)
         positions = batch.context_lens[:, None] + ar[None, :]
-        out = self._decoder(input_ids=batch.input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: st})
-        hidden = out.last_hidden_state[torch.arange(B, device=dev), batch.new_lens - 1]
+        if self.lean is not None:
+            hidden = self.lean(batch.input_ids, positions, **{STEP_KWARG: st})
+        else:
+            hidden = self._decoder(input_ids=batch.input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: st}).last_hidden_state
+        hidden = hidden[torch.arange(B, device=dev), batch.new_lens - 1]
         logits = self._head(hidden).float()
         if self._final_softcap:  # Gemma 2: the causal-LM head caps its logits (the decoder + head bypass its forward)
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
@@ -240,6 +258,16 @@ class TorchEngine(Engine):
             self._params = {id(cache): got}
         return got[layer]
 
+    def layer_codecs(self, cache: PagedKVCache, layer: int) -> tuple:
+        """The CPU kernels' row codecs of ``layer``'s K and V (``cpu_attention.RowCodec``), made once per cache."""
+        got = self._codecs.get(id(cache))
+        if got is None:
+            lay = cache.layout
+            got = [tuple(cpu_attention.RowCodec.of(cache.layout_of(i).tensor_format(w), self.layer_params(cache, i)[j], lay.num_kv_heads,
+                                                   lay.head_dim, lay.block_size) for j, w in enumerate("kv")) for i in range(cache.num_layers)]
+            self._codecs = {id(cache): got}
+        return got[layer]
+
     def _torch_masks(self, st: _Step, first: torch.Tensor | None = None) -> None:
         """Key validity and the [B, 1, T, C + T] attention mask of the torch path (C: gathered context keys); ``first``
         [B]: the gathered sealed blocks start at each sequence's block ``first`` (a ring view), not block 0."""
@@ -248,6 +276,8 @@ class TorchEngine(Engine):
         opened = b.context_lens - sealed * bs
         held = sealed if first is None else sealed - first
         st.sealed_max, st.open_max = int(held.max()), int(opened.max())
+        st.held = held
+        st.first_pos = torch.zeros_like(held) if first is None else first * bs
         dev = self.device
         kv_valid = []
         if st.sealed_max:
@@ -542,6 +572,69 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
+FUSED_QUERIES = 16  # up to this many queries per KV head (decode: the GQA group) the C kernels compute q.k and p.v
+
+
+def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """``_torch_attention`` with the sealed part read by trtkv's CPU kernels (``plugins/cpu_attention.c``) straight from
+    the pools: for a few queries per KV head (decode) the kernels compute the scores and the weighted sum; for more (a
+    prefill chunk) they dequantize the sealed rows once into ``[B, H, S, D]`` for one matmul each. The open block and
+    this step's rows, the mask, soft-cap and softmax are the torch path's."""
+    B, Hq, T, D = q.shape
+    H = k16.shape[1]
+    G = Hq // H
+    lay = st.cache.layout_of(layer)
+    kp, vp = st.engine.layer_params(st.cache, layer)
+    kc, vc = st.engine.layer_codecs(st.cache, layer)
+    qg = q.reshape(B, H, G * T, D)
+    if T == 1:
+        return _cpu_decode(st, layer, lay, qg, k16, v16, kp, vp, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
+    scores = qg @ _open_rows(st, layer, "k", k16).transpose(-1, -2)
+    S, n = st.sealed_max * st.cache.block_size, G * T
+    fused = n <= FUSED_QUERIES
+    if S:
+        kfmt, kpool = lay.tensor_format("k"), st.cache.pool(layer, "k")
+        read = (st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, kpool, kfmt, kp))
+        qf = _fold_query(qg, kfmt, kp)
+        sealed = cpu_attention.scores(kc, kpool, *read[:3], qf, *read[3:]) if fused else qf @ cpu_attention.dequant(kc, kpool, *read).transpose(-1, -2)
+        scores = torch.cat([sealed, scores], -1)
+    scores = scores * scaling
+    if softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask (as transformers does)
+        scores = torch.tanh(scores / softcap) * softcap
+    p = (scores + _mask_bias(st, window, G, scores.dtype)).softmax(-1)
+    out = p[..., S:] @ _open_rows(st, layer, "v", v16)
+    if S:
+        vfmt, vpool = lay.tensor_format("v"), st.cache.pool(layer, "v")
+        read = (st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, vpool, vfmt, vp))
+        ps = p[..., :S]
+        sealed = cpu_attention.wsum(vc, vpool, *read[:3], ps, *read[3:]) if fused else ps @ cpu_attention.dequant(vc, vpool, *read)
+        out = out + inverse_transform(sealed, vfmt, vp, head_axis=-3)
+    return out.view(B, Hq, T, D).transpose(1, 2)
+
+
+def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
+    """One token per sequence, the whole attention in one kernel call (``cpu_attention.decode``): [B, H, G, D]."""
+    b, bs = st.batch, st.cache.block_size
+    if st.cpu_decode is None:
+        sealed = b.context_lens // bs
+        st.cpu_decode = cpu_attention.DecodeStep.make(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
+                                                     b.context_lens, st.first_pos, sealed * bs, st.sink_ok)
+    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
+    kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
+    sealed, rest = cpu_attention.decode(kc, vc, kpool, vpool, st.cpu_decode, qg, _fold_query(qg, kfmt, kp) if st.sealed_max else qg,
+                                        k16[:, :, 0], v16[:, :, 0], scaling, window, softcap, lay.sink_tokens)
+    return rest + inverse_transform(sealed, vfmt, vp, head_axis=-3) if st.sealed_max else rest
+
+
+def _cpu_sink(st: _Step, lay: PagedKVLayout, pool, fmt, params) -> tuple:
+    """(sink rows in stored space [B, H, sink, D], which sequences read them) for the CPU kernels; (None, None) without."""
+    if not lay.sink_tokens:
+        return None, None
+    rows = forward_transform(lay.sink_rows(pool.tail)[st.batch.slot_ids].float(), fmt, params, head_axis=-3)
+    return rows, st.sink_ok
+
+
 def _mask_bias(st: _Step, window: int | None, G: int, dtype) -> torch.Tensor:
     """0 / -inf [B, 1, G * T, C + T] of the step's mask (a local layer's: with its window), GQA rows repeated; built
     once per step and reused by every layer (an add instead of a negation and a fill per layer)."""
@@ -611,6 +704,8 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
         return _kernel_attention(st, layer, query, k16, v16, scaling, window, softcap), None
     if st.cache.is_ringed(layer):
         st = st.engine._ring_view(st)
+    if st.engine.attention == "cpu":
+        return _cpu_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
     return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
 
 

@@ -1,0 +1,276 @@
+"""trtkv's CPU attention kernels (``cpu_attention.c``): the sealed blocks read straight from the pools.
+
+The torch engine's attention on CPU spends its time on the many small tensor ops that gather, unpack and dequantize
+the sealed blocks of every sequence (``trtkv.runtime.torch_engine.context_kv``): a few per layer, each a pass over
+the batch's whole context. These three C functions walk each sequence's block table instead and decode each row once,
+by the storage dtype's own lookup tables (``DtypeTraits.plane_tables`` / ``byte_table``: one definition of every
+codec) and the format's scale granularity:
+
+* ``dequant``: the sealed rows as float32 ``[B, H, nb * bs, D]`` (stored channel space), for one torch matmul (prefill);
+* ``scores``: ``q . k`` of ``n`` queries per KV head against every sealed key, ``[B, H, n, nb * bs]`` (decode);
+* ``wsum``: ``sum_t p_t v_t`` of probabilities ``[B, H, n, nb * bs]`` over the sealed values, ``[B, H, n, D]``.
+
+The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
+12+ or clang 15+) for this CPU (``-march=native``) and cached under ``~/.cache/trtkv/cpu-kernels`` by a hash of the
+source, the flags, the compiler and the CPU; ``unavailable()`` says why it cannot be used (then the torch ops run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtkv.cache_dir import cache_root
+from trtkv.errors import TrtkvError
+from trtkv.quant import per_channel
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-ffp-contract=fast")
+LIBS = ("-lm",)
+MAX_PLANES, MAX_HEAD_DIM = 4, 1024  # as in the C source
+KIND_FP16, KIND_LUT = 0, 1
+GRAN = {"none": 0, "per_tensor": 1, "per_head": 1, "per_channel": 1, "per_token": 2, "per_token_group": 2, "per_block_channel": 3}
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Fmt(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("head_dim", _i64), ("block_size", _i64), ("num_heads", _i64), ("row_bytes", _i64),
+                ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
+                ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
+                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr)]
+
+
+class _Ctx(ctypes.Structure):
+    _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("tables", _ptr), ("cols", _i64), ("held", _ptr),
+                ("batch", _i64), ("nb", _i64), ("sink", _ptr), ("sink_ok", _ptr), ("sink_tokens", _i64)]
+
+
+class _Decode(ctypes.Structure):
+    _fields_ = [("n", _i64), ("q", _ptr), ("qf", _ptr), ("new_k", _ptr), ("new_v", _ptr), ("k_tail", _ptr), ("v_tail", _ptr),
+                ("tail_rows", _i64), ("slot", _ptr), ("open_len", _ptr), ("q_pos", _ptr), ("first_pos", _ptr), ("open_pos", _ptr),
+                ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr)]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    return model + flags
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | str:
+    """The compiled library, or the one-line reason it cannot be had."""
+    if os.environ.get("TRTKV_CPU_KERNELS", "1") == "0":
+        return "TRTKV_CPU_KERNELS=0"
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler (cc, gcc or clang; set $CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc} --version failed: {exc}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS), version, _cpu_id()]).encode()).hexdigest()[:16]
+    out = cache_root() / "cpu-kernels" / f"cpu_attention-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # compiled aside, then renamed: no half-written library
+            built = Path(tmp) / out.name
+            try:
+                proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), *LIBS], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"compiling {SOURCE.name} failed: {exc}"
+            if proc.returncode != 0:
+                first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
+                return f"compiling {SOURCE.name} with {cc} failed: {first}"
+            os.replace(built, out)
+    lib = ctypes.CDLL(str(out))
+    lib.trtkv_decode.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), ctypes.POINTER(_Ctx), ctypes.POINTER(_Decode)]
+    lib.trtkv_decode.restype = _i64
+    for name, extra in (("trtkv_dequant", []), ("trtkv_scores", [_ptr, _i64]), ("trtkv_wsum", [_ptr, _i64])):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), *extra, _ptr]
+        fn.restype = _i64
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why the CPU kernels cannot run on this machine (None: they can)."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def library() -> ctypes.CDLL:
+    lib = _library()
+    if isinstance(lib, str):
+        raise TrtkvError(f"trtkv's CPU attention kernels are unavailable: {lib}", "install a C compiler (gcc 12+), or use the torch ops (--attention torch)")
+    return lib
+
+
+@dataclass
+class RowCodec:
+    """One layer's K or V storage as the kernels read it: the C struct and the tensors it points into (kept alive)."""
+
+    fmt: _Fmt
+    keep: tuple
+
+    @classmethod
+    def of(cls, tf, params, num_heads: int, head_dim: int, block_size: int) -> "RowCodec":
+        """For ``TensorFormat`` ``tf`` with its calibrated ``TensorParams`` (static scale) at these sizes."""
+        if head_dim > MAX_HEAD_DIM:
+            raise TrtkvError(f"head_dim {head_dim} exceeds the CPU kernels' {MAX_HEAD_DIM}", "use the torch ops (--attention torch)")
+        traits = tf.traits
+        f = _Fmt(head_dim=head_dim, block_size=block_size, num_heads=num_heads, gran=GRAN[tf.granularity])
+        keep: list[torch.Tensor] = []
+        if not tf.is_quantized:
+            f.kind, f.row_bytes = KIND_FP16, head_dim * 2
+        else:
+            sym = tf.symmetric or tf.is_static
+            f.kind, f.row_bytes = KIND_LUT, traits.packed_dim(head_dim) * traits.storage.itemsize
+            if traits.packed:
+                planes = [(byte, width, low, table) for (byte, width, low), table in zip(traits.plane_layout(head_dim), traits.plane_tables(sym))]
+            else:
+                planes = [(0, 8, 0, traits.byte_table(sym))]
+            f.n_planes = len(planes)
+            for p, (byte, width, low, table) in enumerate(planes):
+                table = table.float().contiguous()
+                keep.append(table)
+                f.byte_off[p], f.per[p], f.table[p], f.width[p], f.low[p] = byte, 8 // width, table.data_ptr(), width, low
+            # integer codes decode by shifts, where the shifts give the lookup tables' values exactly (else by lookups)
+            f.offset = float(traits.offset(sym))
+            f.signed_bytes = int(not traits.packed and traits.storage_for(sym) == torch.int8)
+            f.linear = int(traits.is_int and all(torch.equal(table.float(), _linear_table(width, low, f.offset if p == 0 else 0.0, f.signed_bytes))
+                                                 for p, (_, width, low, table) in enumerate(planes)))
+            if tf.is_static:
+                scale = per_channel(params.scale, num_heads, head_dim, "static scale")
+                keep.append(scale)
+                f.static_scale = scale.data_ptr()
+            elif not tf.is_block_wise:
+                f.groups = tf.groups(head_dim)
+        return cls(f, tuple(keep))
+
+
+def _linear_table(width: int, low: int, offset: float, signed: bool) -> torch.Tensor:
+    """What byte v of a plane of ``width``-bit fields holds, as the shift decoder computes it: [256, 8 / width]."""
+    v = torch.arange(256, dtype=torch.int64)
+    if signed:
+        return (v.to(torch.uint8).view(torch.int8).float() - offset)[:, None]
+    fields = (v[:, None] >> (torch.arange(8 // width) * width)) & ((1 << width) - 1)
+    return (fields << low).float() - offset
+
+
+def _p(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None) -> tuple[_Ctx, tuple]:
+    for name, t in (("data", pool.data), ("scale", pool.scale), ("zero", pool.zero)):
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise TrtkvError(f"the CPU kernels read contiguous CPU pools; pool {name} is not", "allocate the cache with PagedKVLayout.allocate")
+    tables = tables.to(torch.int64).contiguous()
+    held = held.to(torch.int64).contiguous()
+    sink = None if sink is None else sink.float().contiguous()
+    sink_ok = None if sink_ok is None else sink_ok.to(torch.uint8).contiguous()
+    c = _Ctx(data=_p(pool.data), scale=_p(pool.scale), zero=_p(pool.zero), tables=_p(tables), cols=tables.shape[1], held=_p(held),
+             batch=tables.shape[0], nb=nb, sink=_p(sink), sink_ok=_p(sink_ok), sink_tokens=0 if sink is None else sink.shape[2])
+    return c, (tables, held, sink, sink_ok)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise TrtkvError("trtkv's CPU attention kernel refused its arguments", "report this as a bug")
+
+
+def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None) -> torch.Tensor:
+    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, nb * bs, D]`` in stored space (zeros past ``held``)."""
+    f = codec.fmt
+    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
+    out = torch.empty(c.batch, f.num_heads, nb * f.block_size, f.head_dim, dtype=torch.float32)
+    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr()))
+    return out
+
+
+def scores(codec: RowCodec, pool, tables, held, nb: int, q: torch.Tensor, sink=None, sink_ok=None) -> torch.Tensor:
+    """``q [B, H, n, D] . k`` over the sealed keys: float32 ``[B, H, n, nb * bs]`` (0 past ``held``)."""
+    f = codec.fmt
+    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
+    q = q.float().contiguous()
+    n = q.shape[2]
+    out = torch.empty(c.batch, f.num_heads, n, nb * f.block_size, dtype=torch.float32)
+    _check(library().trtkv_scores(ctypes.byref(f), ctypes.byref(c), q.data_ptr(), n, out.data_ptr()))
+    return out
+
+
+def wsum(codec: RowCodec, pool, tables, held, nb: int, p: torch.Tensor, sink=None, sink_ok=None) -> torch.Tensor:
+    """``sum_t p_t v_t`` of ``p [B, H, n, nb * bs]`` over the sealed values: float32 ``[B, H, n, D]``."""
+    f = codec.fmt
+    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
+    p = p.float().contiguous()
+    n = p.shape[2]
+    out = torch.empty(c.batch, f.num_heads, n, f.head_dim, dtype=torch.float32)
+    _check(library().trtkv_wsum(ctypes.byref(f), ctypes.byref(c), p.data_ptr(), n, out.data_ptr()))
+    return out
+
+
+@dataclass
+class DecodeStep:
+    """What every layer's ``decode`` call of one step shares, converted once per step (int64, contiguous): the block
+    tables and sealed blocks each sequence reads, its slot, open rows and positions (``first_pos``: of sealed column
+    0, row 0 -- a window ring's first block; ``open_pos``: of open row 0; ``q_pos``: of the new token)."""
+
+    tables: torch.Tensor
+    held: torch.Tensor
+    nb: int
+    slot: torch.Tensor
+    open_len: torch.Tensor
+    q_pos: torch.Tensor
+    first_pos: torch.Tensor
+    open_pos: torch.Tensor
+    sink_ok: torch.Tensor | None = None
+
+    @classmethod
+    def make(cls, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None) -> "DecodeStep":
+        i64 = lambda t: t.to(torch.int64).contiguous()
+        return cls(i64(tables), i64(held), nb, i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
+                   None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
+
+
+def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q: torch.Tensor, qf: torch.Tensor, new_k: torch.Tensor,
+           new_v: torch.Tensor, scaling: float, window: int | None = None, softcap: float | None = None, sink_tokens: int = 0,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's attention per sequence: ``q`` / ``qf`` [B, H, n, D] (model space / keys' transforms folded in),
+    this step's row ``new_k`` / ``new_v`` [B, H, D] (model space), the open blocks and the first ``sink_tokens`` rows of
+    the first block (for the sequences ``step.sink_ok`` names) from the pools' tails, the sealed blocks through the
+    block tables. Returns (the sealed values' part in stored space, the tails' and new row's part in model space),
+    each [B, H, n, D]."""
+    B, H, n, D = q.shape
+    q, qf, new_k, new_v = (t.float().contiguous() for t in (q, qf, new_k, new_v))
+    kc = _Ctx(data=_p(kpool.data), scale=_p(kpool.scale), zero=_p(kpool.zero), tables=_p(step.tables), cols=step.tables.shape[1], held=_p(step.held),
+              batch=B, nb=step.nb)
+    vc = _Ctx(data=_p(vpool.data), scale=_p(vpool.scale), zero=_p(vpool.zero), tables=_p(step.tables), cols=step.tables.shape[1], held=_p(step.held),
+              batch=B, nb=step.nb)
+    out_sealed = torch.empty(B, H, n, D, dtype=torch.float32)
+    out_rest = torch.empty(B, H, n, D, dtype=torch.float32)
+    a = _Decode(n=n, q=_p(q), qf=_p(qf), new_k=_p(new_k), new_v=_p(new_v), k_tail=_p(kpool.tail), v_tail=_p(vpool.tail), tail_rows=kpool.tail.shape[-2],
+                slot=_p(step.slot), open_len=_p(step.open_len), q_pos=_p(step.q_pos), first_pos=_p(step.first_pos), open_pos=_p(step.open_pos),
+                sink_tokens=sink_tokens, sink_ok=_p(step.sink_ok), window=int(window or 0), scaling=float(scaling), softcap=float(softcap or 0.0), out_sealed=_p(out_sealed), out_rest=_p(out_rest))
+    _check(library().trtkv_decode(ctypes.byref(kcodec.fmt), ctypes.byref(vcodec.fmt), ctypes.byref(kc), ctypes.byref(vc), ctypes.byref(a)))
+    return out_sealed, out_rest
