@@ -33,11 +33,14 @@ from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
 from trtkv.quant import per_channel
 
+from .contract.capabilities import CPU_KERNELS
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-ffp-contract=fast")
 LIBS = ("-lm",)
-MAX_PLANES, MAX_HEAD_DIM = 4, 1024  # as in the C source
+MAX_PLANES = 4  # as in the C source
+MAX_HEAD_DIM = CPU_KERNELS.head_dim_max  # the C source's MAX_HEAD_DIM
 KIND_FP16, KIND_LUT = 0, 1
 GRAN = {"none": 0, "per_tensor": 1, "per_head": 1, "per_channel": 1, "per_token": 2, "per_token_group": 2, "per_block_channel": 3}
 

@@ -13,6 +13,7 @@ server drives it from one loop thread (``trtkv.runtime.engine_loop``).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,8 @@ class LLMEngine:
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
+        # a CPU torch engine sets its torch threads per step (RuntimeConfig.step_threads); other engines keep theirs
+        self.cores = usable_cores() if getattr(engine, "name", "") == "torch" and torch.device(getattr(engine, "device", "cpu")).type == "cpu" else None
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
@@ -219,6 +222,10 @@ class LLMEngine:
             block_tables=[c.seq.block_table for c in chunks],
             slot_ids=[c.seq.slot for c in chunks],
         )
+        if self.cores is not None:
+            threads = self.config.step_threads(sum(c.length for c in chunks), self.cores)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         result = self.engine.step(batch, self.cache)
         self.cache.write_new_rows(batch, result)
         logits = result.logits
@@ -354,6 +361,14 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.stats_counters,
         }
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset sets)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def prefix_salt(manifest, engine) -> str:

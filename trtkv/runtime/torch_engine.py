@@ -48,7 +48,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import load_model
 from trtkv.plugins import cpu_attention, ops
-from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION
+from trtkv.plugins.contract.capabilities import CPU_KERNELS, KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -130,10 +130,13 @@ class TorchEngine(Engine):
             if self.device.type == "cuda":
                 attention = "torch" if kernels_lack(model.config, manifest) else "kernels"
             else:
-                attention = "torch" if cpu_attention.unavailable() else "cpu"
+                attention = "torch" if cpu_attention.unavailable() or cpu_kernels_lack(manifest) else "cpu"
         if attention == "cpu":
             if self.device.type != "cpu":
                 raise TrtkvError(f"--attention cpu runs on the CPU, not on {self.device}", "use --attention kernels or torch on a GPU")
+            lack = cpu_kernels_lack(manifest)
+            if lack:
+                raise TrtkvError(f"trtkv's CPU attention kernels cannot run this engine: {lack}", "use --attention torch")
             cpu_attention.library()  # one line saying why, when they cannot be built here
         self.attention = attention
         self._codecs: dict[int, list] = {}
@@ -358,6 +361,14 @@ def kernels_lack(config, manifest: EngineManifest | None = None) -> str | None:
     if manifest is None:
         return None
     reasons = KERNEL_ATTENTION.reasons(manifest.kv_format, None, manifest.limits.block_size, manifest.model.head_dim)
+    return reasons[0] if reasons else None
+
+
+def cpu_kernels_lack(manifest: EngineManifest | None) -> str | None:
+    """What of the engine's KV format or sizes trtkv's CPU kernels do not take (the capability table's ``cpu`` row)."""
+    if manifest is None:
+        return None
+    reasons = CPU_KERNELS.reasons(manifest.kv_format, None, manifest.limits.block_size, manifest.model.head_dim)
     return reasons[0] if reasons else None
 
 
