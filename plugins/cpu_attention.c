@@ -1,23 +1,23 @@
 /* trtkv's CPU attention kernels over the paged quantized KV cache (docs/kv-cache-format.md, docs/torch-engine.md).
 
    The torch engine's attention on CPU reads the sealed blocks of every sequence straight from the pools through its
-   block table: no gathered copy, no intermediate tensors. Four entry points, each over [B, H] (sequence, KV head):
+   block table: no gathered copy, no intermediate tensors. Two entry points, each over [B, H] (sequence, KV head):
 
-     trtkv_decode   one new token per sequence: the whole attention (sealed blocks, open block, the new row; window,
-                    soft-cap, softmax), the sealed part of the output in stored space, the rest in model space
-
-     trtkv_dequant  sealed rows -> float32 out [B, H, nb * bs, D] (stored channel space), for a torch matmul (prefill)
-     trtkv_scores   q [B, H, n, D] . sealed keys  -> out [B, H, n, nb * bs]              (decode: n = queries per KV head)
-     trtkv_wsum     p [B, H, n, nb * bs] @ sealed values -> out [B, H, n, D]
+     trtkv_decode   one new token per sequence: the whole attention (sealed blocks, sink rows, open block, the new row;
+                    window, soft-cap, softmax), the sealed part of the output in stored space, the rest in model space
+     trtkv_dequant  sealed rows -> float32 out [B, H, out_rows, D] (rows 0 .. nb * bs - 1, stored channel space), for one
+                    fused torch attention over them and the rows the caller puts after them (prefill)
 
    Sequence b reads columns 0 .. held[b]-1 of its block table (held[b] * bs rows); rows past them are written as zeros
-   (dequant, scores) or skipped (wsum), so blocks of other owners are never read. Rows below ``sink_tokens`` of column 0
-   come from ``sink`` [B, H, sink_tokens, D] (float32, stored space) where ``sink_ok`` (NULL: every b) says so.
+   or skipped, so blocks of other owners are never read. ``trtkv_dequant`` takes rows below ``sink_tokens`` of column 0
+   from ``sink`` [B, H, sink_tokens, D] (float32, stored space) where ``sink_ok`` (NULL: every b) says so;
+   ``trtkv_decode`` reads them from the tails (model space).
 
    A row is decoded by lookup tables, the storage dtype's own codec (trtkv.formats.DtypeTraits.plane_tables /
    byte_table, built in Python): plane p holds ``per[p]`` codes per byte from byte ``byte_off[p]`` of the row, and
    byte value v adds ``table[p][v * per[p] + i]`` to channel ``j * per[p] + i`` (the first plane's table already
-   subtracts the symmetric offset). fp16 rows are converted directly. Then the scale (and zero-point) of the format's
+   subtracts the symmetric offset); integer dtypes whose tables are plain bit fields (every one today: Python checks)
+   decode by shifts instead, which vectorize. fp16 rows are converted directly. Then the scale (and zero-point) of the format's
    granularity: x = value * scale + zero. Everything is single-threaded: the engine's decode runs on one thread and a
    prefill's matmuls use torch's threads. */
 
@@ -142,54 +142,6 @@ static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D,
         for (int64_t d = 0; d < D; d++) x[d] -= f->offset;
 }
 
-static inline void scale_zero(float *restrict x, const half *restrict s, const half *restrict z, int64_t D) {
-    float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
-    half_to_float(s, sf, D);
-    if (z) {
-        half_to_float(z, zf, D);
-        for (int64_t d = 0; d < D; d++) x[d] = x[d] * sf[d] + zf[d];
-    } else {
-        for (int64_t d = 0; d < D; d++) x[d] *= sf[d];
-    }
-}
-
-static inline void decode_row(const Fmt *f, const Ctx *c, int64_t blk, int64_t h, int64_t t, float *restrict x) {
-    const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size;
-    const int64_t bh = blk * H + h;
-    const uint8_t *row = c->data + (bh * bs + t) * f->row_bytes;
-    if (f->kind == KIND_FP16) {
-        half_to_float((const half *)row, x, D);
-        return;
-    }
-    if (f->linear) lin_row(f, row, D, x);
-    else
-        for (int64_t p = 0; p < f->n_planes; p++) lut_plane(row + f->byte_off[p], f->table[p], f->per[p], p > 0, D, x);
-    if (f->gran == GRAN_STATIC) {
-        const float *restrict s = f->static_scale + h * D;
-        for (int64_t d = 0; d < D; d++) x[d] *= s[d];
-    } else if (f->gran == GRAN_BLOCK_CHANNEL) {
-        scale_zero(x, c->scale + bh * D, c->zero ? c->zero + bh * D : 0, D);
-    } else if (f->gran == GRAN_TOKEN) {
-        const int64_t G = f->groups, g = D / G;
-        const half *s = c->scale + (bh * bs + t) * G;
-        const half *z = c->zero ? c->zero + (bh * bs + t) * G : 0;
-        for (int64_t k = 0; k < G; k++) {
-            const float sk = (float)s[k], zk = z ? (float)z[k] : 0.0f;
-            float *restrict xk = x + k * g;
-            for (int64_t d = 0; d < g; d++) xk[d] = xk[d] * sk + zk;
-        }
-    }
-}
-
-/* The row of token t of column j of sequence b: decoded into buf, or the sink row; NULL past held[b]. */
-static inline const float *get_row(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, int64_t t, float *buf) {
-    if (j >= c->held[b]) return 0;
-    if (j == 0 && t < c->sink_tokens && c->sink && (!c->sink_ok || c->sink_ok[b]))
-        return c->sink + ((b * f->num_heads + h) * c->sink_tokens + t) * f->head_dim;
-    decode_row(f, c, c->tables[b * c->cols + j], h, t, buf);
-    return buf;
-}
-
 /* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. The per-block
    scale and zero-point (per_block_channel) are converted once for the block. */
 static void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
@@ -234,89 +186,19 @@ static void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
 }
 
-int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out) {
+int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows) {
     const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb;
-    if (D > MAX_HEAD_DIM) return -1;
-    for (int64_t b = 0; b < c->batch; b++)
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t j = 0; j < nb; j++)
-                for (int64_t t = 0; t < bs; t++) {
-                    float *dst = out + (((b * H + h) * nb + j) * bs + t) * D;
-                    const float *r = get_row(f, c, b, h, j, t, dst);
-                    if (!r) memset(dst, 0, (size_t)D * sizeof(float));
-                    else if (r != dst) memcpy(dst, r, (size_t)D * sizeof(float));
-                }
-    return 0;
-}
-
-int64_t trtkv_scores(const Fmt *f, const Ctx *c, const float *q, int64_t n, float *out) {
-    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb, S = nb * bs;
-    float buf[MAX_HEAD_DIM];
-    if (D > MAX_HEAD_DIM) return -1;
+    if (D > MAX_HEAD_DIM || out_rows < nb * bs) return -1;
     for (int64_t b = 0; b < c->batch; b++)
         for (int64_t h = 0; h < H; h++) {
-            const float *qb = q + (b * H + h) * n * D;
-            float *ob = out + (b * H + h) * n * S;
-            for (int64_t j = 0; j < nb; j++)
-                for (int64_t t = 0; t < bs; t++) {
-                    const int64_t s = j * bs + t;
-                    const float *r = get_row(f, c, b, h, j, t, buf);
-                    for (int64_t i = 0; i < n; i++) {
-                        float acc = 0.0f;
-                        if (r) {
-                            const float *qi = qb + i * D;
-                            for (int64_t d = 0; d < D; d++) acc += qi[d] * r[d];
-                        }
-                        ob[i * S + s] = acc;
-                    }
-                }
+            float *o = out + (b * H + h) * out_rows * D;
+            for (int64_t j = 0; j < nb; j++) {
+                if (j < c->held[b]) decode_block(f, c, b, h, j, o + j * bs * D);
+                else memset(o + j * bs * D, 0, (size_t)(bs * D) * sizeof(float));
+            }
         }
     return 0;
 }
-
-int64_t trtkv_wsum(const Fmt *f, const Ctx *c, const float *p, int64_t n, float *out) {
-    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb, S = nb * bs;
-    float buf[MAX_HEAD_DIM];
-    if (D > MAX_HEAD_DIM) return -1;
-    for (int64_t b = 0; b < c->batch; b++)
-        for (int64_t h = 0; h < H; h++) {
-            const float *pb = p + (b * H + h) * n * S;
-            float *ob = out + (b * H + h) * n * D;
-            memset(ob, 0, (size_t)(n * D) * sizeof(float));
-            for (int64_t j = 0; j < nb && j < c->held[b]; j++)
-                for (int64_t t = 0; t < bs; t++) {
-                    const int64_t s = j * bs + t;
-                    int any = 0;
-                    for (int64_t i = 0; i < n; i++) any |= pb[i * S + s] != 0.0f;
-                    if (!any) continue;  /* masked (a window, a causal edge): the row is not read */
-                    const float *r = get_row(f, c, b, h, j, t, buf);
-                    for (int64_t i = 0; i < n; i++) {
-                        const float w = pb[i * S + s];
-                        float *oi = ob + i * D;
-                        for (int64_t d = 0; d < D; d++) oi[d] += w * r[d];
-                    }
-                }
-        }
-    return 0;
-}
-
-typedef struct {
-    int64_t n;                   /* queries per KV head (the GQA group) */
-    const float *q, *qf;         /* [B, H, n, D]: model space (open rows, new row), folded into stored space (sealed) */
-    const float *new_k, *new_v;  /* [B, H, D] this step's row, model space */
-    const half *k_tail, *v_tail; /* [slots, H, tail_rows, D] the open blocks (model space) */
-    int64_t tail_rows;
-    const int64_t *slot;         /* [B] */
-    const int64_t *open_len;     /* [B] rows of the open block */
-    const int64_t *q_pos;        /* [B] the new token's position */
-    const int64_t *first_pos;    /* [B] position of sealed column 0, row 0 (a window ring's first block) */
-    const int64_t *open_pos;     /* [B] position of open row 0 */
-    int64_t sink_tokens;         /* rows of column 0 read from the tail's sink rows (model space, like the open block) */
-    const uint8_t *sink_ok;      /* [B] which sequences read them (NULL: every one) */
-    int64_t window;              /* 0: none; else keys at pos <= q_pos - window are masked */
-    float scaling, softcap;      /* softcap 0: none */
-    float *out_sealed, *out_rest;/* [B, H, n, D] */
-} Decode;
 
 /* out[i, :] += sum_t p[i * ps + t] * rows[t, :] over ``m`` rows of D floats, for the n queries: d in chunks of 8, a
    register accumulator per (chunk, query), so the output is loaded and stored once per block instead of once per row. */
@@ -360,6 +242,24 @@ static inline void dots(float *restrict s, int64_t ss, const float *restrict q, 
         }
     }
 }
+
+typedef struct {
+    int64_t n;                   /* queries per KV head (the GQA group) */
+    const float *q, *qf;         /* [B, H, n, D]: model space (open rows, new row), folded into stored space (sealed) */
+    const float *new_k, *new_v;  /* [B, H, D] this step's row, model space */
+    const half *k_tail, *v_tail; /* [slots, H, tail_rows, D] the open blocks, then the sink rows (model space) */
+    int64_t tail_rows;
+    const int64_t *slot;         /* [B] */
+    const int64_t *open_len;     /* [B] rows of the open block */
+    const int64_t *q_pos;        /* [B] the new token's position */
+    const int64_t *first_pos;    /* [B] position of sealed column 0, row 0 (a window ring's first block) */
+    const int64_t *open_pos;     /* [B] position of open row 0 */
+    int64_t sink_tokens;         /* rows of column 0 read from the tail's sink rows (model space, like the open block) */
+    const uint8_t *sink_ok;      /* [B] which sequences read them (NULL: every one) */
+    int64_t window;              /* 0: none; else keys at pos <= q_pos - window are masked */
+    float scaling, softcap;      /* softcap 0: none */
+    float *out_sealed, *out_rest;/* [B, H, n, D] */
+} Decode;
 
 int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, nb = kc->nb, n = a->n, tr = a->tail_rows;

@@ -2,13 +2,13 @@
 
 The torch engine's attention on CPU spends its time on the many small tensor ops that gather, unpack and dequantize
 the sealed blocks of every sequence (``trtkv.runtime.torch_engine.context_kv``): a few per layer, each a pass over
-the batch's whole context. These three C functions walk each sequence's block table instead and decode each row once,
-by the storage dtype's own lookup tables (``DtypeTraits.plane_tables`` / ``byte_table``: one definition of every
-codec) and the format's scale granularity:
+the batch's whole context. These C functions walk each sequence's block table instead and decode each row once, by
+the storage dtype's own lookup tables (``DtypeTraits.plane_tables`` / ``byte_table``: one definition of every codec)
+and the format's scale granularity:
 
-* ``dequant``: the sealed rows as float32 ``[B, H, nb * bs, D]`` (stored channel space), for one torch matmul (prefill);
-* ``scores``: ``q . k`` of ``n`` queries per KV head against every sealed key, ``[B, H, n, nb * bs]`` (decode);
-* ``wsum``: ``sum_t p_t v_t`` of probabilities ``[B, H, n, nb * bs]`` over the sealed values, ``[B, H, n, D]``.
+* ``decode``: one new token per sequence, the whole attention in one call (decode steps);
+* ``dequant``: the sealed rows as float32 ``[B, H, rows, D]`` (stored channel space), with room after them for the
+  rows the caller adds, for one fused torch attention (prefill steps).
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
 12+ or clang 15+) for this CPU (``-march=native``) and cached under ``~/.cache/trtkv/cpu-kernels`` by a hash of the
@@ -108,10 +108,8 @@ def _library() -> ctypes.CDLL | str:
     lib = ctypes.CDLL(str(out))
     lib.trtkv_decode.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), ctypes.POINTER(_Ctx), ctypes.POINTER(_Decode)]
     lib.trtkv_decode.restype = _i64
-    for name, extra in (("trtkv_dequant", []), ("trtkv_scores", [_ptr, _i64]), ("trtkv_wsum", [_ptr, _i64])):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), *extra, _ptr]
-        fn.restype = _i64
+    lib.trtkv_dequant.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), _ptr, _i64]
+    lib.trtkv_dequant.restype = _i64
     return lib
 
 
@@ -202,34 +200,14 @@ def _check(rc: int) -> None:
         raise TrtkvError("trtkv's CPU attention kernel refused its arguments", "report this as a bug")
 
 
-def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None) -> torch.Tensor:
-    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, nb * bs, D]`` in stored space (zeros past ``held``)."""
+def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None, rows: int | None = None) -> torch.Tensor:
+    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, rows, D]`` in stored space: rows ``0 .. nb * bs - 1``
+    (zeros past ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill."""
     f = codec.fmt
     c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
-    out = torch.empty(c.batch, f.num_heads, nb * f.block_size, f.head_dim, dtype=torch.float32)
-    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr()))
-    return out
-
-
-def scores(codec: RowCodec, pool, tables, held, nb: int, q: torch.Tensor, sink=None, sink_ok=None) -> torch.Tensor:
-    """``q [B, H, n, D] . k`` over the sealed keys: float32 ``[B, H, n, nb * bs]`` (0 past ``held``)."""
-    f = codec.fmt
-    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
-    q = q.float().contiguous()
-    n = q.shape[2]
-    out = torch.empty(c.batch, f.num_heads, n, nb * f.block_size, dtype=torch.float32)
-    _check(library().trtkv_scores(ctypes.byref(f), ctypes.byref(c), q.data_ptr(), n, out.data_ptr()))
-    return out
-
-
-def wsum(codec: RowCodec, pool, tables, held, nb: int, p: torch.Tensor, sink=None, sink_ok=None) -> torch.Tensor:
-    """``sum_t p_t v_t`` of ``p [B, H, n, nb * bs]`` over the sealed values: float32 ``[B, H, n, D]``."""
-    f = codec.fmt
-    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
-    p = p.float().contiguous()
-    n = p.shape[2]
-    out = torch.empty(c.batch, f.num_heads, n, f.head_dim, dtype=torch.float32)
-    _check(library().trtkv_wsum(ctypes.byref(f), ctypes.byref(c), p.data_ptr(), n, out.data_ptr()))
+    rows = nb * f.block_size if rows is None else rows
+    out = torch.empty(c.batch, f.num_heads, rows, f.head_dim, dtype=torch.float32)
+    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr(), rows))
     return out
 
 

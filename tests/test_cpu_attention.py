@@ -1,7 +1,7 @@
 """trtkv's CPU attention kernels (plugins/cpu_attention.c) against float64 references, and the torch engine's ``cpu``
 attention against its torch ops.
 
-* ``dequant`` / ``scores`` / ``wsum`` / ``decode`` against ``trtkv.quant.dequantize`` in float64 and a naive per-row
+* ``dequant`` / ``decode`` against ``trtkv.quant.dequantize`` in float64 and a naive per-row
   attention, for every storage dtype and scale granularity at odd sizes (head_dim 24, blocks of 5, 3 KV heads, GQA 3),
   permuted block tables, sequences holding 0 .. n blocks, NaN in every block no sequence owns (a read of one fails the
   test), sink rows, a sliding window, soft-capping and a window ring's first block;
@@ -28,7 +28,8 @@ from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.torch_engine import TorchEngine
 from trtkv.runtime.verify import StaticBatch
 
-pytestmark = pytest.mark.skipif(ca.unavailable() is not None, reason=f"CPU kernels unavailable: {ca.unavailable()}")
+# only a machine without any C compiler skips these; a compiler that fails on the source fails them
+pytestmark = pytest.mark.skipif(ca._compiler() is None, reason="no C compiler on this machine")
 
 H, D, BS, NB = 3, 24, 5, 13
 SPECS = [
@@ -95,7 +96,7 @@ def _tables(g, batch=3):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_dequant_scores_wsum_match_float64(spec):
+def test_dequant_matches_float64(spec):
     g = torch.Generator().manual_seed(7)
     fmt = _format(spec)
     lay = PagedKVLayout(fmt, H, D, BS, NB, 3)
@@ -113,10 +114,8 @@ def test_dequant_scores_wsum_match_float64(spec):
         codec = ca.RowCodec.of(tf, params, H, D, BS)
         got = ca.dequant(codec, pool, tables, held, nb)
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-        q = torch.randn(3, H, 7, D, generator=g)
-        torch.testing.assert_close(ca.scores(codec, pool, tables, held, nb, q).double(), q.double() @ want.transpose(-1, -2), rtol=1e-5, atol=1e-4)
-        p = torch.rand(3, H, 7, nb * BS, generator=g)
-        torch.testing.assert_close(ca.wsum(codec, pool, tables, held, nb, p).double(), p.double() @ want, rtol=1e-5, atol=1e-4)
+        roomy = ca.dequant(codec, pool, tables, held, nb, rows=nb * BS + 3)  # rows left after them for the caller
+        assert roomy.shape == (3, H, nb * BS + 3, D) and torch.equal(roomy[:, :, : nb * BS], got)
 
 
 def test_dequant_takes_sink_rows_where_told():
@@ -319,3 +318,8 @@ def test_refuses_a_non_cpu_pool():
 
 
 assert set(FAMILIES) >= {"mistral-sw", "qwen2-sw", "gemma2", "gemma3", "phi3", "qwen3"}
+
+
+def test_auto_takes_the_cpu_kernels_on_cpu(tiny_models):
+    _, model = tiny_models("llama")
+    assert TorchEngine(model, device="cpu").attention == "cpu"

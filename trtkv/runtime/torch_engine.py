@@ -583,15 +583,14 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
-FUSED_QUERIES = 16  # up to this many queries per KV head (decode: the GQA group) the C kernels compute q.k and p.v
-
-
 def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: int | None = None,
                    softcap: float | None = None) -> torch.Tensor:
-    """``_torch_attention`` with the sealed part read by trtkv's CPU kernels (``plugins/cpu_attention.c``) straight from
-    the pools: for a few queries per KV head (decode) the kernels compute the scores and the weighted sum; for more (a
-    prefill chunk) they dequantize the sealed rows once into ``[B, H, S, D]`` for one matmul each. The open block and
-    this step's rows, the mask, soft-cap and softmax are the torch path's."""
+    """The attention of ``_torch_attention`` with the sealed blocks read by trtkv's CPU kernels (``plugins/cpu_attention.c``)
+    straight from the pools. A decode step (one token per sequence) is one kernel call per layer (``_cpu_decode``). A
+    prefill chunk runs in the keys' / values' stored channel space: the kernels dequantize the sealed rows into one
+    buffer, the open block and this step's rows follow them there after the format's transforms (orthogonal / diagonal:
+    ``fold(q) . fwd(k) == q . k``), and one fused ``scaled_dot_product_attention`` (the explicit softmax for a
+    soft-capped model) with the step's mask gives the output, transformed back once."""
     B, Hq, T, D = q.shape
     H = k16.shape[1]
     G = Hq // H
@@ -601,27 +600,31 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
     qg = q.reshape(B, H, G * T, D)
     if T == 1:
         return _cpu_decode(st, layer, lay, qg, k16, v16, kp, vp, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
-    scores = qg @ _open_rows(st, layer, "k", k16).transpose(-1, -2)
-    S, n = st.sealed_max * st.cache.block_size, G * T
-    fused = n <= FUSED_QUERIES
-    if S:
-        kfmt, kpool = lay.tensor_format("k"), st.cache.pool(layer, "k")
-        read = (st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, kpool, kfmt, kp))
-        qf = _fold_query(qg, kfmt, kp)
-        sealed = cpu_attention.scores(kc, kpool, *read[:3], qf, *read[3:]) if fused else qf @ cpu_attention.dequant(kc, kpool, *read).transpose(-1, -2)
-        scores = torch.cat([sealed, scores], -1)
-    scores = scores * scaling
-    if softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask (as transformers does)
-        scores = torch.tanh(scores / softcap) * softcap
-    p = (scores + _mask_bias(st, window, G, scores.dtype)).softmax(-1)
-    out = p[..., S:] @ _open_rows(st, layer, "v", v16)
-    if S:
-        vfmt, vpool = lay.tensor_format("v"), st.cache.pool(layer, "v")
-        read = (st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, vpool, vfmt, vp))
-        ps = p[..., :S]
-        sealed = cpu_attention.wsum(vc, vpool, *read[:3], ps, *read[3:]) if fused else ps @ cpu_attention.dequant(vc, vpool, *read)
-        out = out + inverse_transform(sealed, vfmt, vp, head_axis=-3)
-    return out.view(B, Hq, T, D).transpose(1, 2)
+    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
+    keys = _stored_context(st, layer, lay, "k", k16, kfmt, kp, kc)
+    values = _stored_context(st, layer, lay, "v", v16, vfmt, vp, vc)
+    qf = _fold_query(qg, kfmt, kp)
+    bias = _mask_bias(st, window, G, qg.dtype)
+    if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
+        scores = torch.tanh(qf @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
+        out = (scores + bias).softmax(-1) @ values
+    else:
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias, scale=scaling)
+    return inverse_transform(out, vfmt, vp, head_axis=-3).view(B, Hq, T, D).transpose(1, 2)
+
+
+def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, fmt, params, codec) -> torch.Tensor:
+    """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space, in the step mask's key order: the sealed rows
+    (the kernels; sink rows and stale rows as ``context_kv`` has them), the open block, this step's rows."""
+    pool = st.cache.pool(layer, which)
+    rest = forward_transform(_open_rows(st, layer, which, new_rows), fmt, params, head_axis=-3)
+    if not st.sealed_max:
+        return rest.contiguous()
+    S = st.sealed_max * st.cache.block_size
+    out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool, fmt, params),
+                                rows=S + rest.shape[2])
+    out[:, :, S:] = rest
+    return out
 
 
 def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
