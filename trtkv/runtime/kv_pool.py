@@ -150,9 +150,10 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def write_new_rows(self, batch: StepBatch, out: StepOutput) -> list[int]:
-        """Copy each sequence's new rows into its open block; seal open blocks that became full.
+        """Copy each sequence's new rows into its open block, sealing every open block that becomes full on the way
+        (a step across blocks -- an engine with ``cross_blocks`` -- fills and seals several, in order).
 
-        Returns the indices (into the batch) of the sequences whose open block was sealed.
+        Returns the indices (into the batch) of the sequences that sealed a block.
         """
         bs = self.block_size
         sealed: list[int] = []
@@ -162,21 +163,24 @@ class PagedKVCache:
         k_tail, v_tail = self.tensors["k_tail"], self.tensors["v_tail"]
         for b in range(batch.batch_size):
             c, n, s = ctx[b], new[b], slots[b]
-            off = c % bs
-            if off + n > bs:
-                raise TrtkvError(f"sequence {b}: {n} new rows at offset {off} cross a block of {bs}", "split steps at block boundaries")
-            # new_k [L, B, T, H, D] -> tail [L, S, H, bs, D]
-            k_tail[:, s, :, off : off + n] = out.new_k[:, b, :n].transpose(1, 2).to(k_tail.dtype)
-            v_tail[:, s, :, off : off + n] = out.new_v[:, b, :n].transpose(1, 2).to(v_tail.dtype)
-            if off + n == bs:
-                idx = c // bs
-                if idx >= batch.block_tables.shape[1] or int(batch.block_tables[b, idx]) < 0:
-                    raise TrtkvError(
-                        f"sequence {b} fills its open block at {c + n} tokens but its block table has no block at index {idx}",
-                        "allocate the block that receives the sealed block before the step",
-                    )
-                self.seal(s, int(batch.block_tables[b, idx]), idx)
-                sealed.append(b)
+            done = 0
+            while done < n:  # one piece per block the rows reach
+                off = (c + done) % bs
+                m = min(n - done, bs - off)
+                # new_k [L, B, T, H, D] -> tail [L, S, H, bs, D]
+                k_tail[:, s, :, off : off + m] = out.new_k[:, b, done : done + m].transpose(1, 2).to(k_tail.dtype)
+                v_tail[:, s, :, off : off + m] = out.new_v[:, b, done : done + m].transpose(1, 2).to(v_tail.dtype)
+                done += m
+                if off + m == bs:
+                    idx = (c + done) // bs - 1
+                    if idx >= batch.block_tables.shape[1] or int(batch.block_tables[b, idx]) < 0:
+                        raise TrtkvError(
+                            f"sequence {b} fills its open block at {c + done} tokens but its block table has no block at index {idx}",
+                            "allocate the block that receives the sealed block before the step",
+                        )
+                    self.seal(s, int(batch.block_tables[b, idx]), idx)
+                    if not sealed or sealed[-1] != b:
+                        sealed.append(b)
         return sealed
 
     def seal(self, slot: int, block: int, block_index: int) -> None:

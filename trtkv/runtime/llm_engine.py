@@ -97,6 +97,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
+            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block
+            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None,
         )
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()

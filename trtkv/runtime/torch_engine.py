@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trtkv.cache_layout import PagedKVLayout
+from trtkv.cache_layout import PagedKVLayout, sealing
 from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
-from trtkv.models import load_model
+from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
 from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import CPU_KERNELS, KERNEL_ATTENTION
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.lean import LeanDecoder
@@ -95,6 +95,11 @@ class _Step:
     sink_ok: torch.Tensor | None = None
     ring: "_Step | None" = None  # the view of this step the ringed (sliding) layers read, built once per step
     ring_table: torch.Tensor | None = None  # kernels: the ringed layers' logical block table (``_ring_table``)
+    # a step across blocks (``TorchEngine.cross_blocks``): the blocks it seals, quantized in the step for the later
+    # queries; ``in_step`` blocks per sequence at most, their rows gathered from [open block | step rows] by ``in_step_rows``
+    in_step: int = 0
+    in_step_rows: torch.Tensor | None = None  # [B, in_step * bs] column of [open_max + T] each in-step sealed row is
+    in_step_first: torch.Tensor | None = None  # [B] bool: the step seals the sequence's first block (its sink rows apply)
 
 
 def load_plan(m: EngineManifest, device: torch.device, dtype: str | None = None, *, kv_bytes: int = 0):
@@ -199,8 +204,15 @@ class TorchEngine(Engine):
             new_v=torch.empty(L, B, T, H, D, dtype=torch.float16, device=dev),
             valid=ar[None, :] < batch.new_lens[:, None],
         )
+        crossing = T > 1 and bool((batch.context_lens % cache.block_size + batch.new_lens > cache.block_size).any())
+        if crossing and not (self.cross_blocks and cache.ring is None):
+            raise TrtkvError(f"a step crosses a block boundary (block_size {cache.block_size}) and this engine ({self.attention} attention"
+                             f"{', a window ring' if cache.ring is not None else ''}) takes one block per step",
+                             "split prefills at block boundaries (trtkv.cache_layout.block_chunks)")
         if self.attention in ("torch", "cpu"):
             self._torch_masks(st)
+            if crossing:
+                self._in_step_masks(st)
         elif T > 1:
             st.cu_seqlens = F.pad(batch.new_lens.cumsum(0), (1, 0)).to(torch.int32)
         positions = batch.context_lens[:, None] + ar[None, :]
@@ -300,6 +312,48 @@ class TorchEngine(Engine):
                 b.context_lens[:, None] + torch.arange(T, device=dev)[None, :]]
         st.key_pos = torch.cat(keys, 1)
         st.query_pos = keys[2]
+
+    @property
+    def cross_blocks(self) -> bool:
+        """Whether a step may cross block boundaries (the scheduler then prefills a prompt in chunks of its token
+        budget): the CPU kernels' prefill seals the step's full blocks in the step, for a model without sliding layers
+        (whose windows the in-step mask does not take). The step's outputs are those of block-by-block steps."""
+        cfg = _text_config(self.model.config)
+        return self.attention == "cpu" and SLIDING_ATTENTION not in layer_types_of(cfg, cfg.num_hidden_layers)
+
+    def _in_step_masks(self, st: _Step) -> None:
+        """A step across blocks: the mask of ``_torch_masks`` grown by the blocks the step seals. Each query sees the
+        sealed blocks from before the step, the blocks the step seals before its own block *quantized* (as the seal
+        will store them; ``in_step`` more columns per block), and its own block in fp16 (the open rows only from the
+        step's first block, this step's rows of its block up to itself). Where the step seals a sequence's first
+        block, later queries read its first ``sink_tokens`` positions in fp16 (the sink rows) instead."""
+        b, bs, dev = st.batch, st.cache.block_size, self.device
+        B, T = b.input_ids.shape
+        ctx = b.context_lens
+        j0, opened = ctx // bs, ctx % bs
+        ar = torch.arange(T, device=dev)
+        jq = (ctx[:, None] + ar[None, :]) // bs  # [B, T] each query's block (and each new row's)
+        st.in_step = n = int(((ctx + b.new_lens - 1) // bs - j0).max())
+        S, O = st.sealed_max * bs, st.open_max
+        base = st.mask[:, 0]  # [B, T, S + O + T]
+        open_vis = base[:, :, S : S + O] & (jq == j0[:, None])[:, :, None]
+        new_vis = base[:, :, S + O :] & (jq[:, None, :] == jq[:, :, None])
+        blocks = j0[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n] the in-step sealed blocks
+        quant_vis = (blocks[:, None, :] < jq[:, :, None])[..., None].expand(B, T, n, bs).reshape(B, T, n * bs)
+        sink = st.cache.layout.sink_tokens
+        st.in_step_first = j0 == 0
+        if sink:  # a first block sealed in the step: positions < sink from the fp16 rows for the queries past it
+            later = (jq >= 1) & st.in_step_first[:, None]  # [B, T]
+            quant_vis = quant_vis.clone()
+            quant_vis[:, :, :sink] &= ~later[:, :, None]
+            pos_open = torch.arange(O, device=dev)
+            sink_open = pos_open[None, :] < opened.clamp(max=sink)[:, None]  # [B, O] open rows at positions < sink
+            open_vis = open_vis | (later[:, :, None] & sink_open[:, None, :] & base[:, :, S : S + O])
+            new_pos = ctx[:, None] + ar[None, :]  # [B, T]
+            new_vis = new_vis | (later[:, :, None] & (new_pos < sink)[:, None, :] & base[:, :, S + O :])
+        st.mask = torch.cat([base[:, :, :S], open_vis, new_vis, quant_vis], 2)[:, None]
+        rho = torch.arange(n * bs, device=dev)[None, :]  # in-step row -> its column of [open rows | step rows]
+        st.in_step_rows = torch.where(rho < opened[:, None], rho, O + rho - opened[:, None]).clamp(max=O + T - 1)
 
     def _ring_view(self, st: _Step) -> _Step:
         """The step as a ringed layer reads it: each sequence's sealed blocks from ``first_block`` (the first its window
@@ -617,7 +671,10 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space, in the step mask's key order: the sealed rows
     (the kernels; sink rows and stale rows as ``context_kv`` has them), the open block, this step's rows."""
     pool = st.cache.pool(layer, which)
-    rest = forward_transform(_open_rows(st, layer, which, new_rows), fmt, params, head_axis=-3)
+    model_rows = _open_rows(st, layer, which, new_rows)
+    rest = forward_transform(model_rows, fmt, params, head_axis=-3)
+    if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
+        rest = torch.cat([rest, _in_step_sealed(st, lay, model_rows, fmt, params)], 2)
     if not st.sealed_max:
         return rest.contiguous()
     S = st.sealed_max * st.cache.block_size
@@ -625,6 +682,24 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
                                 rows=S + rest.shape[2])
     out[:, :, S:] = rest
     return out
+
+
+def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
+    """``[B, H, in_step * bs, D]``: the blocks a step across blocks seals, from its open blocks' and new rows ``model_rows``
+    [B, H, open_max + T, D] (fp16 values), quantized and dequantized exactly as ``PagedKVCache.seal`` will store them
+    (``cache_layout.sealing``: a first block without its sink rows), in the stored channel space."""
+    B, H, _, D = model_rows.shape
+    n, bs = st.in_step, lay.block_size
+    rows = model_rows.gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))
+    blocks = rows.view(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
+    if lay.sink_tokens:
+        firsts = blocks.view(B, n, H, bs, D)[:, 0]
+        sealed_first = sealing(firsts, 0, lay.sink_tokens)[0]
+        blocks = blocks.view(B, n, H, bs, D).clone()
+        blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
+        blocks = blocks.view(B * n, H, bs, D)
+    x = dequantize(quantize_block(blocks, fmt, params, head_axis=-3), fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
+    return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 
 def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
