@@ -180,13 +180,37 @@ def test_a_chunk_runs_to_the_budget_and_reserves_every_block_it_fills():
     sched = _sched(budget=11)
     a, b = _seq(14), _seq(6, start=40)
     sched.add(a)
-    sched.add(b)
     out = _run(sched)
     assert [(c.seq, c.start, c.length) for c in out.prefill] == [(a, 0, 11)]  # the whole budget, across blocks 0-2
     assert len(a.block_table) == 2  # it fills blocks 0 and 1 (11 tokens of blocks of 4)
-    out = _run(sched)
-    assert [(c.seq, c.start, c.length) for c in out.prefill] == [(a, 11, 3), (b, 0, 6)]  # the rest, then b
+    sched.add(b)
+    out = _run(sched)  # a's last 3 and b want prefill chunks: 11 // 2 -> 4 tokens each at most
+    assert [(c.seq, c.start, c.length) for c in out.prefill] == [(a, 11, 3), (b, 0, 4)]
     assert len(a.block_table) == 3 and len(b.block_table) == 1
+
+
+@pytest.mark.parametrize("waiting, decodes, budget, want", [
+    (1, 0, 512, 512),  # one prompt: the whole budget
+    (8, 0, 512, 64),  # eight prompts: a block each (bs 64), like block-wise steps
+    (3, 0, 512, 128),  # 170 -> whole blocks
+    (2, 4, 516, 256),  # four decodes first
+    (20, 0, 512, 64),  # more prompts than slots: only the slots' worth count (8 slots): a block each, one at least
+])
+def test_the_budget_is_shared_by_the_prompts_that_want_it(waiting, decodes, budget, want):
+    bm = BlockManager(400, 8, 64, None)
+    sched = Scheduler(bm, max_num_batched_tokens=budget, max_step_tokens=64, cross_blocks=True)
+    for i in range(decodes):
+        s = _seq(3, start=10 * i + 1)
+        sched.add(s)
+    if decodes:
+        _run(sched)
+        for s in sched.running:
+            s.append_token(5, 0.0)  # one token pending each: decodes
+    for i in range(waiting):
+        sched.add(_seq(600, start=1000 + i))
+    out = sched.schedule()
+    assert {c.length for c in out.prefill} == {want} or (budget - decodes) // want < waiting
+    assert out.prefill[0].length == want
 
 
 def test_a_crossing_chunk_without_its_blocks_preempts_the_newest():

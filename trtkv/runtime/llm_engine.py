@@ -209,9 +209,8 @@ class LLMEngine:
         self.stats_counters["steps"] += 1
         self.stats_counters["peak_running"] = max(self.stats_counters["peak_running"], len(self.scheduler.running))
         logits: dict[int, torch.Tensor] = {}
-        for group in (out.prefill, out.decode):
-            for i in range(0, len(group), self.max_batch):
-                logits.update(self._run(group[i : i + self.max_batch]))
+        for batch in [*padded_batches(out.prefill, self.max_batch), *padded_batches(out.decode, self.max_batch)]:
+            logits.update(self._run(batch))
         self.scheduler.postprocess(out)
         return self._sample(out, logits)
 
@@ -363,6 +362,23 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.stats_counters,
         }
+
+
+PAD_LIMIT = 1.25  # a prefill batch is padded to its longest chunk: at most this many computed rows per real token
+
+
+def padded_batches(chunks: list[Chunk], max_batch: int) -> list[list[Chunk]]:
+    """The engine calls of a step's chunks: at most ``max_batch`` each, longest first, a new call whenever padding every
+    chunk to the call's longest would compute more than ``PAD_LIMIT`` rows per real token (a 2-token rest beside a
+    500-token chunk would double the step's work); chunks of one length (decodes, equal prefill chunks) share a call."""
+    out: list[list[Chunk]] = []
+    for c in sorted(chunks, key=lambda c: -c.length):
+        cur = out[-1] if out else None
+        if cur and len(cur) < max_batch and (len(cur) + 1) * cur[0].length <= PAD_LIMIT * (sum(x.length for x in cur) + c.length):
+            cur.append(c)
+        else:
+            out.append([c])
+    return out
 
 
 def usable_cores() -> int:

@@ -77,6 +77,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cross_blocks = cross_blocks  # the engine takes a chunk over several blocks (sealing them in the step)
         self.max_step_tokens = max_num_batched_tokens if cross_blocks else min(max_step_tokens or self.block_size, self.block_size)
+        self._share = self.max_step_tokens  # this step's most tokens per prefill chunk (``_prefill_share``)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
@@ -127,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._share = self._prefill_share(budget)
         order = sorted(self.running, key=lambda s: (s.in_prefill, self.running.index(s)))
         for seq in order:
             if budget <= 0:
@@ -142,8 +144,22 @@ class Scheduler:
             budget = self._admit(out, budget)
         return out
 
+    def _prefill_share(self, budget: int) -> int:
+        """The most tokens one prefill chunk takes this step. Across blocks: all of it for a single prompt, else the
+        budget left after the decodes split evenly (in whole blocks, one at least) over the sequences that want a chunk -- the running ones with
+        more than one token pending and the waiting ones the free slots could admit -- so that one prompt gets the
+        whole budget (one step instead of one per block) and many prompts get a block each, like block-wise steps
+        (a prefill over several blocks attends over its in-step blocks twice: fewer of them cost less)."""
+        if not self.cross_blocks:
+            return self.max_step_tokens
+        decodes = sum(1 for s in self.running if s.num_pending == 1)
+        wanting = sum(1 for s in self.running if s.num_pending > 1) + min(len(self.waiting), self.bm.num_free_slots)
+        if wanting <= 1:
+            return budget
+        return max(self.block_size, (budget - decodes) // wanting // self.block_size * self.block_size)
+
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
-        limit = min(self.max_step_tokens, budget)
+        limit = min(self.max_step_tokens, budget, self._share)
         return Chunk(seq, seq.num_cached, chunk_length(seq.num_cached, seq.num_pending, None if self.cross_blocks else self.block_size, limit))
 
     def _blocks_needed(self, chunk: Chunk) -> int:
