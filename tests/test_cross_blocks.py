@@ -312,3 +312,25 @@ def test_a_prefix_hit_over_blocks_sealed_across_gives_the_same_output(small_llam
     again = llm.generate([prompt], params)[0].new_token_ids
     assert llm.stats()["prefix_hit_tokens"] >= 48
     assert again == first
+
+
+def test_prefill_chunks_share_an_engine_call_only_when_padding_stays_small():
+    from trtkv.runtime.llm_engine import PAD_LIMIT, padded_batches
+    from trtkv.runtime.scheduler import Chunk
+
+    def chunks(*lengths):
+        return [Chunk(_seq(600, start=i * 700 + 1), 0, n) for i, n in enumerate(lengths)]
+
+    def shape(groups):
+        return [[c.length for c in g] for g in groups]
+
+    assert shape(padded_batches(chunks(2, 500), 8)) == [[500], [2]]  # padding 2 -> 500 would double the work
+    assert shape(padded_batches(chunks(64, 64, 64, 64), 8)) == [[64, 64, 64, 64]]
+    assert shape(padded_batches(chunks(64, 64, 64), 2)) == [[64, 64], [64]]  # max_batch
+    assert shape(padded_batches(chunks(100, 90, 10), 8)) == [[100, 90], [10]]  # 2 x 100 <= 1.25 x 190; 3 x 100 > 1.25 x 200
+    assert shape(padded_batches(chunks(1, 1, 1), 8)) == [[1, 1, 1]]  # decodes
+    for lengths in ([5, 3, 9, 9, 1, 40], [64] * 9 + [7], [300, 200, 100, 50]):
+        groups = padded_batches(chunks(*lengths), 4)
+        assert sorted(c.length for g in groups for c in g) == sorted(lengths)  # every chunk once
+        for g in groups:
+            assert len(g) <= 4 and len(g) * max(c.length for c in g) <= PAD_LIMIT * sum(c.length for c in g) or len(g) == 1
