@@ -133,6 +133,10 @@ class RowCodec:
     fmt: _Fmt
     keep: tuple
 
+    @property
+    def ref(self):
+        return ctypes.byref(self.fmt)
+
     @classmethod
     def of(cls, tf, params, num_heads: int, head_dim: int, block_size: int) -> "RowCodec":
         """For ``TensorFormat`` ``tf`` with its calibrated ``TensorParams`` (static scale) at these sizes."""
@@ -211,27 +215,24 @@ def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=Non
     return out
 
 
-@dataclass
 class DecodeStep:
-    """What every layer's ``decode`` call of one step shares, converted once per step (int64, contiguous): the block
-    tables and sealed blocks each sequence reads, its slot, open rows and positions (``first_pos``: of sealed column
-    0, row 0 -- a window ring's first block; ``open_pos``: of open row 0; ``q_pos``: of the new token)."""
+    """What every layer's ``decode`` call of one step shares, made once per step: the block tables and sealed blocks
+    each sequence reads, its slot, open rows and positions (``first_pos``: of sealed column 0, row 0 -- a window ring's
+    first block; ``open_pos``: of open row 0; ``q_pos``: of the new token), as int64 tensors and already in the C
+    argument structs, so that a layer's call only sets its own pointers (the Python side of a call was most of its
+    time)."""
 
-    tables: torch.Tensor
-    held: torch.Tensor
-    nb: int
-    slot: torch.Tensor
-    open_len: torch.Tensor
-    q_pos: torch.Tensor
-    first_pos: torch.Tensor
-    open_pos: torch.Tensor
-    sink_ok: torch.Tensor | None = None
-
-    @classmethod
-    def make(cls, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None) -> "DecodeStep":
+    def __init__(self, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None):
         i64 = lambda t: t.to(torch.int64).contiguous()
-        return cls(i64(tables), i64(held), nb, i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
-                   None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
+        self.tensors = (i64(tables), i64(held), i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
+                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
+        tables, held, slot, open_len, q_pos, first_pos, open_pos, sink_ok = self.tensors
+        self.batch = tables.shape[0]
+        self.kc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
+        self.vc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
+        self.args = _Decode(slot=_p(slot), open_len=_p(open_len), q_pos=_p(q_pos), first_pos=_p(first_pos), open_pos=_p(open_pos),
+                            sink_ok=_p(sink_ok))
+        self.refs = tuple(ctypes.byref(x) for x in (self.kc, self.vc, self.args))
 
 
 def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q: torch.Tensor, qf: torch.Tensor, new_k: torch.Tensor,
@@ -239,19 +240,18 @@ def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's attention per sequence: ``q`` / ``qf`` [B, H, n, D] (model space / keys' transforms folded in),
     this step's row ``new_k`` / ``new_v`` [B, H, D] (model space), the open blocks and the first ``sink_tokens`` rows of
-    the first block (for the sequences ``step.sink_ok`` names) from the pools' tails, the sealed blocks through the
-    block tables. Returns (the sealed values' part in stored space, the tails' and new row's part in model space),
+    the first block (for the sequences ``step``'s ``sink_ok`` names) from the pools' tails, the sealed blocks through
+    the block tables. Returns (the sealed values' part in stored space, the tails' and new row's part in model space),
     each [B, H, n, D]."""
     B, H, n, D = q.shape
-    q, qf, new_k, new_v = (t.float().contiguous() for t in (q, qf, new_k, new_v))
-    kc = _Ctx(data=_p(kpool.data), scale=_p(kpool.scale), zero=_p(kpool.zero), tables=_p(step.tables), cols=step.tables.shape[1], held=_p(step.held),
-              batch=B, nb=step.nb)
-    vc = _Ctx(data=_p(vpool.data), scale=_p(vpool.scale), zero=_p(vpool.zero), tables=_p(step.tables), cols=step.tables.shape[1], held=_p(step.held),
-              batch=B, nb=step.nb)
-    out_sealed = torch.empty(B, H, n, D, dtype=torch.float32)
-    out_rest = torch.empty(B, H, n, D, dtype=torch.float32)
-    a = _Decode(n=n, q=_p(q), qf=_p(qf), new_k=_p(new_k), new_v=_p(new_v), k_tail=_p(kpool.tail), v_tail=_p(vpool.tail), tail_rows=kpool.tail.shape[-2],
-                slot=_p(step.slot), open_len=_p(step.open_len), q_pos=_p(step.q_pos), first_pos=_p(step.first_pos), open_pos=_p(step.open_pos),
-                sink_tokens=sink_tokens, sink_ok=_p(step.sink_ok), window=int(window or 0), scaling=float(scaling), softcap=float(softcap or 0.0), out_sealed=_p(out_sealed), out_rest=_p(out_rest))
-    _check(library().trtkv_decode(ctypes.byref(kcodec.fmt), ctypes.byref(vcodec.fmt), ctypes.byref(kc), ctypes.byref(vc), ctypes.byref(a)))
-    return out_sealed, out_rest
+    q, qf, new_k, new_v = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (q, qf, new_k, new_v))
+    out = torch.empty(2, B, H, n, D, dtype=torch.float32)
+    kc, vc, a = step.kc, step.vc, step.args
+    kc.data, kc.scale, kc.zero = kpool.data.data_ptr(), _p(kpool.scale), _p(kpool.zero)
+    vc.data, vc.scale, vc.zero = vpool.data.data_ptr(), _p(vpool.scale), _p(vpool.zero)
+    a.n, a.q, a.qf, a.new_k, a.new_v = n, q.data_ptr(), qf.data_ptr(), new_k.data_ptr(), new_v.data_ptr()
+    a.k_tail, a.v_tail, a.tail_rows = kpool.tail.data_ptr(), vpool.tail.data_ptr(), kpool.tail.shape[-2]
+    a.sink_tokens, a.window, a.scaling, a.softcap = sink_tokens, int(window or 0), scaling, softcap or 0.0
+    a.out_sealed, a.out_rest = out.data_ptr(), out[1].data_ptr()
+    _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
+    return out[0], out[1]

@@ -197,7 +197,7 @@ def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
     open_len = torch.tensor([2, 4, 0])
     q_pos = (first + held) * BS + open_len
     sink_ok = first == 0
-    step = ca.DecodeStep.make(tables, held, nb, slots, open_len, q_pos, first * BS, (q_pos // BS) * BS, sink_ok)
+    step = ca.DecodeStep(tables, held, nb, slots, open_len, q_pos, first * BS, (q_pos // BS) * BS, sink_ok)
     n = 3
     q, qf = torch.randn(3, H, n, D, generator=g), torch.randn(3, H, n, D, generator=g)
     nk, nv = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)

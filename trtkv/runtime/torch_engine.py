@@ -707,7 +707,7 @@ def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp,
     b, bs = st.batch, st.cache.block_size
     if st.cpu_decode is None:
         sealed = b.context_lens // bs
-        st.cpu_decode = cpu_attention.DecodeStep.make(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
+        st.cpu_decode = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
                                                      b.context_lens, st.first_pos, sealed * bs, st.sink_ok)
     kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
     kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
