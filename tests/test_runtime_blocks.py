@@ -613,6 +613,16 @@ def test_admission_counts_cached_hit_blocks_it_takes_out_of_the_free_ones():
     assert out.prefill and big.block_table[0] == 0 and big.num_cached == 4 and pc.hit_tokens == 4
 
 
+def test_at_most_max_num_seqs_run_though_slots_are_free():
+    sched = Scheduler(BlockManager(20, 4, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [seq([i + 1, i + 2], 3) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [c.seq for c in out.prefill] == seqs[:2] and sched.running == seqs[:2] and list(sched.waiting) == seqs[2:]
+    assert sched.bm.num_free_slots == 2
+
+
 def test_requests_that_can_never_run_are_refused_when_added():
     sched = Scheduler(BlockManager(3, 2, 4), max_model_len=20)
     sched.add(seq(range(10), 6))  # (10 + 6 - 1) // 4 = 3 blocks: the whole pool (the last token is never cached)

@@ -160,6 +160,7 @@ def test_the_end_id_stops_without_being_emitted(tokenizer):
     llm = make(tokenizer, s)
     final, outs = run(llm, PROMPT, greedy(8), s)
     assert final.new_token_ids == [70, 71] and final.finish_reason == "stop" and outs[-1].new_token_ids == []
+    assert outs[-1].new_logprobs == [] and len([lp for o in outs for lp in o.new_logprobs]) == 2  # the end id has none
     assert llm.stats()["generated_tokens"] == 2 and llm.stats()["finished"] == 1
 
 
@@ -323,6 +324,10 @@ def test_a_duplicate_request_id_is_refused_and_abort_frees_it(tokenizer):
     st = llm.stats()
     assert st["aborted"] == 1 and st["running"] == 0 and st["slots_used"] == 0 and not llm.has_work()
     llm.add_request(PROMPT, greedy(2), "r1")  # the id is free again
+    while llm.has_work():
+        llm.step()
+    assert llm.requests == {}  # a finished request is forgotten: its id is free again too
+    llm.add_request(PROMPT, greedy(2), "r1")
 
 
 def test_stats_count_what_happened(tokenizer):
@@ -392,6 +397,13 @@ def loop_of(tokenizer):
     yield make_loop
     for loop in loops:
         loop.stop()
+
+
+def test_an_idle_loop_waits_instead_of_spinning(loop_of):
+    calls = []
+    loop_of(on_step=calls.append)
+    time.sleep(0.3)
+    assert len(calls) < 100  # idle_wait 5 ms: at most ~60 wake-ups, not a busy loop
 
 
 def test_a_loop_calls_back_per_step_and_the_last_is_final(loop_of):

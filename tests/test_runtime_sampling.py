@@ -149,6 +149,7 @@ def test_a_seed_gives_the_same_tokens_and_no_seed_fresh_ones():
     unseeded = {tuple(Sampler()(logits, p, [make_generator(None)])[0]) for _ in range(6)}
     assert len(unseeded) > 1
     assert torch.equal(torch.rand(5, generator=make_generator(7)), torch.rand(5, generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(torch.rand(5, generator=make_generator(0)), torch.rand(5, generator=torch.Generator().manual_seed(0)))  # 0 is a seed
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (2, 1.0), (5, 1.0), (0, 0.3), (0, 0.75), (3, 0.5), (7, 0.99), (100, 0.1)])
