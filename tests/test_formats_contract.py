@@ -362,6 +362,12 @@ def test_random_specs_round_trip():
     assert done == 300
 
 
+def test_spaces_around_spec_words_are_ignored():
+    assert parse_tensor_spec(" int4 : g8 : asym ") == parse_tensor_spec("int4:g8:asym")
+    assert parse_tensor_spec("int8::token:") == parse_tensor_spec("int8:token")
+    assert get_format("k= int8:token , v=fp16 ,block= 16").spec() == "k=int8:token:sym,v=fp16,block=16"
+
+
 @pytest.mark.parametrize("alias", ["fp8", "e4m3", "fp8_e4m3"])
 def test_fp8_aliases(alias):
     assert parse_tensor_spec(f"{alias}:tensor").dtype == "fp8_e4m3"
@@ -412,7 +418,7 @@ def test_every_parse_error_is_one_line_naming_the_problem(spec, words):
     with pytest.raises(TrtkvError) as info:
         get_format(spec)
     problem = info.value.problem
-    assert words in problem and "\n" not in str(info.value)
+    assert words in problem and "\n" not in str(info.value) and "Value error" not in problem
     if not problem.startswith(("unknown KV format", "KV format")):
         assert problem.startswith(f"invalid KV format {spec!r}: ")
     assert "preset" in info.value.fix or "add " in info.value.fix
@@ -428,8 +434,9 @@ def test_json_files(tmp_path):
     with pytest.raises(TrtkvError, match="invalid KV format"):
         get_format(str(p))
     p.write_text(json.dumps({"name": "x", "k": {"dtype": "int8"}, "v": {"dtype": "fp16"}}))
-    with pytest.raises(TrtkvError, match="k: Value error, int8 needs a scale granularity|k: int8 needs a scale granularity"):
+    with pytest.raises(TrtkvError) as info:
         get_format(str(p))
+    assert "k: int8 needs a scale granularity" in info.value.problem and "Value error" not in info.value.problem
     p.write_text(json.dumps({"name": "x", "v": {"dtype": "fp16"}}))
     with pytest.raises(TrtkvError, match="k: Field required") as info:
         get_format(str(p))
