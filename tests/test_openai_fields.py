@@ -73,6 +73,8 @@ class Reply:
     text: str | None = None  # a non-JSON body instead of ``json``
     events: list[dict] = field(default_factory=lambda: [{"text_output": "ab", "output_log_probs": [-0.1, -0.2]},
                                                         {"text_output": "c", "output_log_probs": [-0.3]}])
+    prefix: str = "data: "  # server-sent events may omit the space after "data:"
+    extra_lines: list[str] = field(default_factory=list)  # other lines of the stream (comments, event names)
 
 
 class ScriptedTriton:
@@ -104,8 +106,10 @@ class ScriptedTriton:
             return self._answer()
         resp = aiohttp_web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        for line in self.reply.extra_lines:
+            await resp.write(f"{line}\n".encode())
         for e in self.reply.events:
-            await resp.write(f"data: {json.dumps(e)}\n\n".encode())
+            await resp.write(f"{self.reply.prefix}{json.dumps(e)}\n\n".encode())
         await resp.write_eof()
         return resp
 
@@ -555,6 +559,13 @@ def test_a_streamed_chat_starts_with_the_role_and_ends_with_an_empty_delta(front
     ]
     n = len("[user]hi[assistant]")
     assert usage["object"] == "chat.completion.chunk" and usage["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+
+
+def test_event_lines_without_a_space_and_other_lines_are_read_as_sse(front):
+    front.triton.reply = Reply(prefix="data:", extra_lines=[": a comment", "event: message"])
+    _, lines, _ = front.complete(stream=True, stream_options={"include_usage": True})
+    *chunks, usage = events_of(lines)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc" and usage["usage"]["completion_tokens"] == 3
 
 
 def test_a_stream_with_no_events_still_finishes(front):

@@ -118,6 +118,11 @@ def test_each_input_becomes_its_sampling_param(inputs, params):
     assert parse(**inputs).params == params
 
 
+@pytest.mark.parametrize("text", [" ", "\n", " x ", "\t\tdef f():"])
+def test_a_prompt_is_taken_as_it_is_spaces_included(text):
+    assert parse(text_input=text).prompt == text
+
+
 def test_words_arrive_as_a_2d_batch_of_any_length():
     words = np.array([[b"a", b"bb", b"", b"ccc"]], dtype=object)
     assert parse(stop_words=words).params.stop_words == ["a", "bb", "ccc"]

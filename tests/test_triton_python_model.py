@@ -429,6 +429,24 @@ def test_metrics_are_pushed_at_most_every_interval_but_always_when_drained(pm, m
     assert gen.values[-1] == 7.0
 
 
+def test_each_step_offers_the_stats_to_the_metrics_without_forcing_a_push(pm):
+    m = model_with(pm, FakeLoop())
+    got = []
+    m._drain = None
+    m.metrics = SimpleNamespace(update=lambda stats, force=False: got.append((stats, force)))
+    m._on_step({"x": 1})
+    assert got == [({"x": 1}, False)]  # _Metrics.update decides when to push (its interval)
+
+    def broken(stats, force=False):
+        raise RuntimeError("gauge gone")
+
+    m.metrics = SimpleNamespace(update=broken)
+    m.logger = Log()
+    m._on_step({"x": 2})
+    assert m.metrics is None and m.logger.lines[-1][0] == "warn" and "disabled" in m.logger.lines[-1][1]
+    m._on_step({"x": 3})  # no metrics: nothing to do
+
+
 # ---------------------------------------------------------------- drain and finalize
 
 
