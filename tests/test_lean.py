@@ -126,3 +126,15 @@ def test_the_runtime_sets_the_threads_per_step(small_llama, tokenizer, monkeypat
     P = RuntimeConfig.PREFILL_STEP_TOKENS
     assert seen and all(threads == (3 if tokens >= P else 2) for tokens, threads in seen), seen
     assert {threads for _, threads in seen} == {2, 3}
+
+
+def test_the_engine_line_says_how_it_runs(small_llama, tokenizer):
+    from test_runtime_faults import make_llm
+
+    llm = make_llm(small_llama, tokenizer, "int8")
+    llm.cores = 4
+    line = llm.describe_engine()
+    assert line.startswith("torch engine on cpu") and "threads 4 for prefill steps, 3 for decode" in line
+    assert "steps across blocks" not in line  # the reference engine takes one block per step
+    llm.config = llm.config.replace(cpu_threads=2)
+    assert "threads 2" in llm.describe_engine()

@@ -336,6 +336,22 @@ class LLMEngine:
         return (f"{self.budget.describe()}; sliding layers ({len(ring.layers)} of {self.cache.num_layers}, window {ring.window}) keep a ring "
                 f"of {ring.ring_blocks} blocks per slot, prefix caching {'on' if self.prefix_caching else 'off'}")
 
+    def describe_engine(self) -> str:
+        """How the engine runs (the server's start line): backend, device, attention, forward, steps, CPU threads."""
+        e = self.engine
+        parts = [f"{getattr(e, 'name', type(e).__name__)} engine on {getattr(e, 'device', 'cpu')}"]
+        if getattr(e, "attention", None):
+            parts.append(f"attention {e.attention}" + (" (trtkv's C kernels)" if e.attention == "cpu" else ""))
+        if getattr(e, "lean", None) is not None:
+            parts.append("lean forward")
+        if self.scheduler.cross_blocks:
+            parts.append("steps across blocks")
+        if self.cores is not None:
+            c = self.config
+            parts.append(f"threads {c.cpu_threads}" if c.cpu_threads else
+                         f"threads {c.step_threads(c.PREFILL_STEP_TOKENS, self.cores)} for prefill steps, {c.step_threads(1, self.cores)} for decode")
+        return ", ".join(parts)
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
