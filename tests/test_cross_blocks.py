@@ -334,3 +334,55 @@ def test_prefill_chunks_share_an_engine_call_only_when_padding_stays_small():
         assert sorted(c.length for g in groups for c in g) == sorted(lengths)  # every chunk once
         for g in groups:
             assert len(g) <= 4 and len(g) * max(c.length for c in g) <= PAD_LIMIT * sum(c.length for c in g) or len(g) == 1
+
+
+@pytest.mark.parametrize("kv", ["int4", "int8", "fp8"])
+def test_rows_across_blocks_seal_the_codes_of_block_by_block_writes(llama, kv):
+    """write_new_rows over several blocks seals them with one quantization per layer: the same bytes as block by block
+    (sink rows of a first block included)."""
+    info, _ = llama
+    [fmt], _ = fit_formats([kv], info.head_dim)
+    fmt = fmt.with_block_size(4)
+    if fmt.sink_tokens:
+        fmt = fmt.model_copy(update={"sink_tokens": 1})
+    from trtkv.artifacts import LayerParams
+    from trtkv.quant import TensorParams
+    from trtkv.runtime.step import StepOutput
+
+    params = [LayerParams(TensorParams(scale=torch.tensor(0.07)), TensorParams(scale=torch.tensor(0.05)))] * info.num_layers
+    g = torch.Generator().manual_seed(3)
+    L, H, D = info.num_layers, info.num_kv_heads, info.head_dim
+    rows = [(torch.randn(L, 1, n, H, D, generator=g) * 2).half() for n in (11, 7)]  # two sequences: 11 tokens from 0, 7 from 2
+    caches = []
+    for cross in (False, True):
+        cache = PagedKVCache(PagedKVLayout(fmt, H, D, 4, 12, 2), L, params)
+        for b, (start, k) in enumerate(zip((0, 2), rows)):
+            pieces = [(start, k.shape[2])] if cross else [(p, e - p) for p, e in __import__("trtkv.cache_layout", fromlist=["block_chunks"]).block_chunks(start, k.shape[2], 4)]
+            if start and b == 1:  # sequence 1's first two tokens already in its open block
+                cache.write_new_rows(StepBatch.make([[0, 0]], [0], [[6, 7, 8]], [1]), StepOutput(None, k[:, :, :2] * 0 + 1, k[:, :, :2] * 0 - 1))
+            for p, n in pieces:
+                o = p - start
+                sb = StepBatch.make([[0] * n], [p], [[2, 9, 4] if b == 0 else [6, 7, 8]], [b])
+                cache.write_new_rows(sb, StepOutput(None, k[:, :, o : o + n], -k[:, :, o : o + n]))
+        caches.append(cache)
+    for name, t in caches[0].tensors.items():
+        assert torch.equal(caches[1].tensors[name], t), name
+
+
+def test_seal_rows_with_one_ring_block_twice_keeps_the_later(family):
+    """A window ring can map two blocks of one step to one ring block: sealed in order, the later one wins."""
+    d, _ = family("mistral-sw")
+    info = model_info(str(d))
+    [fmt], _ = fit_formats(["int8"], info.head_dim)
+    ring = WindowRing.of(info, 4)
+    g = torch.Generator().manual_seed(5)
+    L, H, D = info.num_layers, info.num_kv_heads, info.head_dim
+    blocks = [(torch.randn(L, H, 4, D, generator=g)).half() for _ in range(ring.ring_blocks + 1)]
+    together = PagedKVCache(PagedKVLayout(fmt.with_block_size(4), H, D, 4, 8, 1), L, ring=ring)
+    one_by_one = PagedKVCache(PagedKVLayout(fmt.with_block_size(4), H, D, 4, 8, 1), L, ring=ring)
+    items = [(0, i, i, k, -k) for i, k in enumerate(blocks)]  # index 0 and index ring_blocks share a ring block
+    together.seal_rows(items)
+    for item in items:
+        one_by_one.seal_rows([item])
+    for name, t in together.tensors.items():
+        assert torch.equal(one_by_one.tensors[name], t), name
