@@ -674,7 +674,7 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     model_rows = _open_rows(st, layer, which, new_rows)
     rest = forward_transform(model_rows, fmt, params, head_axis=-3)
     if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
-        rest = torch.cat([rest, _in_step_sealed(st, lay, model_rows, fmt, params)], 2)
+        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params)], 2)
     if not st.sealed_max:
         return rest.contiguous()
     S = st.sealed_max * st.cache.block_size
@@ -684,7 +684,7 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     return out
 
 
-def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
+def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
     """``[B, H, in_step * bs, D]``: the blocks a step across blocks seals, from its open blocks' and new rows ``model_rows``
     [B, H, open_max + T, D] (fp16 values), quantized and dequantized exactly as ``PagedKVCache.seal`` will store them
     (``cache_layout.sealing``: a first block without its sink rows), in the stored channel space."""
@@ -698,7 +698,10 @@ def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt
         blocks = blocks.view(B, n, H, bs, D).clone()
         blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
         blocks = blocks.view(B * n, H, bs, D)
-    x = dequantize(quantize_block(blocks, fmt, params, head_axis=-3), fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
+    codec = st.cache.seal_codec(layer, which)  # the pool's own seal: the C kernel where it takes the format
+    qt = cpu_attention.seal(codec, forward_transform(blocks, fmt, params, head_axis=-3)) if codec is not None else \
+        quantize_block(blocks, fmt, params, head_axis=-3)
+    x = dequantize(qt, fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 
