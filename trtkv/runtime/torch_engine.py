@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,8 +148,7 @@ class TorchEngine(Engine):
         self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype
         register_attention()
-        for cfg in {id(c): c for c in (model.config, _text_config(model.config))}.values():
-            cfg._attn_implementation = ATTN_NAME
+        self._configs = list({id(c): c for c in (model.config, _text_config(model.config))}.values())
         self._decoder = model.get_decoder()
         # the Llama family's layers in a fraction of the ops (runtime/lean.py); the others run transformers' modules
         self.lean = LeanDecoder(model, paged_attention) if lean and LeanDecoder.reason(model) is None else None
@@ -188,9 +188,22 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         B, T = batch.input_ids.shape
-        if self.cuda_graphs and T == 1 and B <= GRAPH_BUCKETS[-1]:
-            return self._graph_decode(batch, cache)
-        return self._step(batch, cache)
+        with self._paged_attention():
+            if self.cuda_graphs and T == 1 and B <= GRAPH_BUCKETS[-1]:
+                return self._graph_decode(batch, cache)
+            return self._step(batch, cache)
+
+    @contextmanager
+    def _paged_attention(self):
+        """The model's attention is trtkv's for the step only: the model stays usable by its owner between steps."""
+        before = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = ATTN_NAME
+        try:
+            yield
+        finally:
+            for c, b in zip(self._configs, before):
+                c._attn_implementation = b
 
     def _step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         dev = self.device
