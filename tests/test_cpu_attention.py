@@ -179,6 +179,11 @@ def _naive_decode(kref, vref, kpool, vpool, lay, tables, held, slots, open_len, 
     ("fp16", 0, 3.0, False),  # soft-capping
     ("k=int4:g8:asym,v=int3:bchannel:sym,block=5", 7, 2.0, True),  # a ring view: column 0 starts past block 0
     ("fp8", 0, 0.0, False),
+    # the scales folded into the query / the probabilities: static per channel keys and per head values; symmetric
+    # per-block-channel keys with value groups that carry zero-points; asymmetric per-block-channel values
+    ("k=int8:channel,v=int8:head", 0, 0.0, False),
+    ("k=int4:bchannel:sym,v=int8:g12:asym,block=5", 5, 0.0, False),
+    ("k=int3:bchannel:asym,v=int4:bchannel:asym,block=5", 0, 0.0, False),
 ])
 def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
     g = torch.Generator().manual_seed(11)
@@ -206,6 +211,16 @@ def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
                                    window, softcap, lay.sink_tokens, sink_ok)
     torch.testing.assert_close(got_s.double(), want_s, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_r.double(), want_r, rtol=1e-4, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("spec", ["int4", "k=int4:token:asym,v=int4:g8:sym", "int8"])
+def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
+    """A head dim of 72: two 32-channel passes of the vectorized int4 row decoder and a tail of 8 (the module's D of 24
+    takes the tail loop only), against float64, in the dequant and in the decode with its folded scales."""
+    monkeypatch.setitem(globals(), "D", 72)
+    test_dequant_matches_float64(spec)
+    test_decode_matches_a_naive_float64_attention(spec, 0, 0.0, False)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
