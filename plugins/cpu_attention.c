@@ -62,6 +62,10 @@ typedef struct {
     float offset;
     int64_t gran, groups;       /* GRAN_TOKEN: scale [NB, H, bs, groups] */
     const float *static_scale;  /* GRAN_STATIC: [H, D] */
+    /* the format's transforms (trtkv.quant.forward_transform: x / smooth, then @ rot), for a decode in model space:
+       NULL where the format has none */
+    const float *smooth;        /* [H, D] */
+    const float *rot;           /* [D, D] the Hadamard matrix */
 } Fmt;
 
 typedef struct {
@@ -308,6 +312,8 @@ typedef struct {
     int64_t window;              /* 0: none; else keys at pos <= q_pos - window are masked */
     float scaling, softcap;      /* softcap 0: none */
     float *out_sealed, *out_rest;/* [B, H, n, D] */
+    int64_t model_space;         /* 1: qf is not read -- the query is folded here by the keys' transforms -- and out_rest is the
+                                    whole output, the sealed part transformed back by the values' (out_sealed: scratch) */
 } Decode;
 
 /* Scratch of one decode call: a block of rows, the folded queries and the scaled probabilities of one block. */
@@ -317,7 +323,40 @@ typedef struct {
     float *acc;   /* [n, D] one block's unscaled value sums */
     float *ps;    /* [n, bs] the probabilities times one value group's scales */
     float *bias;  /* [n] the query times the block's key zero-points */
+    float *qf;    /* [n, D] the query folded by the keys' transforms (model_space) */
 } Scratch;
+
+/* qf[i] = (q[i] * smooth[h]) @ rot: fold(q) . fwd(k) = q . k for k's transforms (orthogonal rot, diagonal smooth). */
+static void fold_query(const Fmt *f, int64_t h, const float *restrict q, int64_t n, float *restrict qf) {
+    const int64_t D = f->head_dim;
+    for (int64_t i = 0; i < n; i++) {
+        float x[MAX_HEAD_DIM];
+        float *restrict o = qf + i * D;
+        for (int64_t d = 0; d < D; d++) x[d] = f->smooth ? q[i * D + d] * f->smooth[h * D + d] : q[i * D + d];
+        if (!f->rot) {
+            memcpy(o, x, (size_t)D * sizeof(float));
+            continue;
+        }
+        memset(o, 0, (size_t)D * sizeof(float));
+        for (int64_t d = 0; d < D; d++) {
+            const float c = x[d];
+            const float *restrict r = f->rot + d * D;
+            for (int64_t e = 0; e < D; e++) o[e] += c * r[e];
+        }
+    }
+}
+
+/* out[i] += (y[i] @ rot^T) * smooth[h]: the values' stored-space sums y back in model space (trtkv.quant.inverse_transform). */
+static void unfold_values(const Fmt *f, int64_t h, const float *restrict y, int64_t n, float *restrict out) {
+    const int64_t D = f->head_dim;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d++) {
+            float v;
+            if (f->rot) dots(&v, 1, y + i * D, f->rot + d * D, 1, 1, D);
+            else v = y[i * D + d];
+            out[i * D + d] += f->smooth ? v * f->smooth[h * D + d] : v;
+        }
+}
 
 /* s[i * ss + t] = qf[i] . key row t of column j, for its bs rows. The scale is folded into the query instead of applied
    to the rows (q . (c * s + z) = (q * s) . c + q . z): a per-block-channel or static key scale costs n * D multiplies per
@@ -400,10 +439,10 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
     const int64_t C = nb * bs + tr + 1;
     if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
     const int64_t rows = bs > tr ? bs : tr;
-    float *sc = malloc((size_t)(n * C + rows * D + 2 * n * D + n * bs + n) * sizeof(float));
+    float *sc = malloc((size_t)(n * C + rows * D + 3 * n * D + n * bs + n) * sizeof(float));
     if (!sc) return -2;
     Scratch w = {.blk = sc + n * C};
-    w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs;
+    w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs, w.qf = w.bias + n;
     float *blk = w.blk;  /* one block of decoded rows [bs, D] */
     for (int64_t b = 0; b < kc->batch; b++) {
         const int64_t held = kc->held[b] < nb ? kc->held[b] : nb, ol = a->open_len[b], qp = a->q_pos[b];
@@ -412,7 +451,8 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
         const int64_t lo = a->window ? qp - a->window + 1 : INT64_MIN;
         for (int64_t h = 0; h < H; h++) {
             const int64_t bh = b * H + h;
-            const float *q = a->q + bh * n * D, *qf = a->qf + bh * n * D;
+            const float *q = a->q + bh * n * D, *qf = a->model_space ? w.qf : a->qf + bh * n * D;
+            if (a->model_space) fold_query(kf, h, q, n, w.qf);
             const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
             const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
             const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
@@ -468,6 +508,7 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
                 accumulate(orest, sc, C, blk, sink, n, D);
             }
             accumulate(orest, sc + R, C, a->new_v + bh * D, 1, n, D);
+            if (a->model_space) unfold_values(vf, h, os, n, orest);
         }
     }
     free(sc);
