@@ -59,6 +59,11 @@ class ExecutionPath:
     head_dims: tuple[int, ...] | None = None  # None: any (or LIMITS)
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
+    # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
+    # (phase 1 lands them in eval and the reference paged cache; no engine path reads them yet)
+    codebooks: bool = False
+    outliers: bool = False
+    pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
 
     # ------------------------------------------------------------------ the questions
@@ -73,6 +78,14 @@ class ExecutionPath:
         if fmt.is_per_layer and not self.per_layer:
             return [Reason(f"KV format {fmt.name} stores each layer its own way, which only the torch engine reads "
                            "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
+        tensors = [t for f in fmt.layer_formats() for t in (f.k, f.v)]
+        lacks = [what for what, used, has in (("codebooks (nuq)", any(t.codebook for t in tensors), self.codebooks),
+                                              ("outlier lists (outN)", any(t.outliers for t in tensors), self.outliers),
+                                              ("keys before RoPE (prerope)", any(t.pre_rope for t in tensors), self.pre_rope))
+                 if used and not has]
+        if lacks:
+            return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet",
+                           "measure it with trtkv eval; serve int4 / int3-qs / int2-qs (or a --budget choice) meanwhile", "layout")]
         return []
 
     def size_reasons(self, block_size: int | None = None, head_dim: int | None = None) -> list[Reason]:
