@@ -613,3 +613,98 @@ def test_qsmooth_spec_word():
     for bad, match in (("k=int3:token:smooth:qsmooth,v=fp16", "give one"), ("k=fp16,v=int4:token:qsmooth", "for k=")):
         with pytest.raises(TrtkvError, match=match):
             get_format(bad)
+
+
+# --------------------------------------------------------------------------- keys stored before RoPE (prerope)
+
+
+def test_rope_table_is_the_models_and_rotate_inverts(tiny_model):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from trtkv.rope import RopeTable, rotate
+
+    _, model = tiny_model("llama")
+    table = RopeTable.of(model)
+    pos = torch.arange(3, 17)
+    cos, sin = table.rows(3, 14)
+    ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1), pos.unsqueeze(0))
+    torch.testing.assert_close(cos, ref_cos[0].float())
+    x = torch.randn(2, 14, 24, dtype=torch.float64)
+    want, _ = apply_rotary_pos_emb(x.unsqueeze(0), x.unsqueeze(0), ref_cos.double(), ref_sin.double(), unsqueeze_dim=0)
+    torch.testing.assert_close(rotate(x, cos.double(), sin.double()), want[0])
+    torch.testing.assert_close(rotate(rotate(x, cos.double(), sin.double()), cos.double(), sin.double(), inverse=True), x)
+    # a pair (c, c + D/2) turns by position * inv_freq[c]: the float64 angle
+    theta = pos.double()[:, None] * model.model.rotary_emb.inv_freq.double()[None]
+    torch.testing.assert_close(cos[:, :12].double(), theta.cos(), rtol=0, atol=1e-6)
+
+
+def test_rope_table_refuses_several_rotary_bases(tiny_model):
+    from trtkv.rope import RopeTable
+
+    _, model = tiny_model("gemma3")
+    with pytest.raises(TrtkvError, match="rotary"):
+        RopeTable.of(model)
+
+
+def test_prerope_block_matches_a_float64_loop():
+    """A prerope block: each row turned back by its position's angles (pairs c, c + D/2), quantized per channel over the
+    block, turned forward again."""
+    tf = _fmt("int4:bchannel:asym:prerope")
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, H, BS, D, generator=g, dtype=torch.float64)
+    inv_freq = 1.0 / 1000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    pos = torch.arange(7, 7 + BS, dtype=torch.float64)
+    ang = torch.cat([pos[:, None] * inv_freq] * 2, -1)  # [BS, D]
+    cos, sin = ang.cos(), ang.sin()
+    half = D // 2
+
+    def turn(v, sign):
+        out = v.clone()
+        for c in range(half):
+            a, b = v[..., c], v[..., c + half]
+            out[..., c] = a * cos[:, c] - sign * b * sin[:, c]
+            out[..., c + half] = b * cos[:, c] + sign * a * sin[:, c]
+        return out
+
+    pre = turn(x, -1.0)
+    mn, mx = pre.amin(-2, keepdim=True), pre.amax(-2, keepdim=True)
+    z, s = mn.half().double(), ((mx - mn) / 15).half().double()
+    deq = torch.round((pre - z) / s).clamp(0, 15) * s + z
+    ref = turn(deq, 1.0)
+    got = fake_quantize_block(x.float(), tf, rope=(cos.float(), sin.float())).double()
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
+    assert (fake_quantize_block(x.float(), _fmt("int4:bchannel:asym")).double() - got).abs().max() > 1e-3  # the frame matters
+    with pytest.raises(TrtkvError, match="before RoPE"):
+        quantize_block(x.float(), tf)
+
+
+def test_prerope_eval_cache_needs_the_rope_table():
+    from trtkv.kv_cache import QuantizedKVCache
+
+    with pytest.raises(TrtkvError, match="RoPE table"):
+        QuantizedKVCache(get_format("k=int4:bchannel:asym:prerope,v=fp16,block=4"), 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eval_forward_equals_paged_step_by_step_decode_with_prerope_keys(tiny_model, arch):
+    """Keys sealed before RoPE (the seal undoes it at the block's positions, the read applies it again) read the same
+    through the eval cache as through the reference paged cache decoding token by token; qsmooth factors ride along."""
+    from test_kv_cache import PagedReferenceCache
+
+    from trtkv.artifacts import LayerParams
+    from trtkv.evaluate import _forward, model_logits
+    from trtkv.rope import RopeTable
+
+    _, model = tiny_model(arch)
+    n_layers, kvh, hd = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    fmt = get_format("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out2,v=int3:g8:sym:hadamard,block=4,sink=1")
+    g = torch.Generator().manual_seed(22)
+    params = [LayerParams(k=TensorParams(smooth=torch.rand(kvh, hd, generator=g) + 0.5)) for _ in range(n_layers)]
+    ids = torch.randint(0, 320, (2, 14), generator=torch.Generator().manual_seed(23))
+    with torch.inference_mode():
+        teacher = model_logits(model, ids, fmt, params)
+        paged = PagedReferenceCache(fmt, n_layers, kvh, hd, batch=2, params=params, rope=RopeTable.of(model))
+        steps = torch.cat([_forward(model, ids[:, i : i + 1], paged) for i in range(14)], 1)
+        post = model_logits(model, ids, get_format("k=int3:bchannel:asym:qsmooth:hadamard:out2,v=int3:g8:sym:hadamard,block=4,sink=1"), params)
+    torch.testing.assert_close(steps, teacher, rtol=0, atol=1e-4)
+    assert (teacher - post).abs().max() > 5e-4  # quantizing before RoPE really is another cache

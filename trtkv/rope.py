@@ -38,12 +38,13 @@ class RopeTable:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RopeTable":
         """The table of a transformers causal LM whose layers share one ``rotary_emb`` (Llama, Mistral, Qwen2/3, Phi-3,
-        Gemma 2); refused for models with several (Gemma 3's local and global bases) or a partial rotary dimension."""
+        Gemma 2); refused for models with several (Gemma 3's local and global bases: a separate module, or one module
+        whose ``rope_type`` is keyed by layer type) or a partial rotary dimension."""
         base = model.get_decoder() if hasattr(model, "get_decoder") else model
         rotary = getattr(base, "rotary_emb", None)
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if rotary is None or hasattr(base, "rotary_emb_local"):
+        if rotary is None or hasattr(base, "rotary_emb_local") or isinstance(getattr(rotary, "rope_type", None), dict):
             raise TrtkvError(f"{type(model).__name__} has no single rotary embedding to store keys before RoPE with",
                              "use a format without prerope for this model")
         cos, _ = rotary(torch.zeros(1, dtype=torch.float32), torch.zeros(1, 1, dtype=torch.long))
