@@ -421,7 +421,7 @@ def run_bench(args, server: Server, kind: str, out_dir: Path, tag: str, *, concu
     vllm = str(args.vllm_venv / "bin" / "vllm")
     fname = f"{server.name}-{tag}.json"
     cmd = bench_command(vllm, server.url, SERVED_NAME, args.vllm_model, out_dir, fname, concurrency=concurrency, num_prompts=num_prompts,
-                        input_len=input_len, output_len=output_len, seed=args.seed)
+                        input_len=input_len, output_len=output_len, seed=args.seed + concurrency)
     env = {**{k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     before = load_avg()
     print(f"[{server.name}] {tag}: {concurrency} streams, {num_prompts} prompts of {input_len} tokens, {output_len} new ...", flush=True)

@@ -50,7 +50,8 @@ def _format_cell(p: ExecutionPath, spec: str, mse: str | None) -> str:
 def _sizes(p: ExecutionPath) -> tuple[str, str]:
     if p.kernels:
         return (f"2^n, {LIMITS.block_size_min}–{LIMITS.block_size_max}", f"2^n, {LIMITS.head_dim_min}–{LIMITS.head_dim_max}")
-    return (", ".join(map(str, p.block_sizes)) if p.block_sizes else "any", ", ".join(map(str, p.head_dims)) if p.head_dims else "any")
+    heads = ", ".join(map(str, p.head_dims)) if p.head_dims else (f"any up to {p.head_dim_max}" if p.head_dim_max else "any")
+    return (", ".join(map(str, p.block_sizes)) if p.block_sizes else "any", heads)
 
 
 def table() -> str:

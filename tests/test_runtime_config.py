@@ -28,6 +28,7 @@ CHANGED = {
     "max_seqs": 7,
     "max_batched_tokens": 33,
     "backend": "torch",
+    "cpu_threads": 3,
     "device": "cpu",
     "enable_prefix_caching": False,
     "free_window_blocks": False,
@@ -75,6 +76,7 @@ def test_every_engine_backend_is_accepted():
     ("kv_memory_fraction", 0.0, "--kv-fraction"),
     ("kv_memory_fraction", 1.01, "--kv-fraction"),
     ("backend", "trt", "--backend"),
+    ("cpu_threads", 0, "--cpu-threads"),
     ("device", "tpu", None),
     ("max_seqs", "8", "--max-seqs"),  # strict: the old config.pbtxt strings are refused, not coerced
     ("enable_prefix_caching", "1", "--prefix-cache"),
@@ -293,7 +295,7 @@ def test_triton_repo_cli_writes_the_json_and_no_runtime_strings(tiny_model, tmp_
     engine = build_engine(str(model_dir), None, "int8", tmp_path / "eng", backend="torch", block_size=16, max_batch=2, max_seq_len=64)
     out = runner.invoke(app, ["triton-repo", str(engine), "--out", str(tmp_path / "repo"), "--instance-kind", "cpu", "--instances", "2",
                               "--kv-memory", "0.5", "--max-seqs", "7", "--max-batched-tokens", "33", "--backend", "torch", "--no-prefix-cache",
-                              "--keep-window-blocks", "--kv-fraction", "0.55"])
+                              "--keep-window-blocks", "--kv-fraction", "0.55", "--cpu-threads", "3"])
     assert out.exit_code == 0, out.output
     got = RuntimeConfig.load(tmp_path / "repo" / "ensemble" / "1" / RUNTIME_CONFIG)
     assert got == RuntimeConfig(**{**CHANGED, "kv_memory_gib": 0.25})  # the 0.5 GiB split between 2 instances

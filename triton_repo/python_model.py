@@ -174,6 +174,7 @@ class TritonPythonModel:
         self.engine = LLMEngine.from_engine_dir(engine_dir, config)
         stats = self.engine.stats()
         self.logger.log_info(f"trtkv: {engine_dir} ({stats['kv_format']}): {self.engine.describe_cache()}")
+        self.logger.log_info(f"trtkv: {self.engine.describe_engine()}")
         self.metrics = None
         try:
             self.metrics = _Metrics(self.engine.manifest.kv_format.name, args.get("model_instance_name", ""))

@@ -396,10 +396,7 @@ def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
     except (TypeError, ValueError, KeyError) as e:
         raise TrtkvError(f"{where}: transformers rejects the config ({type(e).__name__}: {str(e)[:160]})", "fix config.json or re-save the model") from None
     window = getattr(conf, "sliding_window", None)
-    types = getattr(conf, "layer_types", None)
-    if types is None:  # transformers' rule (cache_utils.get_layer_types_and_kwargs): a window makes every layer local
-        types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * num_layers
-    types = tuple(types)
+    types = layer_types_of(conf, num_layers)
     unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
     if unknown or len(types) != num_layers:
         raise TrtkvError(
@@ -413,6 +410,15 @@ def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
     rp = getattr(conf, "rope_parameters", None) or {}
     thetas = {t: float(p["rope_theta"]) for t, p in rp.items() if t in set(types) and isinstance(p, dict) and "rope_theta" in p}
     return dict(layer_types=types, sliding_window=window, rope_thetas=thetas)
+
+
+def layer_types_of(conf, num_layers: int) -> tuple[str, ...]:
+    """A transformers config's layer types: its ``layer_types``, else transformers' rule
+    (cache_utils.get_layer_types_and_kwargs): a ``sliding_window`` makes every layer local."""
+    types = getattr(conf, "layer_types", None)
+    if types is None:
+        types = [SLIDING_ATTENTION if getattr(conf, "sliding_window", None) is not None else FULL_ATTENTION] * num_layers
+    return tuple(types)
 
 
 def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:

@@ -3,7 +3,7 @@
 One object per execution path answers ``reasons(fmt, model, block_size, head_dim)``: why the path cannot run them
 (``[]`` when it can). Every argument but ``fmt`` may be None (not asked). The builder (``--attention`` and
 ``--backend`` checks, ``check_model``), the attention backends' ``reasons``, the torch engine's ``auto`` choice
-(``kernels_lack``), the pool's seal (``kv_pool.seal_with_kernels``) and the support matrix in README.md /
+(``kernels_lack``, ``cpu_kernels_lack``), the pool's seal (``kv_pool.seal_with_kernels``) and the support matrix in README.md /
 docs/architecture.md (``docs/gen_support_matrix.py``) all read this table; nothing else decides what runs where.
 
 It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer: the core's formats and model info are all
@@ -57,6 +57,7 @@ class ExecutionPath:
     attention_op: bool = False  # the kernels as the step network's attention ops: storage dtypes only (the pool seals)
     block_sizes: tuple[int, ...] | None = None  # None: any (or LIMITS)
     head_dims: tuple[int, ...] | None = None  # None: any (or LIMITS)
+    head_dim_max: int | None = None  # None: no bound
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
     # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
@@ -100,6 +101,9 @@ class ExecutionPath:
         if self.block_sizes is not None and block_size is not None and block_size not in self.block_sizes:
             out.append(Reason(f"{self.name} attention supports block sizes {list(self.block_sizes)}, not {block_size}",
                               "choose another --block-size", "size"))
+        if self.head_dim_max is not None and head_dim is not None and head_dim > self.head_dim_max:
+            out.append(Reason(f"{self.name} attention supports head dims up to {self.head_dim_max}, not {head_dim}",
+                              "use the torch ops (--attention torch)", "size"))
         if self.head_dims is not None and head_dim is not None and head_dim not in self.head_dims:
             out.append(Reason(f"{self.name} attention supports head dims {list(self.head_dims)}, not {head_dim}",
                               "choose another model or --attention", "size"))
@@ -170,6 +174,8 @@ TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attent
                              block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True)
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
+# trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables
+CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
 
 
@@ -180,7 +186,7 @@ def kernels_take(fmt) -> bool:
     return not KERNEL_SEAL.format_reasons(fmt)
 
 
-CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, KERNEL_ATTENTION, KERNEL_SEAL)}
+CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, CPU_KERNELS, KERNEL_ATTENTION, KERNEL_SEAL)}
 
 
 def backend_path(backend: str) -> ExecutionPath | None:

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block, sealing, store_blocks
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins.contract.capabilities import TORCH_OPS, seal_with_kernels
+from trtkv.quant import quantize_block
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
 
@@ -152,9 +153,10 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def write_new_rows(self, batch: StepBatch, out: StepOutput) -> list[int]:
-        """Copy each sequence's new rows into its open block; seal open blocks that became full.
+        """Copy each sequence's new rows into its open block, sealing every open block that becomes full on the way
+        (a step across blocks -- an engine with ``cross_blocks`` -- fills and seals several, in order).
 
-        Returns the indices (into the batch) of the sequences whose open block was sealed.
+        Returns the indices (into the batch) of the sequences that sealed a block.
         """
         bs = self.block_size
         sealed: list[int] = []
@@ -162,24 +164,58 @@ class PagedKVCache:
         new = batch.new_lens.tolist()
         slots = batch.slot_ids.tolist()
         k_tail, v_tail = self.tensors["k_tail"], self.tensors["v_tail"]
+        filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []  # blocks to seal: slot, pool block, index, rows
         for b in range(batch.batch_size):
             c, n, s = ctx[b], new[b], slots[b]
-            off = c % bs
-            if off + n > bs:
-                raise TrtkvError(f"sequence {b}: {n} new rows at offset {off} cross a block of {bs}", "split steps at block boundaries")
-            # new_k [L, B, T, H, D] -> tail [L, S, H, bs, D]
-            k_tail[:, s, :, off : off + n] = out.new_k[:, b, :n].transpose(1, 2).to(k_tail.dtype)
-            v_tail[:, s, :, off : off + n] = out.new_v[:, b, :n].transpose(1, 2).to(v_tail.dtype)
-            if off + n == bs:
-                idx = c // bs
-                if idx >= batch.block_tables.shape[1] or int(batch.block_tables[b, idx]) < 0:
-                    raise TrtkvError(
-                        f"sequence {b} fills its open block at {c + n} tokens but its block table has no block at index {idx}",
-                        "allocate the block that receives the sealed block before the step",
-                    )
-                self.seal(s, int(batch.block_tables[b, idx]), idx)
-                sealed.append(b)
+            done = 0
+            while done < n:  # one piece per block the rows reach
+                off = (c + done) % bs
+                m = min(n - done, bs - off)
+                # new_k [L, B, T, H, D] -> tail [L, S, H, bs, D]
+                k_tail[:, s, :, off : off + m] = out.new_k[:, b, done : done + m].transpose(1, 2).to(k_tail.dtype)
+                v_tail[:, s, :, off : off + m] = out.new_v[:, b, done : done + m].transpose(1, 2).to(v_tail.dtype)
+                done += m
+                if off + m == bs:
+                    idx = (c + done) // bs - 1
+                    if idx >= batch.block_tables.shape[1] or int(batch.block_tables[b, idx]) < 0:
+                        raise TrtkvError(
+                            f"sequence {b} fills its open block at {c + done} tokens but its block table has no block at index {idx}",
+                            "allocate the block that receives the sealed block before the step",
+                        )
+                    if self.seal_with_kernels:
+                        self.seal(s, int(batch.block_tables[b, idx]), idx)
+                    else:  # the block's rows as they are now (the next piece reuses the open block): sealed below, together
+                        filled.append((s, int(batch.block_tables[b, idx]), idx, k_tail[:, s, :, :bs].clone(), v_tail[:, s, :, :bs].clone()))
+                    if not sealed or sealed[-1] != b:
+                        sealed.append(b)
+        if filled:
+            self.seal_rows(filled)
         return sealed
+
+    def seal_rows(self, filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows
+        ``[L, H, block_size, D]`` fp16 as the open block held them -- with one quantization per layer and K / V for all
+        of them (the reference seal per block, ``seal_open_block``, costs one per block): the same codes, and a first
+        block's sink rows into its slot (``cache_layout.sealing``)."""
+        if len(filled) > 1 and any(len({self.seal_target(layer, s, blk, idx) for s, blk, idx, _, _ in filled}) < len(filled)
+                                   for layer in range(self.num_layers)):
+            for item in filled:  # one ring block twice: sealed in order, the later block wins
+                self.seal_rows([item])
+            return
+        sink = self.layout.sink_tokens
+        for layer in range(self.num_layers):
+            lay = self.layout_of(layer)
+            targets = torch.tensor([self.seal_target(layer, s, blk, idx) for s, blk, idx, _, _ in filled])
+            for w, which in enumerate(("k", "v")):
+                pool = self.pool(layer, which)
+                rows = torch.stack([f[3 + w][layer] for f in filled]).float()  # [n, H, bs, D]
+                for i, (s, _, idx, _, _) in enumerate(filled):
+                    quantized, sink_rows = sealing(rows[i], idx, sink)
+                    if sink_rows is not None:
+                        lay.sink_rows(pool.tail[s]).copy_(sink_rows)
+                        rows[i] = quantized
+                qt = quantize_block(rows, lay.tensor_format(which), getattr(self.params[layer], which), head_axis=-3)
+                store_blocks(pool.data, pool.scale, pool.zero, targets, qt.codes, qt.scale, qt.zero)
 
     def seal(self, slot: int, block: int, block_index: int) -> None:
         """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool

@@ -13,6 +13,7 @@ server drives it from one loop thread (``trtkv.runtime.engine_loop``).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,10 +97,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
+            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block
+            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None,
         )
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
+        # a CPU torch engine sets its torch threads per step (RuntimeConfig.step_threads); other engines keep theirs
+        self.cores = usable_cores() if getattr(engine, "name", "") == "torch" and torch.device(getattr(engine, "device", "cpu")).type == "cpu" else None
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
@@ -204,9 +209,8 @@ class LLMEngine:
         self.stats_counters["steps"] += 1
         self.stats_counters["peak_running"] = max(self.stats_counters["peak_running"], len(self.scheduler.running))
         logits: dict[int, torch.Tensor] = {}
-        for group in (out.prefill, out.decode):
-            for i in range(0, len(group), self.max_batch):
-                logits.update(self._run(group[i : i + self.max_batch]))
+        for batch in [*padded_batches(out.prefill, self.max_batch), *padded_batches(out.decode, self.max_batch)]:
+            logits.update(self._run(batch))
         self.scheduler.postprocess(out)
         return self._sample(out, logits)
 
@@ -219,6 +223,10 @@ class LLMEngine:
             block_tables=[c.seq.block_table for c in chunks],
             slot_ids=[c.seq.slot for c in chunks],
         )
+        if self.cores is not None:
+            threads = self.config.step_threads(sum(c.length for c in chunks), self.cores)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         result = self.engine.step(batch, self.cache)
         self.cache.write_new_rows(batch, result)
         logits = result.logits
@@ -328,6 +336,22 @@ class LLMEngine:
         return (f"{self.budget.describe()}; sliding layers ({len(ring.layers)} of {self.cache.num_layers}, window {ring.window}) keep a ring "
                 f"of {ring.ring_blocks} blocks per slot, prefix caching {'on' if self.prefix_caching else 'off'}")
 
+    def describe_engine(self) -> str:
+        """How the engine runs (the server's start line): backend, device, attention, forward, steps, CPU threads."""
+        e = self.engine
+        parts = [f"{getattr(e, 'name', type(e).__name__)} engine on {getattr(e, 'device', 'cpu')}"]
+        if getattr(e, "attention", None):
+            parts.append(f"attention {e.attention}" + (" (trtkv's C kernels)" if e.attention == "cpu" else ""))
+        if getattr(e, "lean", None) is not None:
+            parts.append("lean forward")
+        if self.scheduler.cross_blocks:
+            parts.append("steps across blocks")
+        if self.cores is not None:
+            c = self.config
+            parts.append(f"threads {c.cpu_threads}" if c.cpu_threads else
+                         f"threads {c.step_threads(c.PREFILL_STEP_TOKENS, self.cores)} for prefill steps, {c.step_threads(1, self.cores)} for decode")
+        return ", ".join(parts)
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
@@ -354,6 +378,31 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.stats_counters,
         }
+
+
+PAD_LIMIT = 1.25  # a prefill batch is padded to its longest chunk: at most this many computed rows per real token
+
+
+def padded_batches(chunks: list[Chunk], max_batch: int) -> list[list[Chunk]]:
+    """The engine calls of a step's chunks: at most ``max_batch`` each, longest first, a new call whenever padding every
+    chunk to the call's longest would compute more than ``PAD_LIMIT`` rows per real token (a 2-token rest beside a
+    500-token chunk would double the step's work); chunks of one length (decodes, equal prefill chunks) share a call."""
+    out: list[list[Chunk]] = []
+    for c in sorted(chunks, key=lambda c: -c.length):
+        cur = out[-1] if out else None
+        if cur and len(cur) < max_batch and (len(cur) + 1) * cur[0].length <= PAD_LIMIT * (sum(x.length for x in cur) + c.length):
+            cur.append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset sets)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def prefix_salt(manifest, engine) -> str:

@@ -4,8 +4,10 @@ Policy, every step:
 
 1. **Running sequences first**, decodes before prefills, oldest first. Each gets one chunk of its
    pending tokens that ends at the next block boundary (an engine step never crosses one), at most
-   ``max_step_tokens`` and what is left of the step's token budget ``max_num_batched_tokens``.
-2. A chunk that fills the open block needs a pool block to seal into. If none is free the **newest**
+   ``max_step_tokens`` and what is left of the step's token budget ``max_num_batched_tokens``. With an
+   engine that takes chunks across blocks (``cross_blocks``: the torch engine on CPU, see
+   docs/kv-cache-format.md) a chunk runs to the budget instead, over as many blocks as it needs.
+2. A chunk that fills open blocks needs a pool block for each to seal into. If none is free the **newest**
    running sequence is preempted (recompute: its blocks and slot are freed, it goes back to the
    front of the queue and later prefills prompt + output again); if that is the sequence itself, it
    waits.
@@ -67,12 +69,15 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         max_step_tokens: int | None = None,
         max_model_len: int | None = None,
+        cross_blocks: bool = False,
     ):
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = min(max_num_seqs or block_manager.num_slots, block_manager.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_step_tokens = min(max_step_tokens or self.block_size, self.block_size)
+        self.cross_blocks = cross_blocks  # the engine takes a chunk over several blocks (sealing them in the step)
+        self.max_step_tokens = max_num_batched_tokens if cross_blocks else min(max_step_tokens or self.block_size, self.block_size)
+        self._share = self.max_step_tokens  # this step's most tokens per prefill chunk (``_prefill_share``)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
@@ -123,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._share = self._prefill_share(budget)
         order = sorted(self.running, key=lambda s: (s.in_prefill, self.running.index(s)))
         for seq in order:
             if budget <= 0:
@@ -138,19 +144,34 @@ class Scheduler:
             budget = self._admit(out, budget)
         return out
 
-    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
-        limit = min(self.max_step_tokens, budget)
-        return Chunk(seq, seq.num_cached, chunk_length(seq.num_cached, seq.num_pending, self.block_size, limit))
+    def _prefill_share(self, budget: int) -> int:
+        """The most tokens one prefill chunk takes this step. Across blocks: all of it for a single prompt, else the
+        budget left after the decodes split evenly (in whole blocks, one at least) over the sequences that want a chunk -- the running ones with
+        more than one token pending and the waiting ones the free slots could admit -- so that one prompt gets the
+        whole budget (one step instead of one per block) and many prompts get a block each, like block-wise steps
+        (a prefill over several blocks attends over its in-step blocks twice: fewer of them cost less)."""
+        if not self.cross_blocks:
+            return self.max_step_tokens
+        decodes = sum(1 for s in self.running if s.num_pending == 1)
+        wanting = sum(1 for s in self.running if s.num_pending > 1) + min(len(self.waiting), self.bm.num_free_slots)
+        if wanting <= 1:
+            return budget
+        return max(self.block_size, (budget - decodes) // wanting // self.block_size * self.block_size)
 
-    def _needs_block(self, chunk: Chunk) -> bool:
-        end = chunk.start + chunk.length
-        return end % self.block_size == 0 and len(chunk.seq.block_table) < end // self.block_size
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+        limit = min(self.max_step_tokens, budget, self._share)
+        return Chunk(seq, seq.num_cached, chunk_length(seq.num_cached, seq.num_pending, None if self.cross_blocks else self.block_size, limit))
+
+    def _blocks_needed(self, chunk: Chunk) -> int:
+        """Pool blocks ``chunk`` seals into that its sequence does not hold yet (0 or 1 unless chunks cross blocks)."""
+        return max(0, (chunk.start + chunk.length) // self.block_size - len(chunk.seq.block_table))
 
     def _reserve_block(self, seq: Sequence, chunk: Chunk, out: SchedulerOutput) -> bool:
-        """Allocate the block ``chunk`` seals into, preempting the newest sequences if needed."""
-        if not self._needs_block(chunk):
+        """Allocate the blocks ``chunk`` seals into, preempting the newest sequences if needed."""
+        need = self._blocks_needed(chunk)
+        if not need:
             return True
-        while not self.bm.can_append():
+        while not self.bm.can_append(need):
             victim = self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim)
@@ -158,7 +179,8 @@ class Scheduler:
                 lst[:] = [c for c in lst if c.seq is not victim]
             if victim is seq:
                 return False
-        self.bm.append_block(seq)
+        for _ in range(need):
+            self.bm.append_block(seq)
         return True
 
     def preempt(self, seq: Sequence) -> None:
@@ -218,8 +240,19 @@ class Scheduler:
             if self.bm.prefix is None:
                 continue
             # a block is cached only if every step that filled it was a full one (PrefixCache: "Which blocks")
-            offset = chunk.start % self.block_size
-            full = chunk.length == min(self.max_step_tokens, self.block_size - offset)
-            seq.block_full_steps = full and (offset == 0 or seq.block_full_steps)
-            if end % self.block_size == 0 and seq.block_full_steps:
-                self.bm.prefix.register(seq, end // self.block_size - 1)
+            bs, offset = self.block_size, chunk.start % self.block_size
+            if not self.cross_blocks:
+                full = chunk.length == min(self.max_step_tokens, bs - offset)
+                seq.block_full_steps = full and (offset == 0 or seq.block_full_steps)
+                if end % bs == 0 and seq.block_full_steps:
+                    self.bm.prefix.register(seq, end // bs - 1)
+                continue
+            # a chunk across blocks fills the blocks after its first one whole; its first block counts when the chunk
+            # began it or the steps before were full ones; the block it ends in goes on as full when the token budget,
+            # not the prompt, ended the chunk
+            first = chunk.start // bs
+            for block in range(first, end // bs):
+                if block > first or offset == 0 or seq.block_full_steps:
+                    self.bm.prefix.register(seq, block)
+            began = end // bs > first or offset == 0 or seq.block_full_steps
+            seq.block_full_steps = seq.num_tokens > end and began

@@ -43,20 +43,21 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trtkv.cache_layout import PagedKVLayout
+from trtkv.cache_layout import PagedKVLayout, sealing
 from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
-from trtkv.models import load_model
-from trtkv.plugins import ops
-from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
+from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
+from trtkv.plugins import cpu_attention, ops
+from trtkv.plugins.contract.capabilities import CPU_KERNELS, KERNEL_ATTENTION
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
+from trtkv.runtime.lean import LeanDecoder
 from trtkv.runtime.step import StepBatch, StepOutput
 
 ATTN_NAME = "trtkv_paged"
 STEP_KWARG = "trtkv_step"  # the per-step context, passed through the model's **kwargs to the attention function
-ATTENTION_MODES = ("auto", "torch", "kernels")
+ATTENTION_MODES = ("auto", "torch", "cpu", "kernels")
 
 
 def _params_on(p: TensorParams, device: torch.device) -> TensorParams:
@@ -80,6 +81,9 @@ class _Step:
     kv_invalid: torch.Tensor | None = None  # its negation
     sealed_all_valid: bool = True  # every sequence has sealed_max sealed blocks (nothing to zero)
     sealed_max: int = 0
+    held: torch.Tensor | None = None  # [B] sealed blocks each sequence reads, from column 0 of its block table (torch / cpu)
+    first_pos: torch.Tensor | None = None  # [B] position of sealed column 0's first row (a ring view: its first block)
+    cpu_decode: "cpu_attention.DecodeStep | None" = None  # the CPU kernels' per-step arguments, made by the first layer
     open_max: int = 0
     cu_seqlens: torch.Tensor | None = None  # kernels, T > 1
     key_pos: torch.Tensor | None = None  # [B, C + T] positions of the mask's keys (torch attention)
@@ -91,6 +95,11 @@ class _Step:
     sink_ok: torch.Tensor | None = None
     ring: "_Step | None" = None  # the view of this step the ringed (sliding) layers read, built once per step
     ring_table: torch.Tensor | None = None  # kernels: the ringed layers' logical block table (``_ring_table``)
+    # a step across blocks (``TorchEngine.cross_blocks``): the blocks it seals, quantized in the step for the later
+    # queries; ``in_step`` blocks per sequence at most, their rows gathered from [open block | step rows] by ``in_step_rows``
+    in_step: int = 0
+    in_step_rows: torch.Tensor | None = None  # [B, in_step * bs] column of [open_max + T] each in-step sealed row is
+    in_step_first: torch.Tensor | None = None  # [B] bool: the step seals the sequence's first block (its sink rows apply)
 
 
 def load_plan(m: EngineManifest, device: torch.device, dtype: str | None = None, *, kv_bytes: int = 0):
@@ -115,20 +124,34 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model, manifest: EngineManifest | None = None, *, attention: str = "auto", device=None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, lean: bool = True):
         if attention not in ATTENTION_MODES:
             raise TrtkvError(f"unknown torch-engine attention {attention!r}", f"use one of {', '.join(ATTENTION_MODES)}")
         self.model = model.eval()
         self.manifest = manifest
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if attention == "auto":  # the kernels where they implement the model's attention and the engine's format, on CUDA
-            attention = "kernels" if self.device.type == "cuda" and not kernels_lack(model.config, manifest) else "torch"
+        if attention == "auto":  # the kernels where they implement the model's attention and the engine's format, on CUDA;
+            # on CPU trtkv's C kernels when this machine compiles them
+            if self.device.type == "cuda":
+                attention = "torch" if kernels_lack(model.config, manifest) else "kernels"
+            else:
+                attention = "torch" if cpu_attention.unavailable() or cpu_kernels_lack(manifest) else "cpu"
+        if attention == "cpu":
+            if self.device.type != "cpu":
+                raise TrtkvError(f"--attention cpu runs on the CPU, not on {self.device}", "use --attention kernels or torch on a GPU")
+            lack = cpu_kernels_lack(manifest)
+            if lack:
+                raise TrtkvError(f"trtkv's CPU attention kernels cannot run this engine: {lack}", "use --attention torch")
+            cpu_attention.library()  # one line saying why, when they cannot be built here
         self.attention = attention
+        self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype
         register_attention()
         for cfg in {id(c): c for c in (model.config, _text_config(model.config))}.values():
             cfg._attn_implementation = ATTN_NAME
         self._decoder = model.get_decoder()
+        # the Llama family's layers in a fraction of the ops (runtime/lean.py); the others run transformers' modules
+        self.lean = LeanDecoder(model, paged_attention) if lean and LeanDecoder.reason(model) is None else None
         self._head = model.get_output_embeddings()
         self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
@@ -181,13 +204,23 @@ class TorchEngine(Engine):
             new_v=torch.empty(L, B, T, H, D, dtype=torch.float16, device=dev),
             valid=ar[None, :] < batch.new_lens[:, None],
         )
-        if self.attention == "torch":
+        crossing = T > 1 and bool((batch.context_lens % cache.block_size + batch.new_lens > cache.block_size).any())
+        if crossing and not (self.cross_blocks and cache.ring is None):
+            raise TrtkvError(f"a step crosses a block boundary (block_size {cache.block_size}) and this engine ({self.attention} attention"
+                             f"{', a window ring' if cache.ring is not None else ''}) takes one block per step",
+                             "split prefills at block boundaries (trtkv.cache_layout.block_chunks)")
+        if self.attention in ("torch", "cpu"):
             self._torch_masks(st)
+            if crossing:
+                self._in_step_masks(st)
         elif T > 1:
             st.cu_seqlens = F.pad(batch.new_lens.cumsum(0), (1, 0)).to(torch.int32)
         positions = batch.context_lens[:, None] + ar[None, :]
-        out = self._decoder(input_ids=batch.input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: st})
-        hidden = out.last_hidden_state[torch.arange(B, device=dev), batch.new_lens - 1]
+        if self.lean is not None:
+            hidden = self.lean(batch.input_ids, positions, **{STEP_KWARG: st})
+        else:
+            hidden = self._decoder(input_ids=batch.input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: st}).last_hidden_state
+        hidden = hidden[torch.arange(B, device=dev), batch.new_lens - 1]
         logits = self._head(hidden).float()
         if self._final_softcap:  # Gemma 2: the causal-LM head caps its logits (the decoder + head bypass its forward)
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
@@ -240,6 +273,16 @@ class TorchEngine(Engine):
             self._params = {id(cache): got}
         return got[layer]
 
+    def layer_codecs(self, cache: PagedKVCache, layer: int) -> tuple:
+        """The CPU kernels' row codecs of ``layer``'s K and V (``cpu_attention.RowCodec``), made once per cache."""
+        got = self._codecs.get(id(cache))
+        if got is None:
+            lay = cache.layout
+            got = [tuple(cpu_attention.RowCodec.of(cache.layout_of(i).tensor_format(w), self.layer_params(cache, i)[j], lay.num_kv_heads,
+                                                   lay.head_dim, lay.block_size) for j, w in enumerate("kv")) for i in range(cache.num_layers)]
+            self._codecs = {id(cache): got}
+        return got[layer]
+
     def _torch_masks(self, st: _Step, first: torch.Tensor | None = None) -> None:
         """Key validity and the [B, 1, T, C + T] attention mask of the torch path (C: gathered context keys); ``first``
         [B]: the gathered sealed blocks start at each sequence's block ``first`` (a ring view), not block 0."""
@@ -248,6 +291,8 @@ class TorchEngine(Engine):
         opened = b.context_lens - sealed * bs
         held = sealed if first is None else sealed - first
         st.sealed_max, st.open_max = int(held.max()), int(opened.max())
+        st.held = held
+        st.first_pos = torch.zeros_like(held) if first is None else first * bs
         dev = self.device
         kv_valid = []
         if st.sealed_max:
@@ -267,6 +312,48 @@ class TorchEngine(Engine):
                 b.context_lens[:, None] + torch.arange(T, device=dev)[None, :]]
         st.key_pos = torch.cat(keys, 1)
         st.query_pos = keys[2]
+
+    @property
+    def cross_blocks(self) -> bool:
+        """Whether a step may cross block boundaries (the scheduler then prefills a prompt in chunks of its token
+        budget): the CPU kernels' prefill seals the step's full blocks in the step, for a model without sliding layers
+        (whose windows the in-step mask does not take). The step's outputs are those of block-by-block steps."""
+        cfg = _text_config(self.model.config)
+        return self.attention == "cpu" and SLIDING_ATTENTION not in layer_types_of(cfg, cfg.num_hidden_layers)
+
+    def _in_step_masks(self, st: _Step) -> None:
+        """A step across blocks: the mask of ``_torch_masks`` grown by the blocks the step seals. Each query sees the
+        sealed blocks from before the step, the blocks the step seals before its own block *quantized* (as the seal
+        will store them; ``in_step`` more columns per block), and its own block in fp16 (the open rows only from the
+        step's first block, this step's rows of its block up to itself). Where the step seals a sequence's first
+        block, later queries read its first ``sink_tokens`` positions in fp16 (the sink rows) instead."""
+        b, bs, dev = st.batch, st.cache.block_size, self.device
+        B, T = b.input_ids.shape
+        ctx = b.context_lens
+        j0, opened = ctx // bs, ctx % bs
+        ar = torch.arange(T, device=dev)
+        jq = (ctx[:, None] + ar[None, :]) // bs  # [B, T] each query's block (and each new row's)
+        st.in_step = n = int(((ctx + b.new_lens - 1) // bs - j0).max())
+        S, O = st.sealed_max * bs, st.open_max
+        base = st.mask[:, 0]  # [B, T, S + O + T]
+        open_vis = base[:, :, S : S + O] & (jq == j0[:, None])[:, :, None]
+        new_vis = base[:, :, S + O :] & (jq[:, None, :] == jq[:, :, None])
+        blocks = j0[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n] the in-step sealed blocks
+        quant_vis = (blocks[:, None, :] < jq[:, :, None])[..., None].expand(B, T, n, bs).reshape(B, T, n * bs)
+        sink = st.cache.layout.sink_tokens
+        st.in_step_first = j0 == 0
+        if sink:  # a first block sealed in the step: positions < sink from the fp16 rows for the queries past it
+            later = (jq >= 1) & st.in_step_first[:, None]  # [B, T]
+            quant_vis = quant_vis.clone()
+            quant_vis[:, :, :sink] &= ~later[:, :, None]
+            pos_open = torch.arange(O, device=dev)
+            sink_open = pos_open[None, :] < opened.clamp(max=sink)[:, None]  # [B, O] open rows at positions < sink
+            open_vis = open_vis | (later[:, :, None] & sink_open[:, None, :] & base[:, :, S : S + O])
+            new_pos = ctx[:, None] + ar[None, :]  # [B, T]
+            new_vis = new_vis | (later[:, :, None] & (new_pos < sink)[:, None, :] & base[:, :, S + O :])
+        st.mask = torch.cat([base[:, :, :S], open_vis, new_vis, quant_vis], 2)[:, None]
+        rho = torch.arange(n * bs, device=dev)[None, :]  # in-step row -> its column of [open rows | step rows]
+        st.in_step_rows = torch.where(rho < opened[:, None], rho, O + rho - opened[:, None]).clamp(max=O + T - 1)
 
     def _ring_view(self, st: _Step) -> _Step:
         """The step as a ringed layer reads it: each sequence's sealed blocks from ``first_block`` (the first its window
@@ -328,6 +415,14 @@ def kernels_lack(config, manifest: EngineManifest | None = None) -> str | None:
     if manifest is None:
         return None
     reasons = KERNEL_ATTENTION.reasons(manifest.kv_format, None, manifest.limits.block_size, manifest.model.head_dim)
+    return reasons[0] if reasons else None
+
+
+def cpu_kernels_lack(manifest: EngineManifest | None) -> str | None:
+    """What of the engine's KV format or sizes trtkv's CPU kernels do not take (the capability table's ``cpu`` row)."""
+    if manifest is None:
+        return None
+    reasons = CPU_KERNELS.reasons(manifest.kv_format, None, manifest.limits.block_size, manifest.model.head_dim)
     return reasons[0] if reasons else None
 
 
@@ -542,6 +637,93 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
     return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]
 
 
+def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """The attention of ``_torch_attention`` with the sealed blocks read by trtkv's CPU kernels (``plugins/cpu_attention.c``)
+    straight from the pools. A decode step (one token per sequence) is one kernel call per layer (``_cpu_decode``). A
+    prefill chunk runs in the keys' / values' stored channel space: the kernels dequantize the sealed rows into one
+    buffer, the open block and this step's rows follow them there after the format's transforms (orthogonal / diagonal:
+    ``fold(q) . fwd(k) == q . k``), and one fused ``scaled_dot_product_attention`` (the explicit softmax for a
+    soft-capped model) with the step's mask gives the output, transformed back once."""
+    B, Hq, T, D = q.shape
+    H = k16.shape[1]
+    G = Hq // H
+    lay = st.cache.layout_of(layer)
+    kp, vp = st.engine.layer_params(st.cache, layer)
+    kc, vc = st.engine.layer_codecs(st.cache, layer)
+    qg = q.reshape(B, H, G * T, D)
+    if T == 1:
+        return _cpu_decode(st, layer, lay, qg, k16, v16, kp, vp, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
+    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
+    keys = _stored_context(st, layer, lay, "k", k16, kfmt, kp, kc)
+    values = _stored_context(st, layer, lay, "v", v16, vfmt, vp, vc)
+    qf = _fold_query(qg, kfmt, kp)
+    bias = _mask_bias(st, window, G, qg.dtype)
+    if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
+        scores = torch.tanh(qf @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
+        out = (scores + bias).softmax(-1) @ values
+    else:
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias, scale=scaling)
+    return inverse_transform(out, vfmt, vp, head_axis=-3).view(B, Hq, T, D).transpose(1, 2)
+
+
+def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, fmt, params, codec) -> torch.Tensor:
+    """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space, in the step mask's key order: the sealed rows
+    (the kernels; sink rows and stale rows as ``context_kv`` has them), the open block, this step's rows."""
+    pool = st.cache.pool(layer, which)
+    model_rows = _open_rows(st, layer, which, new_rows)
+    rest = forward_transform(model_rows, fmt, params, head_axis=-3)
+    if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
+        rest = torch.cat([rest, _in_step_sealed(st, lay, model_rows, fmt, params)], 2)
+    if not st.sealed_max:
+        return rest.contiguous()
+    S = st.sealed_max * st.cache.block_size
+    out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool, fmt, params),
+                                rows=S + rest.shape[2])
+    out[:, :, S:] = rest
+    return out
+
+
+def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
+    """``[B, H, in_step * bs, D]``: the blocks a step across blocks seals, from its open blocks' and new rows ``model_rows``
+    [B, H, open_max + T, D] (fp16 values), quantized and dequantized exactly as ``PagedKVCache.seal`` will store them
+    (``cache_layout.sealing``: a first block without its sink rows), in the stored channel space."""
+    B, H, _, D = model_rows.shape
+    n, bs = st.in_step, lay.block_size
+    rows = model_rows.gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))
+    blocks = rows.view(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
+    if lay.sink_tokens:
+        firsts = blocks.view(B, n, H, bs, D)[:, 0]
+        sealed_first = sealing(firsts, 0, lay.sink_tokens)[0]
+        blocks = blocks.view(B, n, H, bs, D).clone()
+        blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
+        blocks = blocks.view(B * n, H, bs, D)
+    x = dequantize(quantize_block(blocks, fmt, params, head_axis=-3), fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
+    return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
+
+
+def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
+    """One token per sequence, the whole attention in one kernel call (``cpu_attention.decode``): [B, H, G, D]."""
+    b, bs = st.batch, st.cache.block_size
+    if st.cpu_decode is None:
+        sealed = b.context_lens // bs
+        st.cpu_decode = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
+                                                     b.context_lens, st.first_pos, sealed * bs, st.sink_ok)
+    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
+    kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
+    sealed, rest = cpu_attention.decode(kc, vc, kpool, vpool, st.cpu_decode, qg, _fold_query(qg, kfmt, kp) if st.sealed_max else qg,
+                                        k16[:, :, 0], v16[:, :, 0], scaling, window, softcap, lay.sink_tokens)
+    return rest + inverse_transform(sealed, vfmt, vp, head_axis=-3) if st.sealed_max else rest
+
+
+def _cpu_sink(st: _Step, lay: PagedKVLayout, pool, fmt, params) -> tuple:
+    """(sink rows in stored space [B, H, sink, D], which sequences read them) for the CPU kernels; (None, None) without."""
+    if not lay.sink_tokens:
+        return None, None
+    rows = forward_transform(lay.sink_rows(pool.tail)[st.batch.slot_ids].float(), fmt, params, head_axis=-3)
+    return rows, st.sink_ok
+
+
 def _mask_bias(st: _Step, window: int | None, G: int, dtype) -> torch.Tensor:
     """0 / -inf [B, 1, G * T, C + T] of the step's mask (a local layer's: with its window), GQA rows repeated; built
     once per step and reused by every layer (an add instead of a negation and a fill per layer)."""
@@ -611,6 +793,8 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling: flo
         return _kernel_attention(st, layer, query, k16, v16, scaling, window, softcap), None
     if st.cache.is_ringed(layer):
         st = st.engine._ring_view(st)
+    if st.engine.attention == "cpu":
+        return _cpu_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
     return _torch_attention(st, layer, query, k16.to(query.dtype), v16.to(query.dtype), scaling, window or None, softcap or None), None
 
 

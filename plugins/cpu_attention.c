@@ -1,0 +1,340 @@
+/* trtkv's CPU attention kernels over the paged quantized KV cache (docs/kv-cache-format.md, docs/torch-engine.md).
+
+   The torch engine's attention on CPU reads the sealed blocks of every sequence straight from the pools through its
+   block table: no gathered copy, no intermediate tensors. Two entry points, each over [B, H] (sequence, KV head):
+
+     trtkv_decode   one new token per sequence: the whole attention (sealed blocks, sink rows, open block, the new row;
+                    window, soft-cap, softmax), the sealed part of the output in stored space, the rest in model space
+     trtkv_dequant  sealed rows -> float32 out [B, H, out_rows, D] (rows 0 .. nb * bs - 1, stored channel space), for one
+                    fused torch attention over them and the rows the caller puts after them (prefill)
+
+   Sequence b reads columns 0 .. held[b]-1 of its block table (held[b] * bs rows); rows past them are written as zeros
+   or skipped, so blocks of other owners are never read. ``trtkv_dequant`` takes rows below ``sink_tokens`` of column 0
+   from ``sink`` [B, H, sink_tokens, D] (float32, stored space) where ``sink_ok`` (NULL: every b) says so;
+   ``trtkv_decode`` reads them from the tails (model space).
+
+   A row is decoded by lookup tables, the storage dtype's own codec (trtkv.formats.DtypeTraits.plane_tables /
+   byte_table, built in Python): plane p holds ``per[p]`` codes per byte from byte ``byte_off[p]`` of the row, and
+   byte value v adds ``table[p][v * per[p] + i]`` to channel ``j * per[p] + i`` (the first plane's table already
+   subtracts the symmetric offset); integer dtypes whose tables are plain bit fields (every one today: Python checks)
+   decode by shifts instead, which vectorize. fp16 rows are converted directly. Then the scale (and zero-point) of the format's
+   granularity: x = value * scale + zero. Everything is single-threaded: the engine's decode runs on one thread and a
+   prefill's matmuls use torch's threads. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef _Float16 half;
+typedef float v8f __attribute__((vector_size(32)));  /* 8 floats: one AVX register where there is one */
+
+static inline v8f load8(const float *p) { v8f v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8f v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+#if defined(__F16C__)
+#include <immintrin.h>
+/* fp16 -> float32, 8 at a time (the compiler does not vectorize the _Float16 conversion by itself) */
+static inline void half_to_float(const half *restrict src, float *restrict dst, int64_t n) {
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+    for (; d < n; d++) dst[d] = (float)src[d];
+}
+#else
+static inline void half_to_float(const half *restrict src, float *restrict dst, int64_t n) {
+    for (int64_t d = 0; d < n; d++) dst[d] = (float)src[d];
+}
+#endif
+
+enum { KIND_FP16 = 0, KIND_LUT = 1 };
+enum { GRAN_NONE = 0, GRAN_STATIC = 1, GRAN_TOKEN = 2, GRAN_BLOCK_CHANNEL = 3 };
+#define MAX_PLANES 4
+#define MAX_HEAD_DIM 1024
+
+typedef struct {
+    int64_t kind, head_dim, block_size, num_heads, row_bytes;
+    int64_t n_planes, byte_off[MAX_PLANES], per[MAX_PLANES];
+    const float *table[MAX_PLANES];
+    /* linear codes (every int dtype): plane p's code bits are (byte >> i * width[p]) & mask << low[p], minus ``offset``;
+       decoded with shifts instead of lookups (the tables say the same: Python checks they agree). 0: look up. */
+    int64_t linear, width[MAX_PLANES], low[MAX_PLANES], signed_bytes;
+    float offset;
+    int64_t gran, groups;       /* GRAN_TOKEN: scale [NB, H, bs, groups] */
+    const float *static_scale;  /* GRAN_STATIC: [H, D] */
+} Fmt;
+
+typedef struct {
+    const uint8_t *data;        /* [NB, H, bs, row_bytes] */
+    const half *scale, *zero;   /* by granularity; zero NULL when symmetric */
+    const int64_t *tables;      /* [B, cols] */
+    int64_t cols;
+    const int64_t *held;        /* [B] */
+    int64_t batch, nb;
+    const float *sink;          /* [B, H, sink_tokens, D] or NULL */
+    const uint8_t *sink_ok;     /* [B] or NULL */
+    int64_t sink_tokens;
+} Ctx;
+
+/* One bit plane's lookups: byte j of the plane gives channels j * PER .. j * PER + PER - 1 (a fixed PER per
+   instance, so the compiler unrolls the copy instead of calling memcpy); ADD: accumulate into x (planes after the first). */
+#define LUT_PLANE(NAME, PER, OP)                                                                              \
+    static inline void NAME(const uint8_t *restrict bytes, const float *restrict tab, int64_t D, float *restrict x) { \
+        for (int64_t j = 0; j < D / PER; j++) {                                                               \
+            const float *restrict e = tab + (int64_t)bytes[j] * PER;                                           \
+            for (int i = 0; i < PER; i++) x[j * PER + i] OP e[i];                                              \
+        }                                                                                                     \
+    }
+LUT_PLANE(lut_set1, 1, =)
+LUT_PLANE(lut_set2, 2, =)
+LUT_PLANE(lut_set4, 4, =)
+LUT_PLANE(lut_set8, 8, =)
+LUT_PLANE(lut_add1, 1, +=)
+LUT_PLANE(lut_add2, 2, +=)
+LUT_PLANE(lut_add4, 4, +=)
+LUT_PLANE(lut_add8, 8, +=)
+
+static inline void lut_plane(const uint8_t *restrict bytes, const float *restrict tab, int64_t per, int add, int64_t D, float *restrict x) {
+    switch (per * 2 + add) {
+    case 2: lut_set1(bytes, tab, D, x); break;
+    case 4: lut_set2(bytes, tab, D, x); break;
+    case 8: lut_set4(bytes, tab, D, x); break;
+    case 16: lut_set8(bytes, tab, D, x); break;
+    case 3: lut_add1(bytes, tab, D, x); break;
+    case 5: lut_add2(bytes, tab, D, x); break;
+    case 9: lut_add4(bytes, tab, D, x); break;
+    case 17: lut_add8(bytes, tab, D, x); break;
+    }
+}
+
+/* A linear plane: channel j * PER + i holds bits (byte_j >> i * W) & (2^W - 1), shifted left by LOW (ADD: planes after the
+   first add their bits). Fixed PER / W per instance so the loops vectorize. */
+#define LIN_PLANE(NAME, PER, W)                                                                                        \
+    static inline void NAME(const uint8_t *restrict bytes, int64_t low, int add, int64_t D, float *restrict x) {       \
+        const float scale = (float)(1 << low);                                                                      \
+        for (int64_t j = 0; j < D / PER; j++)                                                                       \
+            for (int i = 0; i < PER; i++) {                                                                         \
+                const float v = (float)((bytes[j] >> (i * W)) & ((1 << W) - 1)) * scale;                            \
+                x[j * PER + i] = add ? x[j * PER + i] + v : v;                                                      \
+            }                                                                                                       \
+    }
+LIN_PLANE(lin_plane1, 1, 8)
+LIN_PLANE(lin_plane2, 2, 4)
+LIN_PLANE(lin_plane4, 4, 2)
+LIN_PLANE(lin_plane8, 8, 1)
+
+static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D, float *restrict x) {
+    if (f->signed_bytes) {  /* int8 stored signed: one plane of whole bytes */
+        const int8_t *restrict r = (const int8_t *)row;
+        for (int64_t d = 0; d < D; d++) x[d] = (float)r[d] - f->offset;
+        return;
+    }
+    for (int64_t p = 0; p < f->n_planes; p++) {
+        const uint8_t *bytes = row + f->byte_off[p];
+        switch (f->per[p]) {
+        case 1: lin_plane1(bytes, f->low[p], p > 0, D, x); break;
+        case 2: lin_plane2(bytes, f->low[p], p > 0, D, x); break;
+        case 4: lin_plane4(bytes, f->low[p], p > 0, D, x); break;
+        case 8: lin_plane8(bytes, f->low[p], p > 0, D, x); break;
+        }
+    }
+    if (f->offset != 0.0f)
+        for (int64_t d = 0; d < D; d++) x[d] -= f->offset;
+}
+
+/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. The per-block
+   scale and zero-point (per_block_channel) are converted once for the block. */
+static void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
+    const uint8_t *data = c->data + bh * bs * f->row_bytes;
+    if (f->kind == KIND_FP16) {
+        half_to_float((const half *)data, out, bs * D);
+    } else {
+        for (int64_t t = 0; t < bs; t++) {
+            if (f->linear) {
+                lin_row(f, data + t * f->row_bytes, D, out + t * D);
+                continue;
+            }
+            for (int64_t p = 0; p < f->n_planes; p++)
+                lut_plane(data + t * f->row_bytes + f->byte_off[p], f->table[p], f->per[p], p > 0, D, out + t * D);
+        }
+        if (f->gran == GRAN_STATIC) {
+            const float *restrict sc = f->static_scale + h * D;
+            for (int64_t t = 0; t < bs; t++)
+                for (int64_t d = 0; d < D; d++) out[t * D + d] *= sc[d];
+        } else if (f->gran == GRAN_BLOCK_CHANNEL) {
+            float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
+            half_to_float(c->scale + bh * D, sf, D);
+            if (c->zero) half_to_float(c->zero + bh * D, zf, D);
+            else memset(zf, 0, (size_t)D * sizeof(float));
+            for (int64_t t = 0; t < bs; t++)
+                for (int64_t d = 0; d < D; d++) out[t * D + d] = out[t * D + d] * sf[d] + zf[d];
+        } else if (f->gran == GRAN_TOKEN) {
+            const int64_t G = f->groups, g = D / G;
+            for (int64_t t = 0; t < bs; t++) {
+                const half *sp = c->scale + (bh * bs + t) * G;
+                const half *zp = c->zero ? c->zero + (bh * bs + t) * G : 0;
+                for (int64_t k = 0; k < G; k++) {
+                    const float sk = (float)sp[k], zk = zp ? (float)zp[k] : 0.0f;
+                    float *restrict x = out + t * D + k * g;
+                    for (int64_t d = 0; d < g; d++) x[d] = x[d] * sk + zk;
+                }
+            }
+        }
+    }
+    if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
+        memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
+}
+
+int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows) {
+    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb;
+    if (D > MAX_HEAD_DIM || out_rows < nb * bs) return -1;
+    for (int64_t b = 0; b < c->batch; b++)
+        for (int64_t h = 0; h < H; h++) {
+            float *o = out + (b * H + h) * out_rows * D;
+            for (int64_t j = 0; j < nb; j++) {
+                if (j < c->held[b]) decode_block(f, c, b, h, j, o + j * bs * D);
+                else memset(o + j * bs * D, 0, (size_t)(bs * D) * sizeof(float));
+            }
+        }
+    return 0;
+}
+
+/* out[i, :] += sum_t p[i * ps + t] * rows[t, :] over ``m`` rows of D floats, for the n queries: d in chunks of 8, a
+   register accumulator per (chunk, query), so the output is loaded and stored once per block instead of once per row. */
+static inline void accumulate(float *restrict out, const float *restrict p, int64_t ps, const float *restrict rows, int64_t m,
+                              int64_t n, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8)
+        for (int64_t i = 0; i < n; i++) {
+            const float *restrict pi = p + i * ps;
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};  /* four independent chains: the adds do not wait on each other */
+            int64_t t = 0;
+            for (; t + 4 <= m; t += 4) {
+                a0 += pi[t] * load8(rows + t * D + d0);
+                a1 += pi[t + 1] * load8(rows + (t + 1) * D + d0);
+                a2 += pi[t + 2] * load8(rows + (t + 2) * D + d0);
+                a3 += pi[t + 3] * load8(rows + (t + 3) * D + d0);
+            }
+            for (; t < m; t++) a0 += pi[t] * load8(rows + t * D + d0);
+            store8(out + i * D + d0, load8(out + i * D + d0) + ((a0 + a1) + (a2 + a3)));
+        }
+    for (; d0 < D; d0++)
+        for (int64_t i = 0; i < n; i++) {
+            float acc = 0.0f;
+            for (int64_t t = 0; t < m; t++) acc += p[i * ps + t] * rows[t * D + d0];
+            out[i * D + d0] += acc;
+        }
+}
+
+/* s[i * ss + t] = q[i, :] . rows[t, :] for m rows, n queries. */
+static inline void dots(float *restrict s, int64_t ss, const float *restrict q, const float *restrict rows, int64_t m, int64_t n, int64_t D) {
+    const int64_t D8 = D & ~(int64_t)7;
+    for (int64_t t = 0; t < m; t++) {
+        const float *restrict r = rows + t * D;
+        for (int64_t i = 0; i < n; i++) {
+            const float *restrict qi = q + i * D;
+            v8f acc = {0};
+            for (int64_t d = 0; d < D8; d += 8) acc += load8(qi + d) * load8(r + d);
+            float tot = hsum8(acc);
+            for (int64_t d = D8; d < D; d++) tot += qi[d] * r[d];
+            s[i * ss + t] = tot;
+        }
+    }
+}
+
+typedef struct {
+    int64_t n;                   /* queries per KV head (the GQA group) */
+    const float *q, *qf;         /* [B, H, n, D]: model space (open rows, new row), folded into stored space (sealed) */
+    const float *new_k, *new_v;  /* [B, H, D] this step's row, model space */
+    const half *k_tail, *v_tail; /* [slots, H, tail_rows, D] the open blocks, then the sink rows (model space) */
+    int64_t tail_rows;
+    const int64_t *slot;         /* [B] */
+    const int64_t *open_len;     /* [B] rows of the open block */
+    const int64_t *q_pos;        /* [B] the new token's position */
+    const int64_t *first_pos;    /* [B] position of sealed column 0, row 0 (a window ring's first block) */
+    const int64_t *open_pos;     /* [B] position of open row 0 */
+    int64_t sink_tokens;         /* rows of column 0 read from the tail's sink rows (model space, like the open block) */
+    const uint8_t *sink_ok;      /* [B] which sequences read them (NULL: every one) */
+    int64_t window;              /* 0: none; else keys at pos <= q_pos - window are masked */
+    float scaling, softcap;      /* softcap 0: none */
+    float *out_sealed, *out_rest;/* [B, H, n, D] */
+} Decode;
+
+int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
+    const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, nb = kc->nb, n = a->n, tr = a->tail_rows;
+    const int64_t C = nb * bs + tr + 1;
+    if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
+    float *sc = malloc((size_t)(n * C + (bs > tr ? bs : tr) * D) * sizeof(float));
+    if (!sc) return -2;
+    float *blk = sc + n * C;  /* one block of decoded rows [bs, D] */
+    for (int64_t b = 0; b < kc->batch; b++) {
+        const int64_t held = kc->held[b] < nb ? kc->held[b] : nb, ol = a->open_len[b], qp = a->q_pos[b];
+        const int64_t S = held * bs, R = S + ol;  /* scores: sealed 0..S-1, open S..R-1, the new row R */
+        /* keys at positions <= qp - window are outside the window: which sealed / open rows that is */
+        const int64_t lo = a->window ? qp - a->window + 1 : INT64_MIN;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t bh = b * H + h;
+            const float *q = a->q + bh * n * D, *qf = a->qf + bh * n * D;
+            const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
+            const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
+            const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
+            /* scores, block by block: decoded rows, then the n dot products of each */
+            for (int64_t j = 0; j < held; j++) {
+                const int64_t p0 = a->first_pos[b] + j * bs;
+                if (p0 + bs - 1 < lo) {  /* the whole block is outside the window: never read */
+                    for (int64_t i = 0; i < n; i++)
+                        for (int64_t t = 0; t < bs; t++) sc[i * C + j * bs + t] = -INFINITY;
+                    continue;
+                }
+                decode_block(kf, kc, b, h, j, blk);
+                dots(sc + j * bs, C, qf, blk, bs, n, D);
+                if (j == 0 && sink) {  /* the first rows: the model-space sink rows against the model-space query */
+                    half_to_float(kt + bs * D, blk, sink * D);
+                    dots(sc, C, q, blk, sink, n, D);
+                }
+                for (int64_t t = 0; t < bs && p0 + t < lo; t++)
+                    for (int64_t i = 0; i < n; i++) sc[i * C + j * bs + t] = -INFINITY;
+            }
+            half_to_float(kt, blk, ol * D);
+            dots(sc + S, C, q, blk, ol, n, D);
+            for (int64_t o = 0; o < ol && a->open_pos[b] + o < lo; o++)
+                for (int64_t i = 0; i < n; i++) sc[i * C + S + o] = -INFINITY;
+            dots(sc + R, C, q, a->new_k + bh * D, 1, n, D);
+            /* softmax per query (a masked score is -inf, exp gives 0; the new row is never masked) */
+            for (int64_t i = 0; i < n; i++) {
+                float *restrict si = sc + i * C, mx = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t <= R; t++) si[t] *= a->scaling;
+                if (a->softcap > 0.0f)
+                    for (int64_t t = 0; t <= R; t++)  /* a masked score stays -inf */
+                        si[t] = si[t] == -INFINITY ? si[t] : a->softcap * tanhf(si[t] / a->softcap);
+                for (int64_t t = 0; t <= R; t++) mx = si[t] > mx ? si[t] : mx;
+                for (int64_t t = 0; t <= R; t++) {
+                    si[t] = expf(si[t] - mx);
+                    sum += si[t];
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t <= R; t++) si[t] *= inv;
+            }
+            /* outputs: sealed values (stored space), then the open rows and the new row (model space) */
+            float *os = a->out_sealed + bh * n * D, *orest = a->out_rest + bh * n * D;
+            memset(os, 0, (size_t)(n * D) * sizeof(float));
+            memset(orest, 0, (size_t)(n * D) * sizeof(float));
+            for (int64_t j = 0; j < held; j++) {
+                if (a->first_pos[b] + j * bs + bs - 1 < lo) continue;
+                decode_block(vf, vc, b, h, j, blk);
+                const int64_t skip = j == 0 ? sink : 0;  /* sink rows: model space, into the rest */
+                accumulate(os, sc + j * bs + skip, C, blk + skip * D, bs - skip, n, D);
+            }
+            half_to_float(vt, blk, ol * D);
+            accumulate(orest, sc + S, C, blk, ol, n, D);
+            if (sink) {
+                half_to_float(vt + bs * D, blk, sink * D);
+                accumulate(orest, sc, C, blk, sink, n, D);
+            }
+            accumulate(orest, sc + R, C, a->new_v + bh * D, 1, n, D);
+        }
+    }
+    free(sc);
+    return 0;
+}

@@ -1,0 +1,257 @@
+"""trtkv's CPU attention kernels (``cpu_attention.c``): the sealed blocks read straight from the pools.
+
+The torch engine's attention on CPU spends its time on the many small tensor ops that gather, unpack and dequantize
+the sealed blocks of every sequence (``trtkv.runtime.torch_engine.context_kv``): a few per layer, each a pass over
+the batch's whole context. These C functions walk each sequence's block table instead and decode each row once, by
+the storage dtype's own lookup tables (``DtypeTraits.plane_tables`` / ``byte_table``: one definition of every codec)
+and the format's scale granularity:
+
+* ``decode``: one new token per sequence, the whole attention in one call (decode steps);
+* ``dequant``: the sealed rows as float32 ``[B, H, rows, D]`` (stored channel space), with room after them for the
+  rows the caller adds, for one fused torch attention (prefill steps).
+
+The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
+12+ or clang 15+) for this CPU (``-march=native``) and cached under ``~/.cache/trtkv/cpu-kernels`` by a hash of the
+source, the flags, the compiler and the CPU; ``unavailable()`` says why it cannot be used (then the torch ops run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtkv.cache_dir import cache_root
+from trtkv.errors import TrtkvError
+from trtkv.quant import per_channel
+
+from .contract.capabilities import CPU_KERNELS
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-ffp-contract=fast")
+LIBS = ("-lm",)
+MAX_PLANES = 4  # as in the C source
+MAX_HEAD_DIM = CPU_KERNELS.head_dim_max  # the C source's MAX_HEAD_DIM
+KIND_FP16, KIND_LUT = 0, 1
+GRAN = {"none": 0, "per_tensor": 1, "per_head": 1, "per_channel": 1, "per_token": 2, "per_token_group": 2, "per_block_channel": 3}
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Fmt(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("head_dim", _i64), ("block_size", _i64), ("num_heads", _i64), ("row_bytes", _i64),
+                ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
+                ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
+                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr)]
+
+
+class _Ctx(ctypes.Structure):
+    _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("tables", _ptr), ("cols", _i64), ("held", _ptr),
+                ("batch", _i64), ("nb", _i64), ("sink", _ptr), ("sink_ok", _ptr), ("sink_tokens", _i64)]
+
+
+class _Decode(ctypes.Structure):
+    _fields_ = [("n", _i64), ("q", _ptr), ("qf", _ptr), ("new_k", _ptr), ("new_v", _ptr), ("k_tail", _ptr), ("v_tail", _ptr),
+                ("tail_rows", _i64), ("slot", _ptr), ("open_len", _ptr), ("q_pos", _ptr), ("first_pos", _ptr), ("open_pos", _ptr),
+                ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr)]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    return model + flags
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | str:
+    """The compiled library, or the one-line reason it cannot be had."""
+    if os.environ.get("TRTKV_CPU_KERNELS", "1") == "0":
+        return "TRTKV_CPU_KERNELS=0"
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler (cc, gcc or clang; set $CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc} --version failed: {exc}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS), version, _cpu_id()]).encode()).hexdigest()[:16]
+    out = cache_root() / "cpu-kernels" / f"cpu_attention-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # compiled aside, then renamed: no half-written library
+            built = Path(tmp) / out.name
+            try:
+                proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), *LIBS], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"compiling {SOURCE.name} failed: {exc}"
+            if proc.returncode != 0:
+                first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
+                return f"compiling {SOURCE.name} with {cc} failed: {first}"
+            os.replace(built, out)
+    lib = ctypes.CDLL(str(out))
+    lib.trtkv_decode.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), ctypes.POINTER(_Ctx), ctypes.POINTER(_Decode)]
+    lib.trtkv_decode.restype = _i64
+    lib.trtkv_dequant.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), _ptr, _i64]
+    lib.trtkv_dequant.restype = _i64
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why the CPU kernels cannot run on this machine (None: they can)."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def library() -> ctypes.CDLL:
+    lib = _library()
+    if isinstance(lib, str):
+        raise TrtkvError(f"trtkv's CPU attention kernels are unavailable: {lib}", "install a C compiler (gcc 12+), or use the torch ops (--attention torch)")
+    return lib
+
+
+@dataclass
+class RowCodec:
+    """One layer's K or V storage as the kernels read it: the C struct and the tensors it points into (kept alive)."""
+
+    fmt: _Fmt
+    keep: tuple
+
+    @property
+    def ref(self):
+        return ctypes.byref(self.fmt)
+
+    @classmethod
+    def of(cls, tf, params, num_heads: int, head_dim: int, block_size: int) -> "RowCodec":
+        """For ``TensorFormat`` ``tf`` with its calibrated ``TensorParams`` (static scale) at these sizes."""
+        if head_dim > MAX_HEAD_DIM:
+            raise TrtkvError(f"head_dim {head_dim} exceeds the CPU kernels' {MAX_HEAD_DIM}", "use the torch ops (--attention torch)")
+        traits = tf.traits
+        f = _Fmt(head_dim=head_dim, block_size=block_size, num_heads=num_heads, gran=GRAN[tf.granularity])
+        keep: list[torch.Tensor] = []
+        if not tf.is_quantized:
+            f.kind, f.row_bytes = KIND_FP16, head_dim * 2
+        else:
+            sym = tf.symmetric or tf.is_static
+            f.kind, f.row_bytes = KIND_LUT, traits.packed_dim(head_dim) * traits.storage.itemsize
+            if traits.packed:
+                planes = [(byte, width, low, table) for (byte, width, low), table in zip(traits.plane_layout(head_dim), traits.plane_tables(sym))]
+            else:
+                planes = [(0, 8, 0, traits.byte_table(sym))]
+            f.n_planes = len(planes)
+            for p, (byte, width, low, table) in enumerate(planes):
+                table = table.float().contiguous()
+                keep.append(table)
+                f.byte_off[p], f.per[p], f.table[p], f.width[p], f.low[p] = byte, 8 // width, table.data_ptr(), width, low
+            # integer codes decode by shifts, where the shifts give the lookup tables' values exactly (else by lookups)
+            f.offset = float(traits.offset(sym))
+            f.signed_bytes = int(not traits.packed and traits.storage_for(sym) == torch.int8)
+            f.linear = int(traits.is_int and all(torch.equal(table.float(), _linear_table(width, low, f.offset if p == 0 else 0.0, f.signed_bytes))
+                                                 for p, (_, width, low, table) in enumerate(planes)))
+            if tf.is_static:
+                scale = per_channel(params.scale, num_heads, head_dim, "static scale")
+                keep.append(scale)
+                f.static_scale = scale.data_ptr()
+            elif not tf.is_block_wise:
+                f.groups = tf.groups(head_dim)
+        return cls(f, tuple(keep))
+
+
+def _linear_table(width: int, low: int, offset: float, signed: bool) -> torch.Tensor:
+    """What byte v of a plane of ``width``-bit fields holds, as the shift decoder computes it: [256, 8 / width]."""
+    v = torch.arange(256, dtype=torch.int64)
+    if signed:
+        return (v.to(torch.uint8).view(torch.int8).float() - offset)[:, None]
+    fields = (v[:, None] >> (torch.arange(8 // width) * width)) & ((1 << width) - 1)
+    return (fields << low).float() - offset
+
+
+def _p(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None) -> tuple[_Ctx, tuple]:
+    for name, t in (("data", pool.data), ("scale", pool.scale), ("zero", pool.zero)):
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise TrtkvError(f"the CPU kernels read contiguous CPU pools; pool {name} is not", "allocate the cache with PagedKVLayout.allocate")
+    tables = tables.to(torch.int64).contiguous()
+    held = held.to(torch.int64).contiguous()
+    sink = None if sink is None else sink.float().contiguous()
+    sink_ok = None if sink_ok is None else sink_ok.to(torch.uint8).contiguous()
+    c = _Ctx(data=_p(pool.data), scale=_p(pool.scale), zero=_p(pool.zero), tables=_p(tables), cols=tables.shape[1], held=_p(held),
+             batch=tables.shape[0], nb=nb, sink=_p(sink), sink_ok=_p(sink_ok), sink_tokens=0 if sink is None else sink.shape[2])
+    return c, (tables, held, sink, sink_ok)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise TrtkvError("trtkv's CPU attention kernel refused its arguments", "report this as a bug")
+
+
+def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None, rows: int | None = None) -> torch.Tensor:
+    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, rows, D]`` in stored space: rows ``0 .. nb * bs - 1``
+    (zeros past ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill."""
+    f = codec.fmt
+    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
+    rows = nb * f.block_size if rows is None else rows
+    out = torch.empty(c.batch, f.num_heads, rows, f.head_dim, dtype=torch.float32)
+    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr(), rows))
+    return out
+
+
+class DecodeStep:
+    """What every layer's ``decode`` call of one step shares, made once per step: the block tables and sealed blocks
+    each sequence reads, its slot, open rows and positions (``first_pos``: of sealed column 0, row 0 -- a window ring's
+    first block; ``open_pos``: of open row 0; ``q_pos``: of the new token), as int64 tensors and already in the C
+    argument structs, so that a layer's call only sets its own pointers (the Python side of a call was most of its
+    time)."""
+
+    def __init__(self, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None):
+        i64 = lambda t: t.to(torch.int64).contiguous()
+        self.tensors = (i64(tables), i64(held), i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
+                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
+        tables, held, slot, open_len, q_pos, first_pos, open_pos, sink_ok = self.tensors
+        self.batch = tables.shape[0]
+        self.kc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
+        self.vc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
+        self.args = _Decode(slot=_p(slot), open_len=_p(open_len), q_pos=_p(q_pos), first_pos=_p(first_pos), open_pos=_p(open_pos),
+                            sink_ok=_p(sink_ok))
+        self.refs = tuple(ctypes.byref(x) for x in (self.kc, self.vc, self.args))
+
+
+def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q: torch.Tensor, qf: torch.Tensor, new_k: torch.Tensor,
+           new_v: torch.Tensor, scaling: float, window: int | None = None, softcap: float | None = None, sink_tokens: int = 0,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's attention per sequence: ``q`` / ``qf`` [B, H, n, D] (model space / keys' transforms folded in),
+    this step's row ``new_k`` / ``new_v`` [B, H, D] (model space), the open blocks and the first ``sink_tokens`` rows of
+    the first block (for the sequences ``step``'s ``sink_ok`` names) from the pools' tails, the sealed blocks through
+    the block tables. Returns (the sealed values' part in stored space, the tails' and new row's part in model space),
+    each [B, H, n, D]."""
+    B, H, n, D = q.shape
+    q, qf, new_k, new_v = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (q, qf, new_k, new_v))
+    out = torch.empty(2, B, H, n, D, dtype=torch.float32)
+    kc, vc, a = step.kc, step.vc, step.args
+    kc.data, kc.scale, kc.zero = kpool.data.data_ptr(), _p(kpool.scale), _p(kpool.zero)
+    vc.data, vc.scale, vc.zero = vpool.data.data_ptr(), _p(vpool.scale), _p(vpool.zero)
+    a.n, a.q, a.qf, a.new_k, a.new_v = n, q.data_ptr(), qf.data_ptr(), new_k.data_ptr(), new_v.data_ptr()
+    a.k_tail, a.v_tail, a.tail_rows = kpool.tail.data_ptr(), vpool.tail.data_ptr(), kpool.tail.shape[-2]
+    a.sink_tokens, a.window, a.scaling, a.softcap = sink_tokens, int(window or 0), scaling, softcap or 0.0
+    a.out_sealed, a.out_rest = out.data_ptr(), out[1].data_ptr()
+    _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
+    return out[0], out[1]

@@ -1,0 +1,670 @@
+"""The OpenAI front's contract (triton_repo/openai_api.py), field by field: for every request field of
+``/v1/completions`` and ``/v1/chat/completions``, exactly what reaches Triton (the generate request body and
+endpoint) for its default, its edges (the exact bound and one past it) and bad values (the status, the error type and
+the ``param`` that names the field), and the exact shape of every response (ids, objects, choices, finish_reason,
+usage, server-sent chunks, ``[DONE]``).
+
+No tritonserver: the front runs under uvicorn (``start_openai_server``) in front of ``ScriptedTriton``, an aiohttp
+stand-in for Triton's ``/v2/models/ensemble/generate`` and ``generate_stream`` whose answer each test sets. The
+served tokenizer is ``CharTokenizer``, one id per character (plus BOS when it adds one), so every usage count is
+the prompt's length: the expectations come from OpenAI's API rules and the inputs, never from the front's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("uvicorn")
+aiohttp_web = pytest.importorskip("aiohttp.web")
+
+from trtkv.triton_repo import openai_api as api  # noqa: E402
+from trtkv.triton_repo.openai_api import OpenAIError, Served, start_openai_server  # noqa: E402
+from trtkv.triton_repo.repository import LLM_MODEL  # noqa: E402
+from trtkv.triton_repo.server import free_port  # noqa: E402
+
+MODEL = "served-model"
+CONTEXT = 64
+DEFAULT_BODY = {  # what Triton gets for {"model", "prompt": "hello", "max_tokens": 8} and nothing else
+    "text_input": "hello", "max_tokens": 8, "stream": False, "return_log_probs": True, "exclude_input_in_output": True,
+    "temperature": 1.0, "top_p": 1.0,
+}
+
+
+class CharTokenizer:
+    """One id per character (its code point), BOS (id 1) in front when ``adds_bos``; a chat template that writes
+    ``[role]content`` per message, ``[assistant]`` for the generation prompt, and BOS first when ``template_bos``."""
+
+    bos_token = "<s>"
+    bos_token_id = 1
+
+    def __init__(self, adds_bos: bool = False, chat: bool = True, template_bos: bool = False):
+        self.adds_bos = adds_bos
+        self.chat_template = "[role]content" if chat else None
+        self.template_bos = template_bos
+        self.template_calls: list[tuple[list, dict]] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        ids = [ord(c) for c in text]
+        return {"input_ids": ([self.bos_token_id] if self.adds_bos and add_special_tokens else []) + ids}
+
+    def apply_chat_template(self, messages, **kw):
+        self.template_calls.append(([dict(m) for m in messages], kw))
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        if kw.get("add_generation_prompt"):
+            text += "[assistant]"
+        return (self.bos_token if self.template_bos else "") + text
+
+
+@dataclass
+class Reply:
+    """What the stand-in Triton answers: a status and a JSON (or raw text) body for ``generate``; for
+    ``generate_stream`` (status 200) the events, each sent as one ``data:`` line."""
+
+    status: int = 200
+    json: dict | None = field(default_factory=lambda: {"text_output": "abc", "output_log_probs": [-0.1, -0.2, -0.3]})
+    text: str | None = None  # a non-JSON body instead of ``json``
+    events: list[dict] = field(default_factory=lambda: [{"text_output": "ab", "output_log_probs": [-0.1, -0.2]},
+                                                        {"text_output": "c", "output_log_probs": [-0.3]}])
+    prefix: str = "data: "  # server-sent events may omit the space after "data:"
+    extra_lines: list[str] = field(default_factory=list)  # other lines of the stream (comments, event names)
+
+
+class ScriptedTriton:
+    """An aiohttp server in its own thread; ``calls`` holds (endpoint, body) of every request; ``reply`` is the answer."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.reply = Reply()
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30)
+
+    def _answer(self):
+        r = self.reply
+        if r.text is not None:
+            return aiohttp_web.Response(text=r.text, status=r.status)
+        return aiohttp_web.json_response(r.json, status=r.status)
+
+    async def _generate(self, request):
+        self.calls.append(("generate", await request.json()))
+        return self._answer()
+
+    async def _generate_stream(self, request):
+        self.calls.append(("generate_stream", await request.json()))
+        if self.reply.status != 200:
+            return self._answer()
+        resp = aiohttp_web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for line in self.reply.extra_lines:
+            await resp.write(f"{line}\n".encode())
+        for e in self.reply.events:
+            await resp.write(f"{self.reply.prefix}{json.dumps(e)}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        app = aiohttp_web.Application()
+        app.router.add_post(f"/v2/models/{LLM_MODEL}/generate", self._generate)
+        app.router.add_post(f"/v2/models/{LLM_MODEL}/generate_stream", self._generate_stream)
+        self.runner = aiohttp_web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(aiohttp_web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class Front:
+    url: str
+    triton: ScriptedTriton
+    served: Served
+
+    def post(self, path: str, body: dict) -> tuple[int, dict | list[str], tuple[str, dict] | None]:
+        """POST; (status, JSON response or the server-sent lines of an event stream, the call Triton got or None)."""
+        before = len(self.triton.calls)
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                status, ctype, raw = r.status, r.headers.get("Content-Type", ""), r.read()
+        except urllib.error.HTTPError as e:
+            status, ctype, raw = e.code, e.headers.get("Content-Type", ""), e.read()
+        got = [ln.strip() for ln in raw.decode().split("\n") if ln.strip()] if ctype.startswith("text/event-stream") else json.loads(raw)
+        return status, got, self.triton.calls[-1] if len(self.triton.calls) > before else None
+
+    def complete(self, **kw):
+        return self.post("/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 8, **kw})
+
+    def chat(self, **kw):
+        return self.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **kw})
+
+
+@pytest.fixture(scope="module")
+def front_server():
+    triton = ScriptedTriton()
+    served = Served(MODEL, CharTokenizer(), CONTEXT, f"http://127.0.0.1:{triton.port}")
+    port = free_port()
+    server = start_openai_server(served, "127.0.0.1", port)
+    try:
+        yield Front(f"http://127.0.0.1:{port}/v1", triton, served)
+    finally:
+        server.should_exit = True
+        triton.stop()
+
+
+@pytest.fixture
+def front(front_server, monkeypatch):
+    """The module's front with the default reply and a fresh tokenizer; changes to ``served`` are undone after the test."""
+    front_server.triton.reply = Reply()
+    monkeypatch.setattr(front_server.served, "tokenizer", CharTokenizer())
+    monkeypatch.setattr(front_server.served, "max_seq_len", CONTEXT)
+    monkeypatch.setattr(front_server.served, "triton_url", front_server.served.triton_url)
+    return front_server
+
+
+def assert_refused(code, data, call, status: int, param: str | None, *, words: str = "", kind: str = "invalid_request_error"):
+    """An OpenAI error: the status, {"error": {message, type, param, code}} naming ``param``, and nothing sent to Triton."""
+    assert code == status, data
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
+    got = data["error"]["param"]
+    # "field.*": a union-typed field, whose pydantic location also names the member tried (prompt.str)
+    assert (got or "").startswith(param[:-1]) if param and param.endswith(".*") else got == param, data
+    assert data["error"]["type"] == kind, data
+    assert words.lower() in data["error"]["message"].lower(), data
+    assert call is None, call
+
+
+# ---------------------------------------------------------------- request body: defaults and every field
+
+
+def test_a_minimal_completion_sends_exactly_the_default_body(front):
+    code, data, call = front.complete()
+    assert code == 200, data
+    assert call == ("generate", DEFAULT_BODY)
+
+
+@pytest.mark.parametrize("field, value, sent", [
+    ("temperature", 0, {"temperature": 0.0}),
+    ("temperature", 0.7, {"temperature": 0.7}),
+    ("temperature", 2, {"temperature": 2.0}),
+    ("top_p", 1, {"top_p": 1.0}),
+    ("top_p", 0.01, {"top_p": 0.01}),
+    ("top_p", 0.5, {"top_p": 0.5}),
+    ("max_tokens", 1, {"max_tokens": 1}),
+    ("max_tokens", 20, {"max_tokens": 20}),
+    ("n", 1, {}),
+    ("seed", 0, {"seed": 0}),
+    ("seed", 12345, {"seed": 12345}),
+    ("stop", "END", {"stop_words": ["END"]}),
+    ("stop", ["a", "b"], {"stop_words": ["a", "b"]}),
+    ("stop", ["b", "a", "d", "c"], {"stop_words": ["b", "a", "d", "c"]}),
+    ("stop", "", {}),
+    ("stop", [], {}),
+    ("stop", None, {}),
+    ("stop", ["", "x", ""], {"stop_words": ["x"]}),
+    ("min_tokens", 0, {}),
+    ("min_tokens", 1, {"min_tokens": 1}),
+    ("min_tokens", 8, {"min_tokens": 8}),
+    ("ignore_eos", True, {"min_tokens": 8}),
+    ("ignore_eos", False, {}),
+    ("logprobs", None, {}),
+    ("logprobs", False, {}),
+    ("logprobs", 0, {}),
+    ("echo", False, {}),
+    ("stream_options", {"include_usage": True}, {}),  # a plain request: the option has nothing to change
+    ("user", "someone", {}),  # unknown fields are accepted and not forwarded
+    ("frequency_penalty", 0.0, {}),
+    ("suffix", None, {}),
+    ("prompt", ["one prompt"], {"text_input": "one prompt"}),
+    ("prompt", "x", {"text_input": "x"}),
+])
+def test_each_field_reaches_triton_as_its_engine_input(front, field, value, sent):
+    code, data, call = front.complete(**{field: value})
+    assert code == 200, data
+    assert call == ("generate", {**DEFAULT_BODY, **sent})
+
+
+def test_ignore_eos_sends_max_tokens_as_min_tokens_whatever_min_tokens_says(front):
+    _, _, (_, body) = front.complete(max_tokens=5, min_tokens=2, ignore_eos=True)
+    assert body["min_tokens"] == 5 == body["max_tokens"]
+    _, _, (_, body) = front.complete(max_tokens=5, min_tokens=2, ignore_eos=False)
+    assert body["min_tokens"] == 2
+    code, _, (_, body) = front.complete(max_tokens=5, ignore_eos=True, stop="")  # an empty stop is no stop
+    assert code == 200 and body["min_tokens"] == 5 and "stop_words" not in body
+
+
+def test_combined_fields_all_reach_triton(front):
+    code, _, call = front.complete(prompt="abc", max_tokens=12, temperature=0.3, top_p=0.9, seed=7, stop=["x", "y"], min_tokens=4)
+    assert code == 200
+    assert call == ("generate", {"text_input": "abc", "max_tokens": 12, "stream": False, "return_log_probs": True,
+                                 "exclude_input_in_output": True, "temperature": 0.3, "top_p": 0.9, "stop_words": ["x", "y"],
+                                 "seed": 7, "min_tokens": 4})
+
+
+def test_streaming_asks_generate_stream_with_stream_true(front):
+    code, lines, call = front.complete(stream=True)
+    assert code == 200 and lines[-1] == "data: [DONE]"
+    assert call == ("generate_stream", {**DEFAULT_BODY, "stream": True})
+    code, _, call = front.complete(stream=False)
+    assert call == ("generate", DEFAULT_BODY)
+
+
+# ---------------------------------------------------------------- refusals: status, type, param, nothing sent
+
+
+@pytest.mark.parametrize("field, value, param, words", [
+    ("temperature", -0.01, "temperature", "temperature"),
+    ("temperature", 2.01, "temperature", "temperature"),
+    ("temperature", "hot", "temperature", "temperature"),
+    ("top_p", 0, "top_p", "top_p"),
+    ("top_p", -0.5, "top_p", "top_p"),
+    ("top_p", 1.01, "top_p", "top_p"),
+    ("max_tokens", 0, "max_tokens", "max_tokens"),
+    ("max_tokens", -3, "max_tokens", "max_tokens"),
+    ("max_tokens", None, "max_tokens", "max_tokens is required"),
+    ("n", 0, "n", "n=0"),
+    ("n", 2, "n", "n=2"),
+    ("seed", -1, "seed", "seed"),
+    ("min_tokens", -1, "min_tokens", "min_tokens"),
+    ("min_tokens", 9, "min_tokens", "min_tokens (9) is more than max_tokens (8)"),
+    ("stop", ["a", "b", "c", "d", "e"], "stop", "at most 4 sequences, got 5"),
+    ("stop", ["", "", "", "", ""], "stop", "got 5"),
+    ("logprobs", True, "logprobs", "logprobs"),
+    ("logprobs", 1, "logprobs", "logprobs"),
+    ("logprobs", 5, "logprobs", "logprobs"),
+    ("echo", True, "echo", "echo"),
+    ("prompt", [], "prompt", "a list of 0 prompts"),
+    ("prompt", ["a", "b"], "prompt", "a list of 2 prompts"),
+    ("prompt", 5, "prompt.*", "prompt"),
+    ("stream", "maybe", "stream", "stream"),
+])
+def test_each_bad_value_is_a_400_naming_its_field(front, field, value, param, words):
+    code, data, call = front.complete(**{field: value})
+    assert_refused(code, data, call, 400, param, words=words)
+
+
+def test_a_validation_error_message_starts_with_the_field(front):
+    """FastAPI's validation errors become OpenAI's 400 (not 422) whose message is "<field>: <pydantic message>"."""
+    code, data, _ = front.complete(top_p=0)
+    assert code == 400 and data["error"]["message"].startswith("top_p: ") and data["error"]["code"] is None
+    code, data, _ = front.post("/completions", {"model": MODEL, "max_tokens": 3})
+    assert code == 400 and data["error"]["param"] == "prompt" and data["error"]["message"].startswith("prompt: ")
+
+
+def test_a_missing_model_is_a_400_naming_it_and_an_unknown_one_a_404(front):
+    code, data, call = front.post("/completions", {"prompt": "x", "max_tokens": 3})
+    assert_refused(code, data, call, 400, "model", words="model")
+    code, data, call = front.complete(model="gpt-4o")
+    assert_refused(code, data, call, 404, "model", words="gpt-4o")
+    assert data["error"]["code"] == "model_not_found" and MODEL in data["error"]["message"]
+    code, data, call = front.complete(model="gpt-4o", n=2)  # the model is checked first
+    assert code == 404
+
+
+@pytest.mark.parametrize("name", ["SERVED-MODEL", "served-model ", "default", "", "served"])
+def test_only_the_served_models_exact_name_is_served(front, name):
+    code, data, call = front.complete(model=name)
+    assert_refused(code, data, call, 404, "model")
+
+
+def test_ignore_eos_with_a_stop_string_is_refused(front):
+    for stop in ("END", ["", "x"]):
+        code, data, call = front.complete(ignore_eos=True, stop=stop)
+        assert_refused(code, data, call, 400, "ignore_eos", words="ignore_eos")
+
+
+@pytest.mark.parametrize("n_stops", [0, 1, 3, 4])
+def test_up_to_four_stops_are_sent_in_order(front, n_stops):
+    stops = [f"s{i}" for i in range(n_stops)]
+    code, _, (_, body) = front.complete(stop=stops)
+    assert code == 200 and body.get("stop_words", []) == stops
+
+
+# ---------------------------------------------------------------- the context limit
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_prompt_plus_max_tokens_may_fill_the_context_exactly(front, monkeypatch, adds_bos):
+    """Prompt tokens are counted as the runtime encodes the prompt (BOS included when the tokenizer adds it)."""
+    monkeypatch.setattr(front.served, "tokenizer", CharTokenizer(adds_bos=adds_bos))
+    n = len("hello") + adds_bos
+    code, data, call = front.complete(max_tokens=CONTEXT - n)
+    assert code == 200 and call[1]["max_tokens"] == CONTEXT - n
+    assert data["usage"]["prompt_tokens"] == n
+    code, data, call = front.complete(max_tokens=CONTEXT - n + 1)
+    assert_refused(code, data, call, 400, "max_tokens", words=f"prompt ({n} tokens) + max_tokens ({CONTEXT - n + 1})")
+    assert data["error"]["code"] == "context_length_exceeded" and str(CONTEXT) in data["error"]["message"]
+
+
+def test_the_context_check_uses_the_chat_max_completion_tokens(front):
+    n = len("[user]hi[assistant]")
+    code, _, call = front.chat(max_completion_tokens=CONTEXT - n, max_tokens=1)
+    assert code == 200 and call[1]["max_tokens"] == CONTEXT - n
+    code, data, call = front.chat(max_completion_tokens=CONTEXT - n + 1, max_tokens=1)
+    assert_refused(code, data, call, 400, "max_tokens", words="context")
+
+
+# ---------------------------------------------------------------- responses (plain)
+
+
+def test_a_completion_response_has_openais_shape_and_counts(front):
+    t0 = int(time.time())
+    code, data, _ = front.complete(prompt="hello there", max_tokens=8)
+    assert code == 200
+    assert set(data) == {"id", "object", "created", "model", "choices", "usage"}
+    assert data["id"].startswith("cmpl-") and len(data["id"]) > len("cmpl-") + 8
+    assert data["object"] == "text_completion" and data["model"] == MODEL
+    assert t0 - 1 <= data["created"] <= int(time.time()) + 1
+    assert data["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None, "text": "abc"}]
+    assert data["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    _, again, _ = front.complete()
+    assert again["id"] != data["id"]
+
+
+@pytest.mark.parametrize("max_tokens, reason", [(2, "length"), (3, "length"), (4, "stop")])
+def test_finish_reason_is_length_when_max_tokens_tokens_came(front, max_tokens, reason):
+    """The stand-in returns 3 tokens: "length" at max_tokens 3 (and below: the count is what Triton reports), else "stop"."""
+    code, data, _ = front.complete(max_tokens=max_tokens)
+    assert code == 200 and data["choices"][0]["finish_reason"] == reason and data["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("logprobs, tokens", [([], 0), ([-1.0], 1), ([[-1.0, -2.0]], 2), ([[[-1.0], [-2.0, -3.0]]], 3)])
+def test_completion_tokens_count_every_log_probability_however_nested(front, logprobs, tokens):
+    """Triton's output_log_probs is [1, 1, n] (or flatter): completion tokens are its elements."""
+    front.triton.reply = Reply(json={"text_output": "xy", "output_log_probs": logprobs})
+    code, data, _ = front.complete(prompt="p", max_tokens=8)
+    assert code == 200 and data["usage"] == {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": 1 + tokens}
+    assert data["choices"][0]["text"] == "xy"
+
+
+def test_a_reply_without_text_or_log_probs_is_an_empty_completion(front):
+    front.triton.reply = Reply(json={})
+    code, data, _ = front.complete(max_tokens=2)
+    assert code == 200 and data["choices"][0]["text"] == "" and data["usage"]["completion_tokens"] == 0
+    assert data["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_chat_response_has_openais_shape(front):
+    code, data, call = front.chat(max_tokens=3)
+    assert code == 200
+    assert set(data) == {"id", "object", "created", "model", "choices", "usage"}
+    assert data["id"].startswith("chatcmpl-") and data["object"] == "chat.completion" and data["model"] == MODEL
+    assert data["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None, "message": {"role": "assistant", "content": "abc"}}]
+    n = len("[user]hi[assistant]")
+    assert data["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+    assert call == ("generate", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 3})
+
+
+def test_models_lists_the_served_model(front):
+    with urllib.request.urlopen(f"{front.url}/models", timeout=30) as r:
+        assert json.loads(r.read()) == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "trtkv"}]}
+
+
+# ---------------------------------------------------------------- chat requests
+
+
+@pytest.mark.parametrize("role, rendered", [("system", "system"), ("user", "user"), ("assistant", "assistant"), ("developer", "system"),
+                                            ("tool", "tool")])
+def test_each_role_reaches_the_chat_template(front, role, rendered):
+    code, _, call = front.chat(messages=[{"role": role, "content": "c1"}, {"role": "user", "content": "q"}])
+    assert code == 200
+    assert call[1]["text_input"] == f"[{rendered}]c1[user]q[assistant]"
+    messages, kw = front.served.tokenizer.template_calls[-1]
+    assert messages == [{"role": rendered, "content": "c1"}, {"role": "user", "content": "q"}]
+    assert kw == {"tokenize": False, "add_generation_prompt": True}
+
+
+@pytest.mark.parametrize("content, text", [
+    (None, ""),
+    ("", ""),
+    ([], ""),
+    ([{"type": "text", "text": "a"}], "a"),
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "ab"),
+    ([{"type": "text"}, {"type": "text", "text": "b"}], "b"),
+])
+def test_message_content_becomes_text(front, content, text):
+    code, _, call = front.chat(messages=[{"role": "user", "content": content}])
+    assert code == 200 and call[1]["text_input"] == f"[user]{text}[assistant]"
+
+
+@pytest.mark.parametrize("parts", [
+    [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+    [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}],
+    [{"text": "no type"}],
+])
+def test_a_non_text_content_part_is_refused(front, parts):
+    code, data, call = front.chat(messages=[{"role": "user", "content": parts}])
+    assert_refused(code, data, call, 400, "messages", words="text content")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}, {"content": "no role"}]}, "messages.1.role"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"n": 3}, "n"),
+    ({"temperature": 3}, "temperature"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_bad_chat_requests_are_400s_naming_the_field(front, body, param):
+    code, data, call = front.chat(**body)
+    assert_refused(code, data, call, 400, param)
+
+
+def test_max_completion_tokens_wins_and_max_tokens_is_the_fallback(front):
+    assert front.chat(max_completion_tokens=5, max_tokens=9)[2][1]["max_tokens"] == 5
+    assert front.chat(max_tokens=9)[2][1]["max_tokens"] == 9
+    assert front.chat(max_completion_tokens=4, max_tokens=None)[2][1]["max_tokens"] == 4
+    code, data, call = front.chat(max_tokens=None)
+    assert_refused(code, data, call, 400, "max_tokens", words="required")
+
+
+def test_every_sampling_field_of_a_chat_request_reaches_triton(front):
+    code, _, call = front.chat(max_tokens=6, temperature=0.25, top_p=0.75, seed=3, stop=["q"], min_tokens=2)
+    assert code == 200
+    assert call == ("generate", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 6, "temperature": 0.25,
+                                 "top_p": 0.75, "seed": 3, "stop_words": ["q"], "min_tokens": 2})
+    _, _, call = front.chat(max_tokens=6, ignore_eos=True)
+    assert call[1]["min_tokens"] == 6
+
+
+def test_a_model_without_a_chat_template_refuses_chat(front, monkeypatch):
+    monkeypatch.setattr(front.served, "tokenizer", CharTokenizer(chat=False))
+    code, data, call = front.chat()
+    assert_refused(code, data, call, 400, "messages", words="/v1/completions")
+    assert front.complete()[0] == 200
+
+
+@pytest.mark.parametrize("adds_bos, template_bos, prefix", [(True, True, ""), (False, True, "<s>"), (True, False, ""), (False, False, "")])
+def test_the_templates_bos_is_dropped_only_when_the_tokenizer_adds_one(front, monkeypatch, adds_bos, template_bos, prefix):
+    """The runtime encodes the prompt with tokenizer(prompt): a template's BOS plus the tokenizer's would be two."""
+    monkeypatch.setattr(front.served, "tokenizer", CharTokenizer(adds_bos=adds_bos, template_bos=template_bos))
+    code, data, call = front.chat()
+    assert code == 200 and call[1]["text_input"] == prefix + "[user]hi[assistant]"
+    assert data["usage"]["prompt_tokens"] == len(prefix + "[user]hi[assistant]") + adds_bos
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def events_of(lines: list[str]) -> list[dict]:
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    assert all(ln.startswith("data: ") for ln in lines)
+    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+
+
+def test_a_streamed_completion_sends_one_chunk_per_text_then_the_finish(front):
+    code, lines, _ = front.complete(stream=True, max_tokens=8)
+    assert code == 200
+    chunks = events_of(lines)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "choices"}  # no usage key without include_usage
+        assert c["object"] == "text_completion" and c["model"] == MODEL
+    assert [c["choices"] for c in chunks] == [
+        [{"index": 0, "text": "ab", "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "text": "c", "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}],
+    ]
+
+
+def test_stream_usage_comes_last_when_asked_for(front):
+    _, lines, _ = front.complete(prompt="four", stream=True, max_tokens=3, stream_options={"include_usage": True})
+    *chunks, usage = events_of(lines)
+    assert all(c["usage"] is None for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert usage["id"] == chunks[0]["id"] and usage["object"] == "text_completion" and usage["model"] == MODEL
+    for options in ({"include_usage": False}, {}, None):
+        _, lines, _ = front.complete(stream=True, stream_options=options)
+        assert all("usage" not in c for c in events_of(lines))
+
+
+def test_a_token_step_without_text_counts_but_sends_no_chunk(front):
+    """A step whose text is held back (a partial character) carries tokens and no text: no empty chunk, counted in usage."""
+    front.triton.reply = Reply(events=[{"text_output": "", "output_log_probs": [-0.5]}, {"text_output": "é", "output_log_probs": [[-0.1]]},
+                                       {"output_log_probs": []}])
+    _, lines, _ = front.complete(stream=True, max_tokens=2, stream_options={"include_usage": True})
+    *chunks, usage = events_of(lines)
+    assert [c["choices"][0]["text"] for c in chunks] == ["é", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 2
+
+
+def test_a_streamed_chat_starts_with_the_role_and_ends_with_an_empty_delta(front):
+    code, lines, call = front.chat(stream=True, max_tokens=3, stream_options={"include_usage": True})
+    assert code == 200 and call[0] == "generate_stream"
+    *chunks, usage = events_of(lines)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+    assert [c["choices"] for c in chunks] == [
+        [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "delta": {"content": "ab"}, "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "delta": {"content": "c"}, "finish_reason": None, "logprobs": None}],
+        [{"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}],
+    ]
+    n = len("[user]hi[assistant]")
+    assert usage["object"] == "chat.completion.chunk" and usage["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+
+
+def test_event_lines_without_a_space_and_other_lines_are_read_as_sse(front):
+    front.triton.reply = Reply(prefix="data:", extra_lines=[": a comment", "event: message"])
+    _, lines, _ = front.complete(stream=True, stream_options={"include_usage": True})
+    *chunks, usage = events_of(lines)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc" and usage["usage"]["completion_tokens"] == 3
+
+
+def test_a_stream_with_no_events_still_finishes(front):
+    front.triton.reply = Reply(events=[])
+    _, lines, _ = front.complete(stream=True, stream_options={"include_usage": True})
+    *chunks, usage = events_of(lines)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == ["stop"] and usage["usage"]["completion_tokens"] == 0
+
+
+# ---------------------------------------------------------------- Triton's errors
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_model_refuses_is_a_400_with_its_message(front, stream):
+    front.triton.reply = Reply(status=400, json={"error": "top_k must be >= 0"}, events=[])
+    code, data, call = front.complete(stream=stream)
+    assert call is not None and code == 400
+    assert data == {"error": {"message": "top_k must be >= 0", "type": "invalid_request_error", "param": None, "code": None}}
+
+
+def test_an_error_event_in_a_stream_is_a_400_before_any_chunk(front):
+    front.triton.reply = Reply(events=[{"error": "bad stop word"}, {"text_output": "never"}])
+    code, data, call = front.complete(stream=True)
+    assert call is not None
+    assert code == 400 and data["error"]["message"] == "bad stop word" and data["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("status", [404, 500, 503])
+@pytest.mark.parametrize("stream", [False, True])
+def test_any_other_triton_status_is_a_502_server_error(front, status, stream):
+    front.triton.reply = Reply(status=status, json={"error": "internal error: boom"})
+    code, data, _ = front.complete(stream=stream)
+    assert code == 502 and data["error"]["type"] == "server_error" and data["error"]["message"] == "internal error: boom"
+
+
+def test_a_non_json_error_body_is_passed_on_as_text(front):
+    front.triton.reply = Reply(status=400, text="plain words")
+    code, data, _ = front.complete()
+    assert code == 400 and data["error"]["message"] == "plain words"
+
+
+def test_an_unreachable_triton_is_a_503_naming_it(front, monkeypatch):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setattr(front.served, "triton_url", url)
+    for stream in (False, True):
+        code, data, _ = front.complete(stream=stream)
+        assert code == 503 and data["error"]["type"] == "server_error" and url in data["error"]["message"]
+
+
+# ---------------------------------------------------------------- the helpers, directly
+
+
+def test_triton_message_takes_the_error_field_of_json_else_the_text():
+    assert api._triton_message('{"error": "x is bad"}') == "x is bad"
+    assert api._triton_message('{"other": 1}') == '{"other": 1}'
+    assert api._triton_message("not json") == "not json"
+    assert api._triton_message("[1, 2]") == "[1, 2]"
+
+
+def test_flat_and_usage_and_finish():
+    assert api._flat([]) == [] and api._flat(-1.5) == [-1.5] and api._flat([[[1], [2, 3]], 4]) == [1, 2, 3, 4]
+    assert api._usage(7, 5) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert [api._finish(n, 4) for n in (0, 3, 4, 5)] == ["stop", "stop", "length", "length"]
+
+
+def test_openai_error_body():
+    e = OpenAIError(418, "short and stout", param="pot", code="teapot")
+    assert e.status == 418 and str(e) == "short and stout"
+    assert e.body() == {"error": {"message": "short and stout", "type": "invalid_request_error", "param": "pot", "code": "teapot"}}
+    assert OpenAIError(503, "down", kind="server_error").body()["error"] == {"message": "down", "type": "server_error", "param": None, "code": None}
+
+
+def test_served_counts_tokens_with_its_tokenizer():
+    assert Served("m", CharTokenizer(), 10, "u").count("abcd") == 4
+    assert Served("m", CharTokenizer(adds_bos=True), 10, "u").count("abcd") == 5
+
+
+def test_load_served_reads_the_engine_directorys_tokenizer_and_limits(tmp_path, tokenizer):
+    from types import SimpleNamespace
+
+    from trtkv.manifest import TOKENIZER_DIR
+
+    tokenizer.save_pretrained(tmp_path / TOKENIZER_DIR)
+    manifest = SimpleNamespace(model=SimpleNamespace(name="tiny-model"), limits=SimpleNamespace(max_seq_len=77))
+    s = api.load_served(tmp_path, manifest, "http://t:1")
+    assert (s.name, s.max_seq_len, s.triton_url) == ("tiny-model", 77, "http://t:1")
+    assert s.count("hello") == len(tokenizer("hello")["input_ids"])
+    assert api.load_served(tmp_path, manifest, "http://t:1", name="alias").name == "alias"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_port_in_use_is_a_clear_error():
+    import socket
+
+    from trtkv.errors import TrtkvError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(TrtkvError, match=f"did not start on 127.0.0.1:{port}"):
+            start_openai_server(Served(MODEL, CharTokenizer(), CONTEXT, "http://127.0.0.1:1"), "127.0.0.1", port)
