@@ -338,3 +338,123 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
     free(sc);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------ the seal
+   trtkv_seal quantizes full blocks x [N, H, bs, D] (float32, the stored channel space: the format's transforms and a
+   first block's sink replacement already applied) into the pool's storage: codes [N, H, bs, row_bytes], fp16 scales
+   and zero-points -- per channel over the block (per_block_channel: [N, H, D]) or per token group ([N, H, bs, G]). The
+   arithmetic is trtkv.quant._dynamic_codes', operation for operation in float32 (no contraction, no reordering), so the
+   bytes equal the reference quantizer's (tests/test_cpu_attention.py). Integer dtypes; fp8, static scales and an mse
+   search stay with the reference. */
+
+typedef struct {
+    int64_t head_dim, block_size, num_heads, block_wise, groups, symmetric;
+    float sym_min, sym_max, asym_max;
+    int64_t offset, row_bytes, n_planes, byte_off[MAX_PLANES], width[MAX_PLANES], low[MAX_PLANES], signed_bytes;
+    const float *clip;  /* [H] range multipliers, or NULL (1) */
+} SealFmt;
+
+#if defined(__clang__)
+#define NO_FP_REWRITE _Pragma("clang fp contract(off) reassociate(off)")
+#else
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off", "no-associative-math")
+#define NO_FP_REWRITE
+#endif
+
+static inline float to_fp16(float v) {
+    v = v < -65504.0f ? -65504.0f : (v > 65504.0f ? 65504.0f : v);
+    return (float)(half)v;
+}
+
+/* scale (and zero) of the values x[i * stride], i < m, and their codes into q[i * stride] (stored values, offset added) */
+static void quant_slice(const SealFmt *f, const float *x, int64_t m, int64_t stride, float clip, int *q, float *scale, float *zero) {
+    NO_FP_REWRITE
+    if (f->symmetric) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            const float a = fabsf(x[i * stride]);
+            amax = a > amax ? a : amax;
+        }
+        const float s = to_fp16(amax * clip / f->sym_max);
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float c = rintf(x[i * stride] * inv);
+            c = c < f->sym_min ? f->sym_min : (c > f->sym_max ? f->sym_max : c);
+            q[i * stride] = (int)c + (int)f->offset;
+        }
+        *scale = s;
+        return;
+    }
+    float mn = x[0], mx = x[0];
+    for (int64_t i = 1; i < m; i++) {
+        const float v = x[i * stride];
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+    }
+    const float rng = mx - mn;
+    const float z = to_fp16(mn + rng * (1.0f - clip) / 2.0f);
+    const float s = to_fp16(rng * clip / f->asym_max);
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int64_t i = 0; i < m; i++) {
+        float c = rintf((x[i * stride] - z) * inv);
+        c = c < 0.0f ? 0.0f : (c > f->asym_max ? f->asym_max : c);
+        q[i * stride] = (int)c;
+    }
+    *scale = s;
+    *zero = z;
+}
+
+int64_t trtkv_seal(const SealFmt *f, const float *x, int64_t n, uint8_t *codes, half *scale, half *zero) {
+    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, G = f->groups;
+    if (D > MAX_HEAD_DIM || (!f->block_wise && (G < 1 || D % G))) return -1;
+    int *q = malloc((size_t)(bs * D) * sizeof(int));
+    if (!q) return -2;
+    for (int64_t nb = 0; nb < n; nb++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t bh = nb * H + h;
+            const float *xb = x + bh * bs * D;
+            const float clip = f->clip ? f->clip[h] : 1.0f;
+            if (f->block_wise) {
+                for (int64_t d = 0; d < D; d++) {
+                    float s, z = 0.0f;
+                    quant_slice(f, xb + d, bs, D, clip, q + d, &s, &z);
+                    scale[bh * D + d] = (half)s;
+                    if (zero) zero[bh * D + d] = (half)z;
+                }
+            } else {
+                const int64_t g = D / G;
+                for (int64_t t = 0; t < bs; t++)
+                    for (int64_t k = 0; k < G; k++) {
+                        float s, z = 0.0f;
+                        quant_slice(f, xb + t * D + k * g, g, 1, clip, q + t * D + k * g, &s, &z);
+                        scale[(bh * bs + t) * G + k] = (half)s;
+                        if (zero) zero[(bh * bs + t) * G + k] = (half)z;
+                    }
+            }
+            /* pack each row plane after plane (trtkv.formats.DtypeTraits._pack) */
+            uint8_t *out = codes + bh * bs * f->row_bytes;
+            for (int64_t t = 0; t < bs; t++) {
+                const int *qr = q + t * D;
+                uint8_t *row = out + t * f->row_bytes;
+                if (f->signed_bytes) {
+                    for (int64_t d = 0; d < D; d++) row[d] = (uint8_t)(int8_t)qr[d];
+                    continue;
+                }
+                for (int64_t p = 0; p < f->n_planes; p++) {
+                    const int64_t w = f->width[p], per = 8 / w, mask = (1 << w) - 1;
+                    for (int64_t j = 0; j < D / per; j++) {
+                        int byte = 0;
+                        for (int64_t i = 0; i < per; i++) byte |= ((qr[j * per + i] >> f->low[p]) & mask) << (i * w);
+                        row[f->byte_off[p] + j] = (uint8_t)byte;
+                    }
+                }
+            }
+        }
+    free(q);
+    return 0;
+}
+
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif

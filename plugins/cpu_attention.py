@@ -31,13 +31,12 @@ import torch
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
-from trtkv.quant import per_channel
+from trtkv.quant import QuantizedTensor, per_channel
 
 from .contract.capabilities import CPU_KERNELS
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-ffp-contract=fast")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
 LIBS = ("-lm",)
 MAX_PLANES = 4  # as in the C source
 MAX_HEAD_DIM = CPU_KERNELS.head_dim_max  # the C source's MAX_HEAD_DIM
@@ -63,6 +62,13 @@ class _Decode(ctypes.Structure):
     _fields_ = [("n", _i64), ("q", _ptr), ("qf", _ptr), ("new_k", _ptr), ("new_v", _ptr), ("k_tail", _ptr), ("v_tail", _ptr),
                 ("tail_rows", _i64), ("slot", _ptr), ("open_len", _ptr), ("q_pos", _ptr), ("first_pos", _ptr), ("open_pos", _ptr),
                 ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr)]
+
+
+class _SealFmt(ctypes.Structure):
+    _fields_ = [("head_dim", _i64), ("block_size", _i64), ("num_heads", _i64), ("block_wise", _i64), ("groups", _i64), ("symmetric", _i64),
+                ("sym_min", ctypes.c_float), ("sym_max", ctypes.c_float), ("asym_max", ctypes.c_float), ("offset", _i64), ("row_bytes", _i64),
+                ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES),
+                ("signed_bytes", _i64), ("clip", _ptr)]
 
 
 def _compiler() -> str | None:
@@ -110,6 +116,8 @@ def _library() -> ctypes.CDLL | str:
     lib.trtkv_decode.restype = _i64
     lib.trtkv_dequant.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), _ptr, _i64]
     lib.trtkv_dequant.restype = _i64
+    lib.trtkv_seal.argtypes = [ctypes.POINTER(_SealFmt), _ptr, _i64, _ptr, _ptr, _ptr]
+    lib.trtkv_seal.restype = _i64
     return lib
 
 
@@ -255,3 +263,60 @@ def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q
     a.out_sealed, a.out_rest = out.data_ptr(), out[1].data_ptr()
     _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
     return out[0], out[1]
+
+
+@dataclass
+class SealCodec:
+    """One layer's K or V seal as the kernel runs it: the C struct and the tensors it points into (kept alive)."""
+
+    fmt: _SealFmt
+    keep: tuple
+    storage: torch.dtype
+
+    @staticmethod
+    def reason(tf) -> str | None:
+        """Why the kernel does not seal ``tf`` (the reference quantizer does), or None."""
+        if not tf.is_quantized or not tf.traits.is_int:
+            return f"{tf.dtype} is not an integer code"
+        if tf.is_static:
+            return "static scales"
+        if tf.mse:
+            return "its scales are searched (mse)"
+        return None
+
+    @classmethod
+    def of(cls, tf, params, num_heads: int, head_dim: int, block_size: int) -> "SealCodec | None":
+        """For ``TensorFormat`` ``tf`` with its calibrated ``TensorParams`` (clip); None where ``reason`` names one."""
+        if cls.reason(tf) or head_dim > MAX_HEAD_DIM:
+            return None
+        traits, sym = tf.traits, tf.symmetric
+        f = _SealFmt(head_dim=head_dim, block_size=block_size, num_heads=num_heads, block_wise=int(tf.is_block_wise),
+                     groups=1 if tf.is_block_wise else tf.groups(head_dim), symmetric=int(sym), sym_min=traits.sym_min,
+                     sym_max=traits.sym_max, asym_max=traits.asym_max, offset=traits.offset(sym),
+                     row_bytes=traits.packed_dim(head_dim) * traits.storage.itemsize,
+                     signed_bytes=int(not traits.packed and traits.storage_for(sym) == torch.int8))
+        planes = traits.plane_layout(head_dim) if traits.packed else [(0, 8, 0)]
+        f.n_planes = len(planes)
+        for p, (byte, width, low) in enumerate(planes):
+            f.byte_off[p], f.width[p], f.low[p] = byte, width, low
+        keep = []
+        clip = None if params is None else params.clip
+        if clip is not None:
+            clip = clip.float().expand(num_heads).contiguous() if clip.dim() == 0 else clip.float().contiguous()
+            keep.append(clip)
+            f.clip = clip.data_ptr()
+        return cls(f, tuple(keep), traits.storage_for(sym))
+
+
+def seal(codec: SealCodec, x: torch.Tensor) -> QuantizedTensor:
+    """Blocks ``x`` [N, H, bs, D] (float32, stored space) quantized as the pool stores them: ``trtkv.quant.quantize_block``'s
+    codes, scales and zero-points, byte for byte."""
+    f = codec.fmt
+    x = x.float().contiguous()
+    N = x.shape[0]
+    codes = torch.empty(N, f.num_heads, f.block_size, f.row_bytes, dtype=torch.uint8)
+    shape = (N, f.num_heads, f.head_dim) if f.block_wise else (N, f.num_heads, f.block_size, f.groups)
+    scale = torch.empty(shape, dtype=torch.float16)
+    zero = None if f.symmetric else torch.empty(shape, dtype=torch.float16)
+    _check(library().trtkv_seal(ctypes.byref(f), x.data_ptr(), N, codes.data_ptr(), scale.data_ptr(), _p(zero)))
+    return QuantizedTensor(codes=codes.view(codec.storage), scale=scale, zero=zero)

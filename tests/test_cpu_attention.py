@@ -323,3 +323,56 @@ assert set(FAMILIES) >= {"mistral-sw", "qwen2-sw", "gemma2", "gemma3", "phi3", "
 def test_auto_takes_the_cpu_kernels_on_cpu(tiny_models):
     _, model = tiny_models("llama")
     assert TorchEngine(model, device="cpu").attention == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------- the seal
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int3", "int2", "k=int4:g8:asym,v=int8:g12:asym", "k=int8:token:asym,v=int2:token:sym",
+                                  "k=int3:bchannel:sym,v=int4:token:asym,block=5"])
+def test_the_c_seal_writes_the_reference_quantizers_bytes(spec):
+    from trtkv.quant import forward_transform
+
+    g = torch.Generator().manual_seed(13)
+    fmt = _format(spec)
+    for tf in (fmt.k, fmt.v):
+        for clip in (None, torch.tensor(0.9), torch.tensor([0.8, 1.0, 0.95])):
+            params = TensorParams(clip=clip, smooth=torch.rand(H, D, generator=g) + 0.5) if clip is not None else None
+            if params is not None and not tf.smooth:
+                params = TensorParams(clip=clip)
+            codec = ca.SealCodec.of(tf, params, H, D, BS)
+            assert codec is not None
+            x = torch.randn(6, H, BS, D, generator=g) * 3
+            x[2] = 0.0  # an all-zero block: scale 0
+            x[3, 1] = 1.5  # a constant head: range 0
+            x[4, 0, :, :3] = 7.25  # ties at code boundaries
+            ref = quantize_block(x, tf, params, head_axis=-3)
+            got = ca.seal(codec, forward_transform(x, tf, params, head_axis=-3))
+            assert got.codes.dtype == ref.codes.dtype and torch.equal(got.codes, ref.codes), (spec, tf.short(), clip)
+            assert torch.equal(got.scale, ref.scale) and (ref.zero is None) == (got.zero is None)
+            assert ref.zero is None or torch.equal(got.zero, ref.zero)
+
+
+@pytest.mark.parametrize("spec, why", [("fp16", "not an integer"), ("fp8", "not an integer"), ("int8-static", "static"),
+                                       ("k=int4:bchannel:asym:mse,v=int4:token:sym,block=5", "mse")])
+def test_the_c_seal_leaves_other_formats_to_the_reference(spec, why):
+    fmt = _format(spec)
+    assert why in ca.SealCodec.reason(fmt.k) and ca.SealCodec.of(fmt.k, None, H, D, BS) is None
+
+
+def test_the_pool_seals_with_the_reference_without_the_kernels(fresh_library, monkeypatch):
+    from trtkv.runtime.step import StepBatch, StepOutput
+
+    fmt = _format("int4").model_copy(update={"sink_tokens": 1})
+    lay = PagedKVLayout(fmt, H, D, BS, NB, 2)
+    k = (torch.randn(2, 2, 2 * BS + 1, H, D) * 2).half()
+    caches = []
+    for off in ("1", "0"):
+        monkeypatch.setenv("TRTKV_CPU_KERNELS", off)
+        ca._library.cache_clear()
+        cache = PagedKVCache(lay, 2)
+        assert (cache.seal_codec(0, "k") is None) == (off == "0")
+        cache.write_new_rows(StepBatch.make([[0] * (2 * BS + 1)] * 2, [0, 0], [[3, 4, 5], [6, 7, 8]], [0, 1]), StepOutput(None, k, -k))
+        caches.append(cache)
+    for name, t in caches[0].tensors.items():
+        assert torch.equal(caches[1].tensors[name], t), name

@@ -108,3 +108,19 @@ def test_torch_engine_equals_the_per_sequence_reference(sharp, spec, tol):
 def test_the_specs_take_the_folded_and_the_dequantized_paths():
     kinds = [(folds_key_scales(get_format(s).k), folds_value_scales(get_format(s).v)) for s, _ in SPECS]
     assert kinds == [(True, True), (False, True), (False, False), (True, True)]
+
+
+def test_the_model_stays_its_owners_after_engine_steps(small_llama):
+    """The engine switches the model to trtkv's paged attention during its steps only: the same model object, called
+    by its owner afterwards, runs transformers' own attention and gives the logits it gave before the engine existed."""
+    model = copy.deepcopy(small_llama)
+    ids = torch.tensor([[5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        before = model(ids).logits
+    cfg = model.config
+    fmt = get_format("fp16").with_block_size(BS)
+    cache = PagedKVCache(PagedKVLayout(fmt, cfg.num_key_value_heads, cfg.head_dim, BS, 8, 2), cfg.num_hidden_layers)
+    run(TorchEngine(model, attention="torch"), cache, [[5, 9, 2]], 2)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before)

@@ -29,8 +29,9 @@ from trtkv.artifacts import LayerParams, tensors_to_params
 from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block, sealing, store_blocks
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
+from trtkv.plugins import cpu_attention
 from trtkv.plugins.contract.capabilities import TORCH_OPS, seal_with_kernels
-from trtkv.quant import quantize_block
+from trtkv.quant import check_finite, forward_transform, quantize_block
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
 
@@ -84,6 +85,7 @@ class PagedKVCache:
             groups.setdefault(suffix, []).append(i)
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
+        self._seal_codecs: dict[tuple[int, str], object] = {}
         # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
         # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
         self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
@@ -214,8 +216,27 @@ class PagedKVCache:
                     if sink_rows is not None:
                         lay.sink_rows(pool.tail[s]).copy_(sink_rows)
                         rows[i] = quantized
-                qt = quantize_block(rows, lay.tensor_format(which), getattr(self.params[layer], which), head_axis=-3)
+                tf, params = lay.tensor_format(which), getattr(self.params[layer], which)
+                codec = self.seal_codec(layer, which)
+                if codec is not None:  # trtkv's C seal: the reference quantizer's bytes, one call
+                    check_finite(rows, "K/V input")
+                    qt = cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
+                else:
+                    qt = quantize_block(rows, tf, params, head_axis=-3)
                 store_blocks(pool.data, pool.scale, pool.zero, targets, qt.codes, qt.scale, qt.zero)
+
+    def seal_codec(self, layer: int, which: str):
+        """The C seal of ``layer``'s K or V on a CPU pool (``cpu_attention.SealCodec``; made once), or None where the
+        reference quantizer seals: a format the kernel does not take, a GPU pool, no C compiler."""
+        key = (layer, which)
+        if key not in self._seal_codecs:
+            codec = None
+            if self.tensors["k_tail"].device.type == "cpu" and cpu_attention.unavailable() is None:
+                lay = self.layout_of(layer)
+                codec = cpu_attention.SealCodec.of(lay.tensor_format(which), getattr(self.params[layer], which), lay.num_kv_heads,
+                                                   lay.head_dim, lay.block_size)
+            self._seal_codecs[key] = codec
+        return self._seal_codecs[key]
 
     def seal(self, slot: int, block: int, block_index: int) -> None:
         """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,8 +148,7 @@ class TorchEngine(Engine):
         self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype
         register_attention()
-        for cfg in {id(c): c for c in (model.config, _text_config(model.config))}.values():
-            cfg._attn_implementation = ATTN_NAME
+        self._configs = list({id(c): c for c in (model.config, _text_config(model.config))}.values())
         self._decoder = model.get_decoder()
         # the Llama family's layers in a fraction of the ops (runtime/lean.py); the others run transformers' modules
         self.lean = LeanDecoder(model, paged_attention) if lean and LeanDecoder.reason(model) is None else None
@@ -188,9 +188,22 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         B, T = batch.input_ids.shape
-        if self.cuda_graphs and T == 1 and B <= GRAPH_BUCKETS[-1]:
-            return self._graph_decode(batch, cache)
-        return self._step(batch, cache)
+        with self._paged_attention():
+            if self.cuda_graphs and T == 1 and B <= GRAPH_BUCKETS[-1]:
+                return self._graph_decode(batch, cache)
+            return self._step(batch, cache)
+
+    @contextmanager
+    def _paged_attention(self):
+        """The model's attention is trtkv's for the step only: the model stays usable by its owner between steps."""
+        before = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = ATTN_NAME
+        try:
+            yield
+        finally:
+            for c, b in zip(self._configs, before):
+                c._attn_implementation = b
 
     def _step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
         dev = self.device
@@ -674,7 +687,7 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     model_rows = _open_rows(st, layer, which, new_rows)
     rest = forward_transform(model_rows, fmt, params, head_axis=-3)
     if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
-        rest = torch.cat([rest, _in_step_sealed(st, lay, model_rows, fmt, params)], 2)
+        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params)], 2)
     if not st.sealed_max:
         return rest.contiguous()
     S = st.sealed_max * st.cache.block_size
@@ -684,7 +697,7 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     return out
 
 
-def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
+def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
     """``[B, H, in_step * bs, D]``: the blocks a step across blocks seals, from its open blocks' and new rows ``model_rows``
     [B, H, open_max + T, D] (fp16 values), quantized and dequantized exactly as ``PagedKVCache.seal`` will store them
     (``cache_layout.sealing``: a first block without its sink rows), in the stored channel space."""
@@ -698,7 +711,10 @@ def _in_step_sealed(st: _Step, lay: PagedKVLayout, model_rows: torch.Tensor, fmt
         blocks = blocks.view(B, n, H, bs, D).clone()
         blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
         blocks = blocks.view(B * n, H, bs, D)
-    x = dequantize(quantize_block(blocks, fmt, params, head_axis=-3), fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
+    codec = st.cache.seal_codec(layer, which)  # the pool's own seal: the C kernel where it takes the format
+    qt = cpu_attention.seal(codec, forward_transform(blocks, fmt, params, head_axis=-3)) if codec is not None else \
+        quantize_block(blocks, fmt, params, head_axis=-3)
+    x = dequantize(qt, fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 
