@@ -104,6 +104,19 @@ ISSUE27_COMBOS = [
     ("int2-prerope-kout-vnuq", f"k={K2P}:out32,v=int2:token:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
     ("int2-prerope-qsm-kout-vnuq", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four (the int2-nuq preset)", {}),
 ]
+# screen 3 (round 2): around the best int3 row (pre-RoPE keys, query smoothing, value codebooks): one codebook per layer
+# instead of per head (the per-layer table beat per-head ones in screen 1), values asymmetric per token through the
+# codebook, and key outliers paid for by symmetric key scales (3.25 + 0.25 bits) instead of coarser value groups
+ISSUE27_ROUND2 = [
+    ("int3-prerope-qsm-vnuq-layer", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks, one per layer", {"codebook_per_head": False}),
+    ("int3-prerope-qsm-vtnuq", f"k={K3PQ},v=int3:token:asym:hadamard:nuq{S}", "keys before RoPE, query smoothing + value codebooks, values asymmetric per token", {}),
+    ("int3-prerope-qsm-ksout-vnuq", f"k=int3:bchannel:sym:prerope:qsmooth:hadamard:out32,v={V3}:nuq{S}",
+     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; value codebooks", {}),
+    ("int3-prerope-qsm-kout-vnuq-layer", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
+    ("int2-prerope-qsm-kout-vnuq-layer", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
+    ("int2-prerope-qsm-ksout-vtnuq", f"k=int2:bchannel:sym:prerope:qsmooth:hadamard:out32,v=int2:token:asym:hadamard:nuq{S}",
+     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; values asymmetric per token through a codebook", {}),
+]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -162,7 +175,7 @@ ROWS: list[Row] = [
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
     # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
     # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
-    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS],
+    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -174,6 +187,7 @@ GROUPS = {
     "mse": [r.name for r in ROWS if "mse" in r.name],
     "issue27": ["int4", "int3", "int2", *[name for name, *_ in ISSUE27_ROWS]],
     "issue27-combos": ["int3", "int2", *[name for name, *_ in ISSUE27_COMBOS]],
+    "issue27-round2": ["int3", "int2", "int3-prerope-qsm-vnuq", "int2-prerope-qsm-kout-vnuq", *[name for name, *_ in ISSUE27_ROUND2]],
     "all": [r.name for r in ROWS],
 }
 
