@@ -504,6 +504,55 @@ def test_paged_layout_counts_outlier_bytes_and_codebooks():
     assert lay.constant_bytes(range(5)) == fmt.constant_bytes(5, H) == 5 * 2 * H * 8 * 4
 
 
+
+def _hand_bits(code_bits, bs, d, scales_per_block, outliers):
+    """One KV head's bits in one sealed block, by hand: codes, fp16 scales / zero-points, (fp16 value + int16 position)
+    per outlier."""
+    return bs * d * code_bits + scales_per_block * 16 + outliers * (16 + 16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layout_bits_match_a_hand_count_for_outlier_and_codebook_formats(seed):
+    """Odd sizes drawn fresh: the layout's bytes per block (what inspect and the runtime's budget read), its allocated
+    tensors, the format's pool bits (what plan and eval print) and plan's rows agree with naive arithmetic; a codebook
+    adds nothing per block and is the per-layer constant plan takes from the budget."""
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.plan import ModelShape, plan
+
+    g = torch.Generator().manual_seed(seed)
+    heads = int(torch.randint(1, 6, (1,), generator=g)) * 2 + 1  # odd: 3 .. 11
+    d = 8 * int(torch.randint(2, 6, (1,), generator=g)) + 8 * (seed % 2)  # a multiple of 8 (int3), 16 .. 48
+    bs = int(torch.randint(3, 12, (1,), generator=g)) | 1  # odd
+    n_k, n_v, layers = int(torch.randint(1, bs * d // 8, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)), 3
+    cases = {
+        # outliers on both sides: K per channel per block (scale + zero per channel), V sym per token in groups of 8
+        f"k=int3:bchannel:asym:hadamard:out{n_k},v=int2:g8:sym:out{n_v},block={bs}":
+            (_hand_bits(3, bs, d, 2 * d, n_k), _hand_bits(2, bs, d, bs * d // 8, n_v), 0),
+        # codebooks on both sides: K asym per token (scale + zero per token), V sym groups of 8 at int4
+        f"k=int3:token:asym:nuq,v=int4:g8:sym:nuq,block={bs}":
+            (_hand_bits(3, bs, d, 2 * bs, 0), _hand_bits(4, bs, d, bs * d // 8, 0), layers * heads * (8 + 16) * 4),
+        # both, and a plain format as the control
+        f"k=int2:bchannel:asym:nuq:out{n_k},v=int3:token:sym,block={bs}":
+            (_hand_bits(2, bs, d, 2 * d, n_k), _hand_bits(3, bs, d, bs, 0), layers * heads * 4 * 4),
+    }
+    for spec, (k_bits, v_bits, constants) in cases.items():
+        fmt = get_format(spec)
+        lay = PagedKVLayout(fmt, heads, d, bs, num_blocks=3, num_slots=1)
+        assert lay.tensor_bytes_per_block("k") * 8 == heads * k_bits, spec
+        assert lay.tensor_bytes_per_block("v") * 8 == heads * v_bits, spec
+        for which in ("k", "v"):  # the allocated pool tensors hold exactly those bytes
+            pool = lay.allocate(which, tail=False)
+            held = sum(t.numel() * t.element_size() for t in (pool.data, pool.scale, pool.zero, pool.outlier_index, pool.outlier_value)
+                       if t is not None)
+            assert held == 3 * lay.tensor_bytes_per_block(which), (spec, which)
+        per_element = (k_bits + v_bits) / (2 * bs * d)
+        assert lay.bytes_per_token() * 8 / (2 * heads * d) == pytest.approx(per_element, rel=1e-12)
+        assert fmt.pool_bits_per_element(d) == pytest.approx(per_element, rel=1e-12)
+        assert lay.constant_bytes(range(layers)) == fmt.constant_bytes(layers, heads) == constants
+        budget, [row] = plan(ModelShape("m", layers, heads, d), [fmt], context_len=4 * bs, gpu_bytes=2**30, reserve_fraction=0)
+        assert row.pool_bits_per_element == pytest.approx(per_element, rel=1e-12) and row.constant_bytes == constants
+        assert row.cached_bytes_per_token == pytest.approx(layers * lay.bytes_per_token(), rel=1e-12)
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_eval_forward_equals_paged_step_by_step_decode_with_codebooks_and_outliers(tiny_model, arch):
     """The eval cache's sealed blocks with codebooks and outlier lists are what the reference paged cache (pools,

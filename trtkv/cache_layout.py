@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import OUTLIER_INDEX_BITS, OUTLIER_VALUE_BITS, SCALE_BITS, KVFormat, TensorFormat
+from trtkv.formats import KVFormat, TensorFormat
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,9 +42,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Which = Literal["k", "v"]
 TAIL_DTYPE = torch.float16
-SCALE_DTYPE = torch.float16  # dynamic scales and zero-points, ``SCALE_BITS`` wide (the byte counts read SCALE_BITS)
-OUTLIER_INDEX_DTYPE = torch.int16  # ``OUTLIER_INDEX_BITS`` wide
-OUTLIER_VALUE_DTYPE = torch.float16  # ``OUTLIER_VALUE_BITS`` wide
+SCALE_DTYPE = torch.float16  # dynamic scales and zero-points, ``formats.SCALE_BITS`` wide (the byte counts read SCALE_BITS)
+OUTLIER_INDEX_DTYPE = torch.int16  # ``formats.OUTLIER_INDEX_BITS`` wide
+OUTLIER_VALUE_DTYPE = torch.float16  # ``formats.OUTLIER_VALUE_BITS`` wide
 
 
 @dataclass
@@ -150,18 +150,14 @@ class PagedKVLayout:
         """The sink rows of ``tail`` (a sequence's first ``sink_tokens`` tokens once its first block is sealed): a view."""
         return tail.narrow(-2, self.block_size, self.sink_tokens)
 
-    # Byte counts: codes at the ``DTYPES`` row's bits per code, scales and zero-points at ``SCALE_BITS``, the tail
-    # at ``KVFormat.tail_bytes``; everything that counts cache memory asks these.
+    # Byte counts: a pool block at ``TensorFormat.block_bits`` per KV head (codes at the ``DTYPES`` row's bits, scales and
+    # zero-points at ``SCALE_BITS``, outlier lists at ``OUTLIER_BITS``), the tail at ``KVFormat.tail_bytes``; everything
+    # that counts cache memory asks these.
 
     def tensor_bytes_per_block(self, which: Which) -> int:
-        """Bytes of one pool block of K or V: its codes plus its dynamic scales and zero-points and its outlier list."""
-        bits = self.num_kv_heads * self.block_size * self.head_dim * self.tensor_format(which).traits.bits
-        for shape in (self.scale_shape(which, 1), self.zero_shape(which, 1)):
-            if shape is not None:
-                bits += _numel(shape) * SCALE_BITS
-        if (shape := self.outlier_shape(which, 1)) is not None:
-            bits += _numel(shape) * (OUTLIER_INDEX_BITS + OUTLIER_VALUE_BITS)
-        return bits // 8
+        """Bytes of one pool block of K or V: its codes plus its dynamic scales and zero-points and its outlier list
+        (``TensorFormat.block_bits`` per KV head: the shapes this layout allocates, counted once)."""
+        return self.num_kv_heads * self.tensor_format(which).block_bits(self.block_size, self.head_dim) // 8
 
     def constant_bytes(self, layers) -> int:
         """Bytes of the per-layer constants the pools of ``layers`` (indices) are read with that the format fixes: the
@@ -263,13 +259,6 @@ class WindowRing:
 def storage_dtype(t: TensorFormat) -> torch.dtype:
     """Torch dtype of a pool's ``data`` tensor: the ``DTYPES`` row's storage for the format's symmetry."""
     return t.storage.torch
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ optional transforms. The quantization math that reads these rows lives once, in 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -398,16 +399,26 @@ class TensorFormat(BaseModel):
             return (*lead, num_kv_heads, head_dim)
         return (*lead, num_kv_heads, block_size, self.groups(head_dim))
 
+    def block_bits(self, block_size: int, head_dim: int) -> int:
+        """Bits of one KV head's share of one pool block of ``block_size`` tokens: the codes, the dynamic scales and
+        zero-points (``scale_shape``, ``SCALE_BITS`` each) and the outlier list (``outlier_shape``, ``OUTLIER_BITS`` per
+        kept element). The one byte count: ``bits_per_element`` and ``PagedKVLayout``'s bytes per block are this over
+        the block's elements / times the KV heads, and the layout allocates its tensors from the same shapes. A
+        codebook (``nuq``) is a per-layer constant, not in the block (``KVFormat.constant_bytes``)."""
+        bits = block_size * head_dim * self.traits.bits
+        if (shape := self.scale_shape((), 1, block_size, head_dim)) is not None:
+            bits += math.prod(shape) * SCALE_BITS * (1 if self.symmetric else 2)
+        if (shape := self.outlier_shape((), 1)) is not None:
+            bits += math.prod(shape) * OUTLIER_BITS
+        return bits
+
     def bits_per_element(self, head_dim: int, block_size: int | None = None) -> float:
         """Storage bits per element, dynamic scales, zero-points and outlier lists included (block-wise: amortised over
-        the block)."""
-        per_scale = SCALE_BITS * (1 if self.symmetric else 2)
+        the block): ``block_bits`` over the block's elements (formats without sealed blocks: a one-token block)."""
         if (self.is_block_wise or self.outliers) and not block_size:
             raise ValueError(f"{self.short()} needs a block size (per_block_channel scales and outliers are per sealed block)")
-        sparse = self.outliers * OUTLIER_BITS / (block_size * head_dim) if self.outliers else 0.0
-        if self.is_block_wise:
-            return self.traits.bits + per_scale / block_size + sparse
-        return self.traits.bits + self.groups(head_dim) * per_scale / head_dim + sparse
+        bs = block_size or 1
+        return self.block_bits(bs, head_dim) / (bs * head_dim)
 
     def outlier_shape(self, lead: tuple, num_kv_heads) -> tuple | None:
         """Shape of this format's outlier values (fp16) and positions (int16) after the ``lead`` axes (one entry per
