@@ -6,6 +6,7 @@ Every rule is checked against an independent float64 reference (a naive loop) on
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -580,18 +581,128 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_codebooks_and_outlie
 # --------------------------------------------------------------------------- no engine path reads them yet (phase 2)
 
 
-def test_every_engine_path_refuses_codebooks_and_outliers_in_one_line():
-    from trtkv.plugins.contract.capabilities import CAPABILITIES
+# (spec, the words a refusal names, the side that keeps it); and formats every path reads (no such refusal)
+_S4 = ",block=64,sink=4"
+NEW_FEATURES = [
+    (f"k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard:nuq{_S4}", "codebooks (nuq)", "v"),
+    (f"k=int3:bchannel:asym:hadamard:nuq,v=int3:g32:sym:hadamard{_S4}", "codebooks (nuq)", "k"),
+    (f"k=int3:bchannel:asym:hadamard,v=int3:g64:sym:hadamard:out16{_S4}", "outlier lists (outN)", "v"),
+    (f"k=int2:bchannel:asym:hadamard:out32,v=int2:token:sym:hadamard{_S4}", "outlier lists (outN)", "k"),
+    (f"k=int3:bchannel:asym:prerope:qsmooth:hadamard,v=int3:g32:sym:hadamard{_S4}", "keys before RoPE (prerope)", "k"),
+]
+READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
-    for spec, what in (("int3", None), ("k=int3:bchannel:asym:hadamard:nuq,v=int3:g32:sym:hadamard,block=64,sink=4", "codebooks"),
-                       ("k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard:out16,block=64,sink=4", "outlier lists")):
-        fmt = get_format(spec)
-        for path in CAPABILITIES.values():
-            reasons = path.reasons(fmt, None, 64, 64)
-            if what is None:
-                assert not [r for r in reasons if "codebook" in r or "outlier" in r]
-            else:
-                assert any(what in r and "\n" not in r for r in reasons), (path.name, reasons)
+
+@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+def test_every_path_of_the_capability_table_refuses_each_new_feature_in_one_line(spec, words, side):
+    from trtkv.plugins.contract.capabilities import CAPABILITIES, kernels_take
+
+    fmt = get_format(spec)
+    for path in CAPABILITIES.values():
+        reasons = [r for r in path.reasons(fmt, None, 64, 64) if words in r]
+        assert len(reasons) == 1 and "\n" not in reasons[0] and path.title in reasons[0] and reasons[0].hint, (path.name, reasons)
+    assert not kernels_take(fmt)  # the AOT list and the contract tests ask this: the kernels do not take it
+
+
+@pytest.mark.parametrize("spec", READ_EVERYWHERE)
+def test_formats_every_path_reads_are_not_refused_for_the_new_features(spec):
+    from trtkv.plugins.contract.capabilities import CAPABILITIES, kernels_take
+
+    fmt = get_format(spec)
+    for path in CAPABILITIES.values():
+        assert not path.layout_reasons(fmt) and not [r for r in path.reasons(fmt, None, 64, 64) if "read yet" in r], path.name
+    assert kernels_take(fmt)
+
+
+def test_aot_configurations_leave_out_the_presets_the_kernels_do_not_read():
+    from trtkv.formats import PRESETS
+    from trtkv.plugins.contract.capabilities import KERNEL_SEAL, kernels_take
+
+    taken = {n for n, f in PRESETS.items() if kernels_take(f)}
+    lacking = {n for n, f in PRESETS.items() if any(KERNEL_SEAL.lacks(t) for t in (f.k, f.v))}
+    assert {"int3-nuq", "int2-nuq"} <= lacking and not taken & lacking and {"int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
+
+
+@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+def test_the_op_contract_refuses_each_new_feature(spec, words, side):
+    """The trtkv:: ops (Triton kernels, ONNX Runtime custom ops, TensorRT plugins) share one attribute check: a format
+    attribute that keeps a codebook, an outlier list or pre-RoPE keys is a one-line error naming it."""
+    from trtkv.plugins.contract.attrs import attrs_for
+    from trtkv.plugins.contract.specs import OPS
+
+    for op in [op for op in OPS.values() if {"tensor_format", f"{side}_format"} & {a.name for a in op.attrs}]:  # ops that read that side
+        with pytest.raises(TrtkvError, match=re.escape(words)) as e:
+            attrs_for(op, spec, num_q_heads=9, num_kv_heads=3, head_dim=64, which=side)
+        assert "\n" not in str(e.value) and "trtkv:: ops" in str(e.value)
+    for ok in READ_EVERYWHERE:  # the control: the same ops take the formats every path reads
+        for op in OPS:
+            attrs_for(op, ok, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=64, which=side)
+
+
+@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+def test_the_triton_launchers_refuse_each_new_feature(spec, words, side):
+    """A direct Triton launch (no op attributes to check) refuses where the format becomes the kernels' constexprs."""
+    pytest.importorskip("triton")
+    from trtkv.plugins import kernels, ops
+
+    fmt = get_format(spec)
+    tf, other = (fmt.k, fmt.v) if side == "k" else (fmt.v, fmt.k)
+    with pytest.raises(TrtkvError, match=re.escape(words)):
+        kernels.format_constexprs(tf)
+    rows = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(27))
+    with pytest.raises(TrtkvError, match=re.escape(words)):
+        ops.launch_seal(rows, tf, interpret=True)
+    assert kernels.format_constexprs(other)["DTYPE"] == other.dtype  # the control
+
+
+@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+def test_the_cpu_c_kernels_refuse_each_new_feature(spec, words, side):
+    """trtkv's C kernels: the decode codec refuses the tensor format in one line; the C seal says why it leaves it to the
+    reference quantizer."""
+    from trtkv.plugins import cpu_attention
+
+    fmt = get_format(spec)
+    tf, other = (fmt.k, fmt.v) if side == "k" else (fmt.v, fmt.k)
+    with pytest.raises(TrtkvError, match=re.escape(words)) as e:
+        cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
+    assert "\n" not in str(e.value)
+    assert words.split(" (")[0] in cpu_attention.SealCodec.reason(tf) and cpu_attention.SealCodec.of(tf, None, 3, 64, 64) is None
+    assert cpu_attention.SealCodec.reason(other) is None  # the control: the other side is a plain dynamic int format
+    cpu_attention.RowCodec.of(other, None, 3, 64, 64)
+
+
+@pytest.mark.parametrize("attention", ["torch", "cpu", "kernels"])
+def test_the_torch_engine_refuses_each_new_feature(tiny_model, attention):
+    from types import SimpleNamespace
+
+    from trtkv.runtime.torch_engine import TorchEngine
+
+    _, model = tiny_model("llama")
+    for spec, words, _ in NEW_FEATURES:
+        m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=64))
+        with pytest.raises(TrtkvError, match=re.escape(words)):
+            TorchEngine(model, m, attention=attention, device="cpu")
+
+
+@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+def test_the_step_network_and_build_engine_refuse_each_new_feature(spec, words, side, tmp_path):
+    """The ONNX step network refuses before a node is made; build-engine before the model is read (every backend,
+    TensorRT-RTX by its own row)."""
+    from trtkv.builder.build import build_engine
+    from trtkv.builder.plugin_nodes import get_backend
+    from trtkv.builder.step_network import build_step_network
+    from trtkv.cache_layout import PagedKVLayout
+
+    layout = PagedKVLayout(get_format(spec), 3, 64, 64, num_blocks=2, num_slots=1)
+    for attention in ("native", "plugin"):
+        with pytest.raises(TrtkvError, match=re.escape(words)):
+            build_step_network(None, layout, [], get_backend(attention))
+    for backend in ("onnxruntime", "torch"):
+        with pytest.raises(TrtkvError, match=re.escape(words)):
+            build_engine("no-such-model", kv=spec, out=tmp_path / backend, backend=backend)
+    from trtkv.plugins.contract.capabilities import backend_path
+
+    assert any(words in r and "TensorRT-RTX" in r for r in backend_path("tensorrt-rtx").layout_reasons(get_format(spec)))
 
 
 def test_the_runtime_pool_refuses_codebooks_and_outliers():
