@@ -9,8 +9,8 @@ wait) in turn:
 - ``trtkv-fp16`` / ``trtkv-int4``: ``trtkv serve ENGINE --kv-memory GIB --max-seqs N --openai-port P`` (the real
   tritonserver with the OpenAI front), torch engines of the same checkpoint (float32 weights);
 - ``vllm-export-*``: only the greedy check: trtkv's ``export --to vllm`` checkpoint (float32 weights, the fp8 KV scales
-  as a compressed-tensors ``kv_cache_scheme``) in the same vLLM, with ``--kv-cache-dtype auto`` and, where the CPU has
-  AVX-512 (vLLM's fp8 CPU attention needs it), ``fp8``.
+  as a compressed-tensors ``kv_cache_scheme``) in the same vLLM, with ``--kv-cache-dtype auto`` and ``fp8`` where the
+  CPU has AVX-512 (vLLM's fp8 CPU attention needs it; ``auto`` follows the checkpoint's fp8 scheme), else ``float16``.
 
 The client is vLLM's own ``vllm bench serve`` from the peer venv for every server: ``/v1/completions`` streaming,
 random prompts of ``--input-len`` tokens, exactly ``--output-len`` new tokens (``--ignore-eos``), greedy
@@ -530,7 +530,8 @@ def main() -> int:
     ap.add_argument("--vllm-model", type=Path, help="the checkpoint vLLM serves (default: trtkv's converted SmolLM2 in ~/.cache/trtkv/models)")
     ap.add_argument("--vllm-env", action="append", default=[], help="KEY=VALUE for vllm serve (repeatable), e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vllm serve (repeatable)")
-    ap.add_argument("--servers", nargs="+", default=["vllm", "trtkv-fp16", "trtkv-int4"], help="which servers the streams load runs on")
+    ap.add_argument("--servers", nargs="+", default=["vllm", "trtkv-fp16", "trtkv-int4"],
+                    help="which servers the streams load runs on (e.g. `--servers none --binding`: the binding load alone)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="KV budget in GiB on every server (vLLM takes whole GiB)")
     ap.add_argument("--max-seqs", type=int, default=64, help="sequence slots on every server (trtkv --max-seqs, vllm --max-num-seqs)")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -580,11 +581,14 @@ def main() -> int:
     plan: list[tuple[Server, str, bool]] = []  # (server, kind, benchmarked)
     plan.append((vllm_server(args, "vllm", args.vllm_model, work), "vllm", "vllm" in args.servers))
     if args.export is not None:
-        plan.append((vllm_server(args, "vllm-export-auto", args.export, work, kv_cache_dtype="auto", eager=True), "vllm", False))
         if data["machine"].get("avx512"):
+            plan.append((vllm_server(args, "vllm-export-auto", args.export, work, kv_cache_dtype="auto", eager=True), "vllm", False))
             plan.append((vllm_server(args, "vllm-export-fp8", args.export, work, kv_cache_dtype="fp8", eager=True), "vllm", False))
-        else:
-            data["notes"].append("no AVX-512 on this CPU: the export's fp8 KV cache was not run (vLLM's CPU fp8 attention needs AVX-512 or AMX)")
+        else:  # `auto` follows the checkpoint's fp8 kv_cache_scheme, which vLLM's CPU attention refuses without AVX-512
+            plan.append((vllm_server(args, "vllm-export-float16", args.export, work, kv_cache_dtype="float16", eager=True), "vllm", False))
+            data["notes"].append("no AVX-512 on this CPU: the export ran with `--kv-cache-dtype float16` (its weights, tokenizer and config "
+                                 "in vLLM; `auto` follows its fp8 kv_cache_scheme, and vLLM's CPU fp8 attention needs AVX-512 or AMX: "
+                                 "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')")
     for fmt in ("fp16", "int4"):
         name = f"trtkv-{fmt}"
         plan.append((trtkv_server(args, name, args.engines[fmt], work), "trtkv", name in args.servers))
@@ -612,9 +616,9 @@ def main() -> int:
                     for c in args.concurrency:
                         s["levels"].append(run_bench(args, server, kind, work, f"c{c}", concurrency=c, num_prompts=max(c * per_stream, 2 if args.quick else 8),
                                                      input_len=args.input_len, output_len=args.output_len))
-                    if args.binding and server.name in args.binding_servers:
-                        s["binding"] = run_bench(args, server, kind, work, "binding", concurrency=args.binding_streams, num_prompts=args.binding_streams,
-                                                 input_len=args.binding_input_len, output_len=args.binding_output_len, poll=True)
+                if args.binding and server.name in args.binding_servers:  # also without the streams load (--servers)
+                    s["binding"] = run_bench(args, server, kind, work, "binding", concurrency=args.binding_streams, num_prompts=args.binding_streams,
+                                             input_len=args.binding_input_len, output_len=args.binding_output_len, poll=True)
         except (RuntimeError, subprocess.TimeoutExpired, urllib.error.URLError, OSError) as exc:
             s["error"] = str(exc)[-4000:]
             data["notes"].append(f"{server.name} failed: {str(exc).splitlines()[0][:300]}")

@@ -62,6 +62,10 @@ typedef struct {
     float offset;
     int64_t gran, groups;       /* GRAN_TOKEN: scale [NB, H, bs, groups] */
     const float *static_scale;  /* GRAN_STATIC: [H, D] */
+    /* the format's transforms (trtkv.quant.forward_transform: x / smooth, then @ rot), for a decode in model space:
+       NULL where the format has none */
+    const float *smooth;        /* [H, D] */
+    const float *rot;           /* [D, D] the Hadamard matrix */
 } Fmt;
 
 typedef struct {
@@ -123,7 +127,37 @@ LIN_PLANE(lin_plane2, 2, 4)
 LIN_PLANE(lin_plane4, 4, 2)
 LIN_PLANE(lin_plane8, 8, 1)
 
+#if defined(__AVX2__)
+/* One plane of 4-bit fields from bit 0 (int4): channel 2j is byte j's low nibble, 2j + 1 its high one; 32 channels per
+   16 bytes, minus the offset, in the one pass (the generic loop below does not vectorize the interleave). */
+static inline int nibbles(const uint8_t *restrict bytes, float offset, int64_t D, float *restrict x) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256 off = _mm256_set1_ps(offset);
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(bytes + d / 2));
+        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
+        _mm256_storeu_ps(x + d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)), off));
+        _mm256_storeu_ps(x + d + 8, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), off));
+        _mm256_storeu_ps(x + d + 16, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), off));
+        _mm256_storeu_ps(x + d + 24, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), off));
+    }
+    for (; d < D; d += 2) {
+        const uint8_t v = bytes[d / 2];
+        x[d] = (float)(v & 15) - offset;
+        if (d + 1 < D) x[d + 1] = (float)(v >> 4) - offset;
+    }
+    return 1;
+}
+#define NIBBLES(f) ((f)->n_planes == 1 && (f)->per[0] == 2 && (f)->low[0] == 0)
+#else
+static inline int nibbles(const uint8_t *restrict bytes, float offset, int64_t D, float *restrict x) { return 0; }
+#define NIBBLES(f) 0
+#endif
+
 static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D, float *restrict x) {
+    if (NIBBLES(f) && nibbles(row + f->byte_off[0], f->offset, D, x)) return;
     if (f->signed_bytes) {  /* int8 stored signed: one plane of whole bytes */
         const int8_t *restrict r = (const int8_t *)row;
         for (int64_t d = 0; d < D; d++) x[d] = (float)r[d] - f->offset;
@@ -142,31 +176,44 @@ static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D,
         for (int64_t d = 0; d < D; d++) x[d] -= f->offset;
 }
 
-/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. The per-block
-   scale and zero-point (per_block_channel) are converted once for the block. */
-static void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+/* Column j of sequence b: its bs rows' codes as floats (the dtype's offset taken off, no scale yet) into out [bs, D];
+   fp16 rows are their values. */
+static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
     const uint8_t *data = c->data + bh * bs * f->row_bytes;
     if (f->kind == KIND_FP16) {
         half_to_float((const half *)data, out, bs * D);
-    } else {
-        for (int64_t t = 0; t < bs; t++) {
-            if (f->linear) {
-                lin_row(f, data + t * f->row_bytes, D, out + t * D);
-                continue;
-            }
-            for (int64_t p = 0; p < f->n_planes; p++)
-                lut_plane(data + t * f->row_bytes + f->byte_off[p], f->table[p], f->per[p], p > 0, D, out + t * D);
+        return;
+    }
+    for (int64_t t = 0; t < bs; t++) {
+        if (f->linear) {
+            lin_row(f, data + t * f->row_bytes, D, out + t * D);
+            continue;
         }
+        for (int64_t p = 0; p < f->n_planes; p++)
+            lut_plane(data + t * f->row_bytes + f->byte_off[p], f->table[p], f->per[p], p > 0, D, out + t * D);
+    }
+}
+
+/* The block's per-channel scale and zero-point (per_block_channel: converted once per block; zf zeros when symmetric). */
+static void block_channel(const Ctx *c, int64_t bh, int64_t D, float *restrict sf, float *restrict zf) {
+    half_to_float(c->scale + bh * D, sf, D);
+    if (c->zero) half_to_float(c->zero + bh * D, zf, D);
+    else memset(zf, 0, (size_t)D * sizeof(float));
+}
+
+/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. */
+static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
+    decode_codes(f, c, b, h, j, out);
+    if (f->kind != KIND_FP16) {
         if (f->gran == GRAN_STATIC) {
             const float *restrict sc = f->static_scale + h * D;
             for (int64_t t = 0; t < bs; t++)
                 for (int64_t d = 0; d < D; d++) out[t * D + d] *= sc[d];
         } else if (f->gran == GRAN_BLOCK_CHANNEL) {
             float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
-            half_to_float(c->scale + bh * D, sf, D);
-            if (c->zero) half_to_float(c->zero + bh * D, zf, D);
-            else memset(zf, 0, (size_t)D * sizeof(float));
+            block_channel(c, bh, D, sf, zf);
             for (int64_t t = 0; t < bs; t++)
                 for (int64_t d = 0; d < D; d++) out[t * D + d] = out[t * D + d] * sf[d] + zf[d];
         } else if (f->gran == GRAN_TOKEN) {
@@ -200,31 +247,37 @@ int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows) 
     return 0;
 }
 
-/* out[i, :] += sum_t p[i * ps + t] * rows[t, :] over ``m`` rows of D floats, for the n queries: d in chunks of 8, a
-   register accumulator per (chunk, query), so the output is loaded and stored once per block instead of once per row. */
-static inline void accumulate(float *restrict out, const float *restrict p, int64_t ps, const float *restrict rows, int64_t m,
-                              int64_t n, int64_t D) {
+/* out[i * os + d] += sum_t p[i * ps + t] * rows[t * rs + d] for d < W, over ``m`` rows, for the n queries: d in chunks of 8,
+   a register accumulator per (chunk, query), so the output is loaded and stored once per block instead of once per row. */
+static inline __attribute__((always_inline)) void accumulate_cols(float *restrict out, int64_t os, const float *restrict p, int64_t ps, const float *restrict rows,
+                                   int64_t rs, int64_t m, int64_t n, int64_t W) {
     int64_t d0 = 0;
-    for (; d0 + 8 <= D; d0 += 8)
+    for (; d0 + 8 <= W; d0 += 8)
         for (int64_t i = 0; i < n; i++) {
             const float *restrict pi = p + i * ps;
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};  /* four independent chains: the adds do not wait on each other */
             int64_t t = 0;
             for (; t + 4 <= m; t += 4) {
-                a0 += pi[t] * load8(rows + t * D + d0);
-                a1 += pi[t + 1] * load8(rows + (t + 1) * D + d0);
-                a2 += pi[t + 2] * load8(rows + (t + 2) * D + d0);
-                a3 += pi[t + 3] * load8(rows + (t + 3) * D + d0);
+                a0 += pi[t] * load8(rows + t * rs + d0);
+                a1 += pi[t + 1] * load8(rows + (t + 1) * rs + d0);
+                a2 += pi[t + 2] * load8(rows + (t + 2) * rs + d0);
+                a3 += pi[t + 3] * load8(rows + (t + 3) * rs + d0);
             }
-            for (; t < m; t++) a0 += pi[t] * load8(rows + t * D + d0);
-            store8(out + i * D + d0, load8(out + i * D + d0) + ((a0 + a1) + (a2 + a3)));
+            for (; t < m; t++) a0 += pi[t] * load8(rows + t * rs + d0);
+            store8(out + i * os + d0, load8(out + i * os + d0) + ((a0 + a1) + (a2 + a3)));
         }
-    for (; d0 < D; d0++)
+    for (; d0 < W; d0++)
         for (int64_t i = 0; i < n; i++) {
             float acc = 0.0f;
-            for (int64_t t = 0; t < m; t++) acc += p[i * ps + t] * rows[t * D + d0];
-            out[i * D + d0] += acc;
+            for (int64_t t = 0; t < m; t++) acc += p[i * ps + t] * rows[t * rs + d0];
+            out[i * os + d0] += acc;
         }
+}
+
+/* out[i, :] += sum_t p[i * ps + t] * rows[t, :] over ``m`` rows of D floats. */
+static inline void accumulate(float *restrict out, const float *restrict p, int64_t ps, const float *restrict rows, int64_t m,
+                              int64_t n, int64_t D) {
+    accumulate_cols(out, D, p, ps, rows, D, m, n, D);
 }
 
 /* s[i * ss + t] = q[i, :] . rows[t, :] for m rows, n queries. */
@@ -259,15 +312,138 @@ typedef struct {
     int64_t window;              /* 0: none; else keys at pos <= q_pos - window are masked */
     float scaling, softcap;      /* softcap 0: none */
     float *out_sealed, *out_rest;/* [B, H, n, D] */
+    int64_t model_space;         /* 1: qf is not read -- the query is folded here by the keys' transforms -- and out_rest is the
+                                    whole output, the sealed part transformed back by the values' (out_sealed: scratch) */
 } Decode;
+
+/* Scratch of one decode call: a block of rows, the folded queries and the scaled probabilities of one block. */
+typedef struct {
+    float *blk;   /* [max(bs, tail_rows), D] */
+    float *qs;    /* [n, D] the query times the block's key scales */
+    float *acc;   /* [n, D] one block's unscaled value sums */
+    float *ps;    /* [n, bs] the probabilities times one value group's scales */
+    float *bias;  /* [n] the query times the block's key zero-points */
+    float *qf;    /* [n, D] the query folded by the keys' transforms (model_space) */
+} Scratch;
+
+/* qf[i] = (q[i] * smooth[h]) @ rot: fold(q) . fwd(k) = q . k for k's transforms (orthogonal rot, diagonal smooth). */
+static void fold_query(const Fmt *f, int64_t h, const float *restrict q, int64_t n, float *restrict qf) {
+    const int64_t D = f->head_dim;
+    for (int64_t i = 0; i < n; i++) {
+        float x[MAX_HEAD_DIM];
+        float *restrict o = qf + i * D;
+        for (int64_t d = 0; d < D; d++) x[d] = f->smooth ? q[i * D + d] * f->smooth[h * D + d] : q[i * D + d];
+        if (!f->rot) {
+            memcpy(o, x, (size_t)D * sizeof(float));
+            continue;
+        }
+        memset(o, 0, (size_t)D * sizeof(float));
+        for (int64_t d = 0; d < D; d++) {
+            const float c = x[d];
+            const float *restrict r = f->rot + d * D;
+            for (int64_t e = 0; e < D; e++) o[e] += c * r[e];
+        }
+    }
+}
+
+/* out[i] += (y[i] @ rot^T) * smooth[h]: the values' stored-space sums y back in model space (trtkv.quant.inverse_transform). */
+static void unfold_values(const Fmt *f, int64_t h, const float *restrict y, int64_t n, float *restrict out) {
+    const int64_t D = f->head_dim;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d++) {
+            float v;
+            if (f->rot) dots(&v, 1, y + i * D, f->rot + d * D, 1, 1, D);
+            else v = y[i * D + d];
+            out[i * D + d] += f->smooth ? v * f->smooth[h * D + d] : v;
+        }
+}
+
+/* s[i * ss + t] = qf[i] . key row t of column j, for its bs rows. The scale is folded into the query instead of applied
+   to the rows (q . (c * s + z) = (q * s) . c + q . z): a per-block-channel or static key scale costs n * D multiplies per
+   block instead of bs * D. Per-token scales (and a Ctx with sink rows in it) decode the rows whole. */
+static inline void key_scores(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, const float *restrict qf, int64_t n,
+                       Scratch *w, float *restrict s, int64_t ss) {
+    const int64_t D = f->head_dim, bs = f->block_size, bh = c->tables[b * c->cols + j] * f->num_heads + h;
+    if (f->kind == KIND_FP16 || c->sink || (f->gran != GRAN_BLOCK_CHANNEL && f->gran != GRAN_STATIC)) {
+        decode_block(f, c, b, h, j, w->blk);
+        dots(s, ss, qf, w->blk, bs, n, D);
+        return;
+    }
+    float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM], *bias = w->bias;
+    if (f->gran == GRAN_BLOCK_CHANNEL) block_channel(c, bh, D, sf, zf);
+    else {
+        memcpy(sf, f->static_scale + h * D, (size_t)D * sizeof(float));
+        memset(zf, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float z = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            w->qs[i * D + d] = qf[i * D + d] * sf[d];
+            z += qf[i * D + d] * zf[d];
+        }
+        bias[i] = z;
+    }
+    decode_codes(f, c, b, h, j, w->blk);
+    dots(s, ss, w->qs, w->blk, bs, n, D);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t t = 0; t < bs; t++) s[i * ss + t] += bias[i];
+}
+
+/* out[i, :] += sum over rows t >= skip of column j of p[i * ps + t] * value row t. Scales are folded too: per token
+   (groups), into the probabilities, one group's columns at a time (p * s) and the zero-points as sum_t p * z; per block
+   channel or static, applied once to the block's sum (s * sum_t p c + z * sum_t p). */
+static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, int64_t skip, const float *restrict p,
+                             int64_t ps, int64_t n, Scratch *w, float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, m = bs - skip, bh = c->tables[b * c->cols + j] * f->num_heads + h;
+    if (f->kind == KIND_FP16 || c->sink || f->gran == GRAN_NONE) {
+        decode_block(f, c, b, h, j, w->blk);
+        accumulate(out, p + skip, ps, w->blk + skip * D, m, n, D);
+        return;
+    }
+    decode_codes(f, c, b, h, j, w->blk);
+    const float *rows = w->blk + skip * D;
+    if (f->gran == GRAN_TOKEN) {
+        const int64_t G = f->groups, g = D / G;
+        for (int64_t k = 0; k < G; k++) {
+            for (int64_t i = 0; i < n; i++) {
+                float zsum = 0.0f;
+                for (int64_t t = 0; t < m; t++) {
+                    const int64_t at = (bh * bs + skip + t) * G + k;
+                    w->ps[i * bs + t] = p[i * ps + skip + t] * (float)c->scale[at];
+                    if (c->zero) zsum += p[i * ps + skip + t] * (float)c->zero[at];
+                }
+                if (c->zero)
+                    for (int64_t d = 0; d < g; d++) out[i * D + k * g + d] += zsum;
+            }
+            accumulate_cols(out + k * g, D, w->ps, bs, rows + k * g, D, m, n, g);
+        }
+        return;
+    }
+    float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
+    if (f->gran == GRAN_BLOCK_CHANNEL) block_channel(c, bh, D, sf, zf);
+    else {
+        memcpy(sf, f->static_scale + h * D, (size_t)D * sizeof(float));
+        memset(zf, 0, (size_t)D * sizeof(float));
+    }
+    memset(w->acc, 0, (size_t)(n * D) * sizeof(float));
+    accumulate(w->acc, p + skip, ps, rows, m, n, D);
+    for (int64_t i = 0; i < n; i++) {
+        float psum = 0.0f;
+        for (int64_t t = 0; t < m; t++) psum += p[i * ps + skip + t];
+        for (int64_t d = 0; d < D; d++) out[i * D + d] += w->acc[i * D + d] * sf[d] + zf[d] * psum;
+    }
+}
 
 int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, nb = kc->nb, n = a->n, tr = a->tail_rows;
     const int64_t C = nb * bs + tr + 1;
     if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
-    float *sc = malloc((size_t)(n * C + (bs > tr ? bs : tr) * D) * sizeof(float));
+    const int64_t rows = bs > tr ? bs : tr;
+    float *sc = malloc((size_t)(n * C + rows * D + 3 * n * D + n * bs + n) * sizeof(float));
     if (!sc) return -2;
-    float *blk = sc + n * C;  /* one block of decoded rows [bs, D] */
+    Scratch w = {.blk = sc + n * C};
+    w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs, w.qf = w.bias + n;
+    float *blk = w.blk;  /* one block of decoded rows [bs, D] */
     for (int64_t b = 0; b < kc->batch; b++) {
         const int64_t held = kc->held[b] < nb ? kc->held[b] : nb, ol = a->open_len[b], qp = a->q_pos[b];
         const int64_t S = held * bs, R = S + ol;  /* scores: sealed 0..S-1, open S..R-1, the new row R */
@@ -275,7 +451,8 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
         const int64_t lo = a->window ? qp - a->window + 1 : INT64_MIN;
         for (int64_t h = 0; h < H; h++) {
             const int64_t bh = b * H + h;
-            const float *q = a->q + bh * n * D, *qf = a->qf + bh * n * D;
+            const float *q = a->q + bh * n * D, *qf = a->model_space ? w.qf : a->qf + bh * n * D;
+            if (a->model_space) fold_query(kf, h, q, n, w.qf);
             const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
             const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
             const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
@@ -287,8 +464,7 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
                         for (int64_t t = 0; t < bs; t++) sc[i * C + j * bs + t] = -INFINITY;
                     continue;
                 }
-                decode_block(kf, kc, b, h, j, blk);
-                dots(sc + j * bs, C, qf, blk, bs, n, D);
+                key_scores(kf, kc, b, h, j, qf, n, &w, sc + j * bs, C);
                 if (j == 0 && sink) {  /* the first rows: the model-space sink rows against the model-space query */
                     half_to_float(kt + bs * D, blk, sink * D);
                     dots(sc, C, q, blk, sink, n, D);
@@ -322,9 +498,8 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
             memset(orest, 0, (size_t)(n * D) * sizeof(float));
             for (int64_t j = 0; j < held; j++) {
                 if (a->first_pos[b] + j * bs + bs - 1 < lo) continue;
-                decode_block(vf, vc, b, h, j, blk);
                 const int64_t skip = j == 0 ? sink : 0;  /* sink rows: model space, into the rest */
-                accumulate(os, sc + j * bs + skip, C, blk + skip * D, bs - skip, n, D);
+                value_accumulate(vf, vc, b, h, j, skip, sc + j * bs, C, n, &w, os);
             }
             half_to_float(vt, blk, ol * D);
             accumulate(orest, sc + S, C, blk, ol, n, D);
@@ -333,6 +508,7 @@ int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc,
                 accumulate(orest, sc, C, blk, sink, n, D);
             }
             accumulate(orest, sc + R, C, a->new_v + bh * D, 1, n, D);
+            if (a->model_space) unfold_values(vf, h, os, n, orest);
         }
     }
     free(sc);

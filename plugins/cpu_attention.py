@@ -31,7 +31,7 @@ import torch
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
-from trtkv.quant import QuantizedTensor, per_channel
+from trtkv.quant import QuantizedTensor, hadamard_matrix, per_channel
 
 from .contract.capabilities import CPU_KERNELS, LACKS_HINT
 
@@ -50,7 +50,7 @@ class _Fmt(ctypes.Structure):
     _fields_ = [("kind", _i64), ("head_dim", _i64), ("block_size", _i64), ("num_heads", _i64), ("row_bytes", _i64),
                 ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
                 ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
-                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr)]
+                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr), ("smooth", _ptr), ("rot", _ptr)]
 
 
 class _Ctx(ctypes.Structure):
@@ -61,7 +61,8 @@ class _Ctx(ctypes.Structure):
 class _Decode(ctypes.Structure):
     _fields_ = [("n", _i64), ("q", _ptr), ("qf", _ptr), ("new_k", _ptr), ("new_v", _ptr), ("k_tail", _ptr), ("v_tail", _ptr),
                 ("tail_rows", _i64), ("slot", _ptr), ("open_len", _ptr), ("q_pos", _ptr), ("first_pos", _ptr), ("open_pos", _ptr),
-                ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr)]
+                ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr),
+                ("model_space", _i64)]
 
 
 class _SealFmt(ctypes.Structure):
@@ -180,6 +181,15 @@ class RowCodec:
                 f.static_scale = scale.data_ptr()
             elif not tf.is_block_wise:
                 f.groups = tf.groups(head_dim)
+        if tf.smooth:  # the transforms, for decode_model_space (the other calls work in stored space)
+            smooth = per_channel(params.smooth, num_heads, head_dim, "smoothing factors")
+            keep.append(smooth)
+            f.smooth = smooth.data_ptr()
+        if tf.hadamard:
+            tf.check_head_dim(head_dim)
+            rot = hadamard_matrix(head_dim).float().contiguous()
+            keep.append(rot)
+            f.rot = rot.data_ptr()
         return cls(f, tuple(keep))
 
 
@@ -245,6 +255,15 @@ class DecodeStep:
         self.refs = tuple(ctypes.byref(x) for x in (self.kc, self.vc, self.args))
 
 
+def decode_model_space(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q: torch.Tensor, new_k: torch.Tensor,
+                       new_v: torch.Tensor, scaling: float, window: int | None = None, softcap: float | None = None,
+                       sink_tokens: int = 0) -> torch.Tensor:
+    """``decode`` with the formats' transforms inside the kernel: the query folded by the keys' (smoothing, rotation;
+    the codecs carry them), the sealed values' part transformed back by the values' and added. Returns the attention
+    output [B, H, n, D] in model space -- no torch op per layer around the call."""
+    return _decode(kcodec, vcodec, kpool, vpool, step, q, None, new_k, new_v, scaling, window, softcap, sink_tokens)[1]
+
+
 def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q: torch.Tensor, qf: torch.Tensor, new_k: torch.Tensor,
            new_v: torch.Tensor, scaling: float, window: int | None = None, softcap: float | None = None, sink_tokens: int = 0,
            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,8 +272,14 @@ def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q
     the first block (for the sequences ``step``'s ``sink_ok`` names) from the pools' tails, the sealed blocks through
     the block tables. Returns (the sealed values' part in stored space, the tails' and new row's part in model space),
     each [B, H, n, D]."""
+    return _decode(kcodec, vcodec, kpool, vpool, step, q, qf, new_k, new_v, scaling, window, softcap, sink_tokens)
+
+
+def _decode(kcodec, vcodec, kpool, vpool, step, q, qf, new_k, new_v, scaling, window, softcap, sink_tokens):
     B, H, n, D = q.shape
-    q, qf, new_k, new_v = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (q, qf, new_k, new_v))
+    q, new_k, new_v = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (q, new_k, new_v))
+    model_space = qf is None
+    qf = q if model_space else qf if qf.dtype == torch.float32 and qf.is_contiguous() else qf.float().contiguous()
     out = torch.empty(2, B, H, n, D, dtype=torch.float32)
     kc, vc, a = step.kc, step.vc, step.args
     kc.data, kc.scale, kc.zero = kpool.data.data_ptr(), _p(kpool.scale), _p(kpool.zero)
@@ -262,7 +287,7 @@ def decode(kcodec: RowCodec, vcodec: RowCodec, kpool, vpool, step: DecodeStep, q
     a.n, a.q, a.qf, a.new_k, a.new_v = n, q.data_ptr(), qf.data_ptr(), new_k.data_ptr(), new_v.data_ptr()
     a.k_tail, a.v_tail, a.tail_rows = kpool.tail.data_ptr(), vpool.tail.data_ptr(), kpool.tail.shape[-2]
     a.sink_tokens, a.window, a.scaling, a.softcap = sink_tokens, int(window or 0), scaling, softcap or 0.0
-    a.out_sealed, a.out_rest = out.data_ptr(), out[1].data_ptr()
+    a.out_sealed, a.out_rest, a.model_space = out.data_ptr(), out[1].data_ptr(), int(model_space)
     _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
     return out[0], out[1]
 

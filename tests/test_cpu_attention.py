@@ -179,6 +179,11 @@ def _naive_decode(kref, vref, kpool, vpool, lay, tables, held, slots, open_len, 
     ("fp16", 0, 3.0, False),  # soft-capping
     ("k=int4:g8:asym,v=int3:bchannel:sym,block=5", 7, 2.0, True),  # a ring view: column 0 starts past block 0
     ("fp8", 0, 0.0, False),
+    # the scales folded into the query / the probabilities: static per channel keys and per head values; symmetric
+    # per-block-channel keys with value groups that carry zero-points; asymmetric per-block-channel values
+    ("k=int8:channel,v=int8:head", 0, 0.0, False),
+    ("k=int4:bchannel:sym,v=int8:g12:asym,block=5", 5, 0.0, False),
+    ("k=int3:bchannel:asym,v=int4:bchannel:asym,block=5", 0, 0.0, False),
 ])
 def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
     g = torch.Generator().manual_seed(11)
@@ -206,6 +211,47 @@ def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
                                    window, softcap, lay.sink_tokens, sink_ok)
     torch.testing.assert_close(got_s.double(), want_s, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_r.double(), want_r, rtol=1e-4, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("spec", ["int4", "k=int4:token:asym,v=int4:g8:sym", "int8"])
+def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
+    """A head dim of 72: two 32-channel passes of the vectorized int4 row decoder and a tail of 8 (the module's D of 24
+    takes the tail loop only), against float64, in the dequant and in the decode with its folded scales."""
+    monkeypatch.setitem(globals(), "D", 72)
+    test_dequant_matches_float64(spec)
+    test_decode_matches_a_naive_float64_attention(spec, 0, 0.0, False)
+
+
+
+@pytest.mark.parametrize("spec", ["k=int4:bchannel:asym:smooth:hadamard,v=int4:g8:sym:smooth:hadamard,block=5,sink=2",
+                                  "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=5", "fp16"])
+def test_decode_in_model_space_applies_the_formats_transforms(spec):
+    """decode_model_space (the transforms inside the kernel) against decode with the torch transforms around it: the
+    query folded by trtkv.quant's rule ((q * smooth) @ H) and the sealed part undone by inverse_transform, then added."""
+    from trtkv.quant import inverse_transform
+    from trtkv.runtime.torch_engine import _fold_query
+
+    g = torch.Generator().manual_seed(17)
+    fmt = _format(spec)
+    lay = PagedKVLayout(fmt, H, D, BS, NB, 3)
+    tables, held, owned = _tables(g)
+    params = {}
+    for w in "kv":
+        tf = lay.tensor_format(w)
+        params[w] = TensorParams(smooth=torch.rand(H, D, generator=g) * 1.5 + 0.5) if tf.smooth else None
+    kpool, vpool = (_filled_pool(lay, w, params[w], g, owned) for w in "kv")
+    kc, vc = (ca.RowCodec.of(lay.tensor_format(w), params[w], H, D, BS) for w in "kv")
+    slots, open_len = torch.tensor([2, 0, 1]), torch.tensor([2, 4, 0])
+    q_pos = held * BS + open_len
+    step = ca.DecodeStep(tables, held, int(held.max()), slots, open_len, q_pos, torch.zeros(3, dtype=torch.long), (q_pos // BS) * BS)
+    q = torch.randn(3, H, 3, D, generator=g)
+    nk, nv = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
+    sealed, rest = ca.decode(kc, vc, kpool, vpool, step, q, _fold_query(q, lay.tensor_format("k"), params["k"]), nk, nv, 0.3, None, None,
+                             lay.sink_tokens)
+    want = rest + inverse_transform(sealed, lay.tensor_format("v"), params["v"], head_axis=-3)
+    got = ca.decode_model_space(kc, vc, kpool, vpool, step, q, nk, nv, 0.3, None, None, lay.sink_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- the engine

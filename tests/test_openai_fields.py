@@ -615,6 +615,25 @@ def test_an_unreachable_triton_is_a_503_naming_it(front, monkeypatch):
         assert code == 503 and data["error"]["type"] == "server_error" and url in data["error"]["message"]
 
 
+def test_a_queued_request_has_no_read_limit(front, monkeypatch):
+    """The front waits for Triton's first byte as long as Triton keeps the connection: a request queued behind a full
+    server (minutes at a binding load) is never cut into a 503 by a read timeout of the front's own."""
+    import aiohttp
+
+    seen = []
+    real = aiohttp.ClientSession
+
+    def session(*a, **kw):
+        seen.append(kw.get("timeout"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(aiohttp, "ClientSession", session)
+    for stream in (False, True):
+        code, _, _ = front.complete(stream=stream)
+        assert code == 200
+    assert len(seen) == 2 and all(t is not None and t.total is None and t.sock_read is None and t.sock_connect for t in seen)
+
+
 # ---------------------------------------------------------------- the helpers, directly
 
 

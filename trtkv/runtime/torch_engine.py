@@ -669,7 +669,7 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
     kc, vc = st.engine.layer_codecs(st.cache, layer)
     qg = q.reshape(B, H, G * T, D)
     if T == 1:
-        return _cpu_decode(st, layer, lay, qg, k16, v16, kp, vp, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
+        return _cpu_decode(st, layer, lay, qg, k16, v16, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
     kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
     keys = _stored_context(st, layer, lay, "k", k16, kfmt, kp, kc)
     values = _stored_context(st, layer, lay, "v", v16, vfmt, vp, vc)
@@ -721,18 +721,17 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 
-def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kp, vp, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
+def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
     """One token per sequence, the whole attention in one kernel call (``cpu_attention.decode``): [B, H, G, D]."""
     b, bs = st.batch, st.cache.block_size
     if st.cpu_decode is None:
         sealed = b.context_lens // bs
         st.cpu_decode = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
                                                      b.context_lens, st.first_pos, sealed * bs, st.sink_ok)
-    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
     kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
-    sealed, rest = cpu_attention.decode(kc, vc, kpool, vpool, st.cpu_decode, qg, _fold_query(qg, kfmt, kp) if st.sealed_max else qg,
-                                        k16[:, :, 0], v16[:, :, 0], scaling, window, softcap, lay.sink_tokens)
-    return rest + inverse_transform(sealed, vfmt, vp, head_axis=-3) if st.sealed_max else rest
+    # the formats' transforms run inside the kernel (the codecs carry them): no torch op per layer around the call
+    return cpu_attention.decode_model_space(kc, vc, kpool, vpool, st.cpu_decode, qg, k16[:, :, 0], v16[:, :, 0], scaling, window,
+                                            softcap, lay.sink_tokens)
 
 
 def _cpu_sink(st: _Step, lay: PagedKVLayout, pool, fmt, params) -> tuple:
