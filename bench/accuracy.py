@@ -40,7 +40,8 @@ class Row:
     method: str = "mse"  # calibration method for the row's params
     alpha: float = 0.5  # smoothing exponent (formats with smooth)
     note: str = ""
-    query_smoothing: bool = False  # research: K smoothing sqrt(rms_K / rms_Q) instead of calibrate's absmax_K ** alpha
+    codebook_per_head: bool = True  # nuq rows: one codebook per KV head (False: one per layer)
+    codebook_weight_keys: bool = True  # nuq rows: key errors weighted by the queries' second moments
 
     def fmt(self) -> KVFormat:
         f = get_format(self.spec)
@@ -50,6 +51,72 @@ class Row:
 K_TOKEN = "int4:token:asym:smooth:hadamard"  # best per-token key recipe without sealed blocks
 K_CHANNEL = "int4:bchannel:asym"  # per channel over each sealed block (KIVI's key layout)
 V_BEST = "int4:token:asym:hadamard"
+
+K3, V3 = "int3:bchannel:asym:hadamard", "int3:g32:sym:hadamard"
+K2, V2 = "int2:bchannel:asym:hadamard", "int2:token:asym:hadamard"
+K3P, K2P = "int3:bchannel:asym:prerope:hadamard", "int2:bchannel:asym:prerope:hadamard"  # keys quantized before RoPE
+K3Q, K2Q = "int3:bchannel:asym:qsmooth:hadamard", "int2:bchannel:asym:qsmooth:hadamard"  # query-aware smoothing
+K3PQ, K2PQ = "int3:bchannel:asym:prerope:qsmooth:hadamard", "int2:bchannel:asym:prerope:qsmooth:hadamard"
+S = ",block=64,sink=4"
+ISSUE27_ROWS = [  # screen 1: each measure alone (and K / V codebooks apart)
+    ("int3-kvnuq", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks K and V (keys weighted by the queries), one per KV head", {}),
+    ("int3-knuq", f"k={K3}:nuq,v={V3}{S}", "codebook keys only", {}),
+    ("int3-vnuq", f"k={K3},v={V3}:nuq{S}", "codebook values only", {}),
+    ("int3-nuq-unw", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks, keys not weighted by the queries", {"codebook_weight_keys": False}),
+    ("int3-nuq-layer", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks, one per layer (heads pooled)", {"codebook_per_head": False}),
+    ("int3-vg64", f"k={K3},v=int3:g64:sym:hadamard{S}", "values in groups of 64 (3.375 bits): the control of the outlier rows", {}),
+    ("int3-kout", f"k={K3}:out32,v=int3:g64:sym:hadamard{S}", "32 key outliers per block and head (0.25 bit), values g64", {}),
+    ("int3-vout", f"k={K3},v=int3:g64:sym:hadamard:out32{S}", "32 value outliers per block and head, values g64", {}),
+    ("int3-nuq-kout", f"k={K3}:nuq:out32,v=int3:g64:sym:hadamard:nuq{S}", "codebooks + 32 key outliers, values g64", {}),
+    ("int3-nuq-vg64", f"k={K3}:nuq,v=int3:g64:sym:hadamard:nuq{S}", "codebooks, values g64 (3.375 bits)", {}),
+    ("int3-prerope", f"k={K3P},v={V3}{S}", "keys quantized before RoPE (rotated), RoPE after dequantization", {}),
+    ("int3-prerope-nohad", f"k=int3:bchannel:asym:prerope,v={V3}{S}", "keys quantized before RoPE, not rotated", {}),
+    ("int3-qsm", f"k={K3Q},v={V3}{S}", "keys smoothed sqrt(rms_K / rms_Q), then rotated", {}),
+    ("int3-nuq-qsm", f"k={K3Q}:nuq,v={V3}:nuq{S}", "codebooks + query-aware smoothing", {}),
+    ("int2-kvnuq", f"k={K2}:nuq,v={V2}:nuq{S}", "codebooks K and V (keys weighted by the queries), one per KV head", {}),
+    ("int2-knuq", f"k={K2}:nuq,v={V2}{S}", "codebook keys only", {}),
+    ("int2-vnuq", f"k={K2},v={V2}:nuq{S}", "codebook values only", {}),
+    ("int2-nuq-unw", f"k={K2}:nuq,v={V2}:nuq{S}", "codebooks, keys not weighted by the queries", {"codebook_weight_keys": False}),
+    ("int2-vsym", f"k={K2},v=int2:token:sym:hadamard{S}", "values symmetric per token (2.375 bits): the control of the outlier rows", {}),
+    ("int2-nuq-vsym", f"k={K2}:nuq,v=int2:token:sym:hadamard:nuq{S}", "codebooks, values symmetric per token (2.375 bits)", {}),
+    ("int2-kout", f"k={K2}:out32,v=int2:token:sym:hadamard{S}", "32 key outliers per block and head, values symmetric per token", {}),
+    ("int2-nuq-kout", f"k={K2}:nuq:out32,v=int2:token:sym:hadamard:nuq{S}", "codebooks + 32 key outliers, values symmetric", {}),
+    ("int2-prerope", f"k={K2P},v={V2}{S}", "keys quantized before RoPE (rotated), RoPE after dequantization", {}),
+    ("int2-prerope-nohad", f"k=int2:bchannel:asym:prerope,v={V2}{S}", "keys quantized before RoPE, not rotated", {}),
+    ("int2-qsm", f"k={K2Q},v={V2}{S}", "keys smoothed sqrt(rms_K / rms_Q), then rotated", {}),
+    ("int2-nuq-qsm", f"k={K2Q}:nuq,v={V2}:nuq{S}", "codebooks + query-aware smoothing", {}),
+]
+# screen 2: combinations of the measures that moved KL on both texts alone (pre-RoPE keys, query-aware smoothing, key
+# outliers, value codebooks); key codebooks made the keys worse and are left out
+ISSUE27_COMBOS = [
+    ("int3-qsm-vnuq", f"k={K3Q},v={V3}:nuq{S}", "query-aware smoothing + value codebooks", {}),
+    ("int3-qsm-kout-vnuq", f"k={K3Q}:out32,v=int3:g64:sym:hadamard:nuq{S}", "query smoothing + 32 key outliers + value codebooks (V g64)", {}),
+    ("int3-prerope-qsm", f"k={K3PQ},v={V3}{S}", "keys before RoPE, query-aware smoothing, rotated", {}),
+    ("int3-prerope-vnuq", f"k={K3P},v={V3}:nuq{S}", "keys before RoPE + value codebooks", {}),
+    ("int3-prerope-qsm-vnuq", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks (the int3-nuq preset)", {}),
+    ("int3-prerope-kout-vnuq", f"k={K3P}:out32,v=int3:g64:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
+    ("int3-prerope-qsm-kout-vnuq", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four", {}),
+    ("int2-qsm-vnuq", f"k={K2Q},v={V2}:nuq{S}", "query-aware smoothing + value codebooks", {}),
+    ("int2-qsm-kout-vnuq", f"k={K2Q}:out32,v=int2:token:sym:hadamard:nuq{S}", "query smoothing + 32 key outliers + value codebooks (V sym)", {}),
+    ("int2-prerope-qsm", f"k={K2PQ},v={V2}{S}", "keys before RoPE, query-aware smoothing, rotated", {}),
+    ("int2-prerope-vnuq", f"k={K2P},v={V2}:nuq{S}", "keys before RoPE + value codebooks", {}),
+    ("int2-prerope-qsm-vnuq", f"k={K2PQ},v={V2}:nuq{S}", "keys before RoPE, query smoothing + value codebooks", {}),
+    ("int2-prerope-kout-vnuq", f"k={K2P}:out32,v=int2:token:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
+    ("int2-prerope-qsm-kout-vnuq", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four (the int2-nuq preset)", {}),
+]
+# screen 3 (round 2): around the best int3 row (pre-RoPE keys, query smoothing, value codebooks): one codebook per layer
+# instead of per head (the per-layer table beat per-head ones in screen 1), values asymmetric per token through the
+# codebook, and key outliers paid for by symmetric key scales (3.25 + 0.25 bits) instead of coarser value groups
+ISSUE27_ROUND2 = [
+    ("int3-prerope-qsm-vnuq-layer", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks, one per layer", {"codebook_per_head": False}),
+    ("int3-prerope-qsm-vtnuq", f"k={K3PQ},v=int3:token:asym:hadamard:nuq{S}", "keys before RoPE, query smoothing + value codebooks, values asymmetric per token", {}),
+    ("int3-prerope-qsm-ksout-vnuq", f"k=int3:bchannel:sym:prerope:qsmooth:hadamard:out32,v={V3}:nuq{S}",
+     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; value codebooks", {}),
+    ("int3-prerope-qsm-kout-vnuq-layer", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
+    ("int2-prerope-qsm-kout-vnuq-layer", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
+    ("int2-prerope-qsm-ksout-vtnuq", f"k=int2:bchannel:sym:prerope:qsmooth:hadamard:out32,v=int2:token:asym:hadamard:nuq{S}",
+     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; values asymmetric per token through a codebook", {}),
+]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -90,13 +157,13 @@ ROWS: list[Row] = [
     Row("int3-khad", "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4", note="int3 preset, keys rotated too"),
     Row("int4-khad", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=64,sink=4", note="int4 preset, keys rotated too"),
     Row("int4-ksmhad", "k=int4:bchannel:asym:smooth:hadamard,v=int4:g32:sym:hadamard,block=64,sink=4", note="keys smoothed (absmax ** 0.5) then rotated"),
-    Row("int4-kqsmhad", "k=int4:bchannel:asym:smooth:hadamard,v=int4:g32:sym:hadamard,block=64,sink=4", query_smoothing=True,
+    Row("int4-kqsmhad", "k=int4:bchannel:asym:qsmooth:hadamard,v=int4:g32:sym:hadamard,block=64,sink=4",
         note="keys smoothed (sqrt(rms_K / rms_Q)) then rotated"),
     Row("int3-ksmhad", "k=int3:bchannel:asym:smooth:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4", note="keys smoothed (absmax ** 0.5) then rotated"),
-    Row("int3-kqsmhad", "k=int3:bchannel:asym:smooth:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4", query_smoothing=True,
+    Row("int3-kqsmhad", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4",
         note="keys smoothed (sqrt(rms_K / rms_Q)) then rotated"),
     Row("int2-ksmhad", "k=int2:bchannel:asym:smooth:hadamard,v=int2:token:asym:hadamard,block=64,sink=4", note="keys smoothed (absmax ** 0.5) then rotated"),
-    Row("int2-kqsmhad", "k=int2:bchannel:asym:smooth:hadamard,v=int2:token:asym:hadamard,block=64,sink=4", query_smoothing=True,
+    Row("int2-kqsmhad", "k=int2:bchannel:asym:qsmooth:hadamard,v=int2:token:asym:hadamard,block=64,sink=4",
         note="keys smoothed (sqrt(rms_K / rms_Q)) then rotated"),
     Row("int2-sink0", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64", note="no sink tokens"),
     Row("int2-sink16", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=16", note="16 sink tokens"),
@@ -106,6 +173,9 @@ ROWS: list[Row] = [
     Row("int4-kmse", "k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64,sink=4", note="int4 preset, key ranges MSE-searched per block-channel"),
     Row("int3-kmse", "k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=64,sink=4", note="int3 preset, key ranges MSE-searched per block-channel"),
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
+    # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
+    # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
+    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -115,6 +185,9 @@ GROUPS = {
     "fewbits": [r.name for r in ROWS if r.name.startswith(("int3", "int2")) and "mse" not in r.name],
     "fewbits-diag": ["int3", "int2", "int3-konly", "int3-vonly", "int2-konly", "int2-vonly", "int3-vtok", "int3-b128", "int2-vg32", "int2-khad"],
     "mse": [r.name for r in ROWS if "mse" in r.name],
+    "issue27": ["int4", "int3", "int2", *[name for name, *_ in ISSUE27_ROWS]],
+    "issue27-combos": ["int3", "int2", *[name for name, *_ in ISSUE27_COMBOS]],
+    "issue27-round2": ["int3", "int2", "int3-prerope-qsm-vnuq", "int2-prerope-qsm-kout-vnuq", *[name for name, *_ in ISSUE27_ROUND2]],
     "all": [r.name for r in ROWS],
 }
 
@@ -152,7 +225,7 @@ def calibrate(loaded, rows: list[Row], args) -> tuple[dict[str, list], int]:
     """Per-row calibrated params (rows whose format needs calibration or has dynamic scales to clip),
     and the number of calibration windows behind them."""
     from trtkv.calibration.run import wants_params
-    from trtkv.calibration.scales import choose_params, smoothing_factors
+    from trtkv.calibration.scales import choose_params
     from trtkv.calibration.stats import KVStats, collect_stats
     from trtkv.data import token_windows, window_count
 
@@ -170,48 +243,9 @@ def calibrate(loaded, rows: list[Row], args) -> tuple[dict[str, list], int]:
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             stats.save(str(cache))
-    params = {r.name: choose_params(stats, r.fmt(), r.method, smooth_alpha=r.alpha) for r in need}
-    qrows = [r for r in need if r.query_smoothing]
-    if qrows:
-        n = min(window_count(loaded.tokenizer, args.dataset, seq_len=args.seq_len, split="calib"), args.calib_windows)
-        windows = token_windows(loaded.tokenizer, args.dataset, seq_len=args.seq_len, samples=n, seed=args.seed, split="calib")
-        q_rms = query_rms(loaded, windows, args.batch_size)  # [L, H, D]
-        k_rms = (stats.tensors["k"].sumsq / max(stats.count, 1)).sqrt().float()
-        smooth = smoothing_factors(k_rms / q_rms.clamp_min(1e-6), 0.5)
-        for r in qrows:
-            for i, lp in enumerate(params[r.name]):
-                lp.k.smooth, lp.k.clip = smooth[i].clone(), None
+    params = {r.name: choose_params(stats, r.fmt(), r.method, smooth_alpha=r.alpha, codebook_per_head=r.codebook_per_head,
+                                    codebook_weight_keys=r.codebook_weight_keys) for r in need}
     return params, stats.count // args.seq_len
-
-
-def query_rms(loaded, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """RMS of the post-RoPE queries per (layer, KV head, channel) [L, H, D], query heads pooled per KV head."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    info, model = loaded.info, loaded.model
-    H, D = info.num_kv_heads, info.head_dim
-    sumsq = torch.zeros(info.num_layers, H, D, dtype=torch.float64)
-    count = [0]
-
-    def recording(module, query, key, value, attention_mask, **kw):
-        q = query.detach().double()
-        b, hq, s, _ = q.shape
-        sumsq[module.layer_idx] += q.reshape(b, H, hq // H, s, D).pow(2).sum((0, 2, 3)).cpu()
-        if module.layer_idx == 0:
-            count[0] += b * (hq // H) * s
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-
-    AttentionInterface.register("trtkv_query_stats", recording)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("trtkv_query_stats")
-    try:
-        with torch.inference_mode():
-            for i in range(0, windows.shape[0], batch_size):
-                model(windows[i : i + batch_size].to(loaded.device), use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
-    return (sumsq / max(count[0], 1)).sqrt().float()
 
 
 def to_markdown(data: dict, rows: dict[str, Row]) -> str:
@@ -246,8 +280,6 @@ def to_markdown(data: dict, rows: dict[str, Row]) -> str:
             calib = "-"
         elif not wants_params(row.fmt(), row.method):
             calib = "none"
-        elif row.query_smoothing:
-            calib = "query smoothing"
         else:
             calib = row.method + (f", α={row.alpha:g}" if row.fmt().k.smooth or row.fmt().v.smooth else "")
         bits = f"{r['pool_bits_per_element']:.4g} | {r['bits_per_element']:.4g}"
@@ -337,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "commit": git_commit(),
         "seconds": round(seconds, 1),
-        "rows": {r.name: {"spec": r.fmt().spec(), "method": r.method, "alpha": r.alpha, "note": r.note} for r in rows},
+        "rows": {r.name: {"spec": r.fmt().spec(), "method": r.method, "alpha": r.alpha, "note": r.note,
+                          "codebook_per_head": r.codebook_per_head, "codebook_weight_keys": r.codebook_weight_keys} for r in rows},
     }
     data = results_to_dict(results, meta)
     if not args.no_write:

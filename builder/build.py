@@ -154,7 +154,7 @@ def build_engine(
     if calibration is not None:  # a format the calibration holds by name (e.g. a --budget choice) is its definition
         kv = load_calibration(calibration).definition(kv)
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
-    for r in CAPABILITIES["torch" if backend == "torch" else attention].layout_reasons(base_fmt):  # the capability table
+    for r in (backend_path(backend) or CAPABILITIES["torch" if backend == "torch" else attention]).layout_reasons(base_fmt):  # the capability table
         raise TrtkvError(r, r.hint)
     bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads

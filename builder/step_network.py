@@ -78,6 +78,8 @@ def build_step_network(
     w: ModelWeights, layout: PagedKVLayout, params: list, attention: AttentionBackend, dtype: str = "fp32"
 ) -> tuple[onnx.ModelProto, list[TensorSpec], list[TensorSpec]]:
     """The ONNX step network of model ``w`` over ``layout``'s paged cache; returns (model, inputs, outputs)."""
+    for r in attention.path.layout_reasons(layout.fmt):  # the capability table, before a node is made
+        raise TrtkvError(r, r.hint)
     g = Graph("trtkv_step", custom_domains={"trtkv": 1} if attention.name == "plugin" else None)
     cdt, npd = DTYPE[dtype], NP_DTYPE[dtype]
     L, nh, H, D, hid = w.info.num_layers, w.info.num_heads, w.info.num_kv_heads, w.info.head_dim, w.info.hidden_size

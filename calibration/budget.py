@@ -181,7 +181,7 @@ def per_layer_params(candidates: Sequence[KVFormat], params: dict[str, list[Laye
         for s in SIDES:
             got = params.get(candidates[lv[s]].name)
             tp = getattr(got[i], s) if got else TensorParams()  # copied: the artifact stores each format's tensors apart
-            side[s] = TensorParams(*(None if t is None else t.clone() for t in (tp.scale, tp.smooth, tp.clip)))
+            side[s] = tp.map(torch.Tensor.clone)
         out.append(LayerParams(k=side["k"], v=side["v"]))
     return out
 

@@ -64,6 +64,8 @@ def layer_choices(params: Sequence[LayerParams], ratios: dict[str, list[float | 
             v_smooth_max=None if lp.v.smooth is None else float(lp.v.smooth.max()),
             k_clip_ratio=(ratios.get("k") or [None] * len(params))[i],
             v_clip_ratio=(ratios.get("v") or [None] * len(params))[i],
+            k_codebook=None if lp.k.codebook is None else [json_floats(row, 5) for row in lp.k.codebook.reshape(-1, lp.k.codebook.shape[-1])],
+            v_codebook=None if lp.v.codebook is None else [json_floats(row, 5) for row in lp.v.codebook.reshape(-1, lp.v.codebook.shape[-1])],
         ))
     return out
 

@@ -61,6 +61,26 @@ def smoothing_factors(absmax: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     return s.float()
 
 
+def query_smoothing_factors(stats: KVStats, pre_rope: bool = False) -> torch.Tensor:
+    """Key smoothing divisors of ``qsmooth`` formats per (layer, KV head, channel) [L, H, D]: ``sqrt(rms_K / rms_Q)`` over
+    the calibration tokens (post-RoPE keys as cached, queries as attention receives them, a KV head's query heads
+    pooled), geometric mean 1 per head. ``pre_rope`` (``prerope`` keys, smoothed before RoPE is applied again): the keys
+    before RoPE, and per channel the mean query energy of its RoPE pair (channels c and c + D/2 turn into each other as
+    the distance between query and key changes, so a pre-RoPE key channel meets both).
+
+    Why this one: the query absorbs the divisor (``q * s``, docs/kv-formats.md §2), so channel c's key error reaches the
+    logits times ``E[q_c^2]``; after a rotation the quantization error is spread evenly over the channels of the smoothed
+    keys, at a level set by their total energy ``sum K_c / s_c^2``. Minimising ``(sum K_c / s_c^2)(sum w_c s_c^2)``
+    (energy x weighted error, ``K = E[k^2]``, ``w = E[q^2]``) gives ``s_c^4 ∝ K_c / w_c`` (Cauchy-Schwarz)."""
+    k_rms = (stats.tensors["k_pre" if pre_rope else "k"].sumsq / max(stats.count, 1)).sqrt().float()
+    q2 = stats.query_moment().diagonal(dim1=-2, dim2=-1).clamp_min(0)
+    if pre_rope:
+        half = q2.shape[-1] // 2
+        q2 = (q2 + torch.cat([q2[..., half:], q2[..., :half]], -1)) / 2
+    q_rms = q2.sqrt().float()
+    return smoothing_factors(k_rms / q_rms.clamp_min(1e-6 * float(q_rms.max().clamp_min(1e-30))), 0.5)
+
+
 def _static_range(stats: KVStats, kind: str, tf: TensorFormat, method: Method, percentile: float,
                   smooth: torch.Tensor | None) -> torch.Tensor:
     """Range (absmax-like) per layer at tf.granularity: [L], [L, H] or [L, H, D] in the transformed space."""
@@ -224,13 +244,17 @@ def choose_params(
     static_grid: torch.Tensor | Sequence[float] | None = None,
     clip_grid: torch.Tensor | Sequence[float] | None = None,
     refine: int = DEFAULT_REFINE,
+    codebook_per_head: bool = True,
+    codebook_weight_keys: bool = True,
 ) -> list[LayerParams]:
     """Per-layer parameters of ``fmt`` from ``stats`` (see the module docstring for the methods).
 
     Knobs: ``percentile`` (method percentile), ``smooth_alpha`` (smoothing exponent),
     ``static_grid`` (coarse range ratios for static mse, default 0.3..1.0 step 0.05), ``clip_grid``
     (coarse clip ratios for dynamic mse, default 0.5..1.0 step 0.05), ``refine`` (fine points each
-    side of the coarse optimum, at 1/(refine+1) of the grid step; 0: grid only).
+    side of the coarse optimum, at 1/(refine+1) of the grid step; 0: grid only). ``nuq`` sides get a codebook
+    (calibration/codebook.py: one per KV head, or with ``codebook_per_head`` False one per layer; key errors weighted by
+    the queries unless ``codebook_weight_keys`` is False) and no clip: the outer levels are where the range is cut.
     """
     if method not in METHODS:
         raise TrtkvError(f"unknown calibration method {method!r}", f"use one of {', '.join(METHODS)}")
@@ -246,7 +270,9 @@ def choose_params(
 
     L = stats.num_layers
     tfs = {"k": fmt.k, "v": fmt.v}
-    smooth = {kv: smoothing_factors(stats.absmax(kv, "per_channel"), smooth_alpha) if tf.smooth else None for kv, tf in tfs.items()}
+    smooth = {kv: (query_smoothing_factors(stats, tf.pre_rope) if tf.smooth_by == "queries"
+                   else smoothing_factors(stats.absmax("k_pre" if tf.pre_rope else kv, "per_channel"), smooth_alpha))
+              if tf.smooth else None for kv, tf in tfs.items()}
     scale: dict[str, torch.Tensor | None] = {"k": None, "v": None}
     clip: dict[str, torch.Tensor | None] = {"k": None, "v": None}
 
@@ -272,7 +298,9 @@ def choose_params(
 
     if method == "mse":
         for kv, tf in tfs.items():
-            if tf.is_quantized and tf.is_dynamic and not tf.is_block_wise:  # block-wise ranges are per block: no clip
+            # block-wise ranges are per block: no clip; a codebook's outer levels clip; outliers are left out of the range;
+            # the reservoir holds keys after RoPE, not the prerope frame
+            if tf.is_quantized and tf.is_dynamic and not (tf.is_block_wise or tf.codebook or tf.outliers or tf.pre_rope):
                 clip[kv] = _mse_clip(stats, kv, tf, smooth[kv], cgrid, refine)
 
     out = []
@@ -286,6 +314,11 @@ def choose_params(
             )
             setattr(lp, kv, tp)
         out.append(lp)
+    if any(tf.codebook for tf in tfs.values()):
+        from trtkv.calibration.codebook import fit_codebooks
+
+        fit_codebooks(stats.windows, fmt, out, stats.query if stats.query is None else stats.query_moment(),
+                      per_head=codebook_per_head, weight_keys=codebook_weight_keys)
     return out
 
 
@@ -295,9 +328,11 @@ def reservoir_error(stats: KVStats, fmt: KVFormat, params: Sequence[LayerParams]
     if stats.reservoir_size == 0:
         return out
     for kv, tf in (("k", fmt.k), ("v", fmt.v)):
+        if tf.pre_rope:  # reservoir rows are keys after RoPE at unknown positions: no error to report in the prerope frame
+            continue
         for i, lp in enumerate(params):
             x = stats.samples(kv, i)
-            if tf.is_block_wise:  # reservoir rows grouped into pseudo-blocks of block_size rows [n, H, bs, D]
+            if tf.is_block_wise or tf.outliers:  # reservoir rows grouped into pseudo-blocks of block_size rows [n, H, bs, D]
                 bs = fmt.block_size or 1
                 n = x.shape[0] // bs
                 x = x[: n * bs].reshape(n, bs, *x.shape[1:]).transpose(1, 2)

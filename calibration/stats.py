@@ -11,6 +11,14 @@ For every layer, KV head and head_dim channel, and for three tensors
 fixed-size reservoir sample of token rows (``k`` and ``v``, the same tokens in every layer) for
 MSE searches. Memory does not grow with the number of samples, and two ``KVStats`` merge.
 
+Beside the K/V statistics:
+
+* ``query`` -- the second-moment matrix ``sum q q^T`` [L, H, D, D] (float64) of the queries as attention receives them
+  (post-RoPE), the query heads of each KV head pooled: what a key's error costs in the attention logits
+  (``E[(q . e)^2] = e^T E[q q^T] e``), for key codebooks and query-aware smoothing;
+* ``windows`` -- the K and V of the first ``sample_windows`` calibration windows, whole and in order (fp16
+  [L, W, seq_len, H, D]): the sealed blocks a codebook is fitted to (a reservoir's scattered rows are no block).
+
 Histogram bins (fixed, so histograms from different runs merge by addition): bin 0 holds
 ``|x| < 2**HIST_LOG2_MIN`` (zeros included), bins ``1..HIST_BINS-2`` split
 ``[2**HIST_LOG2_MIN, 2**HIST_LOG2_MAX)`` into ``HIST_BINS_PER_OCTAVE`` equal steps of log2 per
@@ -19,6 +27,7 @@ octave (relative bin width 2**(1/32) - 1 = 2.2%), and the last bin holds everyth
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,6 +44,7 @@ HIST_LOG2_MAX = 16
 HIST_BINS_PER_OCTAVE = 32
 HIST_BINS = (HIST_LOG2_MAX - HIST_LOG2_MIN) * HIST_BINS_PER_OCTAVE + 2
 DEFAULT_RESERVOIR = 512
+DEFAULT_SAMPLE_WINDOWS = 4  # whole calibration windows kept for fitting codebooks over real sealed blocks
 
 
 def hist_edges() -> torch.Tensor:
@@ -140,14 +150,20 @@ class KVStats:
     reservoir: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [L, R, H, D] float32
     reservoir_capacity: int = DEFAULT_RESERVOIR
     seconds: float = 0.0  # time spent in forward passes
+    query: torch.Tensor | None = None  # sum of q q^T per (layer, KV head) [L, H, D, D] float64; None: not collected
+    query_count: int = 0  # query rows in ``query`` per layer and KV head (tokens x query heads per KV head)
+    windows: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [L, W, seq_len, H, D] fp16, whole windows
+    sample_windows: int = DEFAULT_SAMPLE_WINDOWS  # capacity of ``windows``
 
     @classmethod
-    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, reservoir: int = DEFAULT_RESERVOIR, device: Any = "cpu") -> "KVStats":
+    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, reservoir: int = DEFAULT_RESERVOIR, device: Any = "cpu",
+              sample_windows: int = DEFAULT_SAMPLE_WINDOWS) -> "KVStats":
         return cls(
             num_layers, num_kv_heads, head_dim,
             tensors={k: TensorStats.empty(num_layers, num_kv_heads, head_dim, device) for k in KINDS},
             reservoir={k: torch.zeros(num_layers, 0, num_kv_heads, head_dim, device=device) for k in RESERVOIR_KINDS},
             reservoir_capacity=reservoir,
+            sample_windows=sample_windows,
         )
 
     # ---------------------------------------------------------------- derived statistics
@@ -191,6 +207,18 @@ class KVStats:
     def reservoir_size(self) -> int:
         return int(self.reservoir["k"].shape[1]) if "k" in self.reservoir else 0
 
+    def query_moment(self) -> torch.Tensor:
+        """``E[q q^T]`` per (layer, KV head) [L, H, D, D] float64, the post-RoPE queries of each KV head's query heads."""
+        if self.query is None or self.query_count == 0:
+            raise TrtkvError("the statistics hold no query second moments", "recollect the statistics (trtkv calibrate collects them)")
+        return self.query / self.query_count
+
+    def window_sample(self, kind: str, layer: int) -> torch.Tensor:
+        """The whole calibration windows kept of one layer: [W, seq_len, H, D] float32 (kind: k or v)."""
+        if kind not in self.windows or self.windows[kind].shape[1] == 0:
+            raise TrtkvError("the statistics hold no whole calibration windows", "recollect the statistics with sample_windows >= 1")
+        return self.windows[kind][layer].float()
+
     # ---------------------------------------------------------------- combining
 
     def merge(self, other: "KVStats", generator: torch.Generator | None = None) -> "KVStats":
@@ -216,6 +244,13 @@ class KVStats:
             ib = torch.randperm(rb, generator=g)[: min(cap - len(ia), rb)]
             for k in RESERVOIR_KINDS:
                 self.reservoir[k] = torch.cat([self.reservoir[k][:, ia], other.reservoir[k][:, ib].to(self.reservoir[k].device)], 1)
+        if other.query is not None:
+            self.query = other.query.clone() if self.query is None else self.query + other.query.to(self.query.device)
+            self.query_count += other.query_count
+        for k, w in other.windows.items():
+            mine = self.windows.get(k)
+            joined = w if mine is None or mine.shape[1] == 0 else torch.cat([mine, w.to(mine.device)], 1)
+            self.windows[k] = joined[:, : self.sample_windows]
         self.count += other.count
         self.seconds += other.seconds
         return self
@@ -238,6 +273,12 @@ class KVStats:
             lim = torch.finfo(reservoir_dtype).max if reservoir_dtype.is_floating_point else None
             rr = r.clamp(-lim, lim) if lim is not None else r
             out[f"reservoir.{k}"] = rr.to(reservoir_dtype).cpu().contiguous()
+        if self.query is not None:
+            out["query.moment_sum"] = self.query.cpu().contiguous()
+            out["meta.query_count"] = torch.tensor([self.query_count], dtype=torch.int64)
+        for k, w in self.windows.items():
+            out[f"windows.{k}"] = w.cpu().contiguous()
+        out["meta.sample_windows"] = torch.tensor([self.sample_windows], dtype=torch.int64)
         return out
 
     @classmethod
@@ -248,9 +289,12 @@ class KVStats:
         L, H, D = (int(v) for v in t["meta.shape"].tolist())
         tensors = {k: TensorStats(*(t[f"{k}.{f}"] for f in ("amin", "amax", "sum", "sumsq", "hist"))) for k in KINDS}
         res = {k: t[f"reservoir.{k}"].float() for k in RESERVOIR_KINDS if f"reservoir.{k}" in t}
-        return cls(
+        return cls(  # statistics written before query moments and windows were collected load without them
             L, H, D, tensors, count=int(t["meta.count"].item()), reservoir=res,
             reservoir_capacity=int(t["meta.reservoir_capacity"].item()), seconds=float(t["meta.seconds"].item()),
+            query=t.get("query.moment_sum"), query_count=int(t["meta.query_count"].item()) if "meta.query_count" in t else 0,
+            windows={k: t[f"windows.{k}"] for k in RESERVOIR_KINDS if f"windows.{k}" in t},
+            sample_windows=int(t["meta.sample_windows"].item()) if "meta.sample_windows" in t else 0,
         )
 
     def save(self, path: str) -> None:
@@ -279,6 +323,7 @@ class ReservoirDraw:
     grow: int
     slots: torch.Tensor
     rows: torch.Tensor
+    first_window: int = 0  # the batch's first window (whole windows of ``seq_len`` rows, batch-major)
 
 
 class StatsCollector:
@@ -291,11 +336,12 @@ class StatsCollector:
     then sees the same draws in the same batch order as in the resident pass, so the sample is identical.
     """
 
-    def __init__(self, stats: KVStats, seed: int = 0):
+    def __init__(self, stats: KVStats, seed: int = 0, seq_len: int | None = None):
         self.stats = stats
         self.gen = torch.Generator().manual_seed(seed)
         self.seen = 0  # tokens offered to the reservoir so far
         self.filled = stats.reservoir_size  # slots the draws so far have filled
+        self.seq_len = seq_len  # tokens per window: rows of the first ``stats.sample_windows`` windows are kept whole
         self._draw = ReservoirDraw(self.filled, 0, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     def draw(self, n_tokens: int) -> ReservoirDraw:
@@ -310,7 +356,7 @@ class StatsCollector:
         for row in torch.nonzero(replace).flatten().tolist():  # few rows: expected cap * ln(growth)
             slots[int(j[row])] = row  # a later row overwrites an earlier one in the same slot
         out = ReservoirDraw(self.filled, fill, torch.tensor(list(slots.keys()), dtype=torch.long),
-                            torch.tensor(list(slots.values()), dtype=torch.long))
+                            torch.tensor(list(slots.values()), dtype=torch.long), self.seen // self.seq_len if self.seq_len else 0)
         self.filled += fill
         self.seen += n_tokens
         return out
@@ -325,6 +371,7 @@ class StatsCollector:
         self.stats.tensors[kind].update(layer, x)
         if kind not in self.stats.reservoir:
             return
+        self._keep_windows(kind, layer, x)
         d = self._draw
         res = self.stats.reservoir[kind]
         xc = x.detach().float().to(res.device)
@@ -338,6 +385,32 @@ class StatsCollector:
 
     def end_batch(self) -> None:
         self.use(ReservoirDraw(self.filled, 0, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)))
+
+    def _keep_windows(self, kind: str, layer: int, x: torch.Tensor) -> None:
+        """Rows [B * seq_len, H, D] of the batch's windows below ``sample_windows`` into ``stats.windows`` (fp16)."""
+        st, S, w0 = self.stats, self.seq_len, self._draw.first_window
+        if not S or w0 >= st.sample_windows or x.shape[0] % S:
+            return
+        take = min(x.shape[0] // S, st.sample_windows - w0)
+        rows = x.detach()[: take * S].reshape(take, S, *x.shape[1:]).to("cpu", torch.float16)
+        have = st.windows.get(kind)
+        if have is None or have.shape[1] < w0 + take:
+            grown = torch.zeros(st.num_layers, w0 + take, S, *x.shape[1:], dtype=torch.float16)
+            if have is not None:
+                grown[:, : have.shape[1]] = have
+            have = st.windows[kind] = grown
+        have[layer, w0 : w0 + take] = rows
+
+    def add_queries(self, layer: int, query: torch.Tensor) -> None:
+        """Queries [B, query_heads, S, D] as attention receives them: ``sum q q^T`` per KV head (its query heads pooled)."""
+        st = self.stats
+        b, hq, s, d = query.shape
+        q = query.detach().double().reshape(b, st.num_kv_heads, hq // st.num_kv_heads, s, d)
+        if st.query is None:
+            st.query = torch.zeros(st.num_layers, st.num_kv_heads, d, d, dtype=torch.float64)
+        st.query[layer] += torch.einsum("bhgsd,bhgse->hde", q, q).cpu()
+        if layer == 0:
+            st.query_count += b * (hq // st.num_kv_heads) * s
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -389,6 +462,35 @@ def make_stats_cache(model: torch.nn.Module, collector: StatsCollector):
     return _StatsCache(config=model.config)
 
 
+@contextlib.contextmanager
+def observe_queries(model: torch.nn.Module, observe):
+    """Within the block, every attention call of ``model`` first reports ``observe(layer_idx, query)`` (query
+    [B, query_heads, S, D] as attention receives it: after RoPE and any q norm) and then runs the attention the model was
+    configured with (transformers' registry, or the modeling module's own ``eager_attention_forward``)."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    configs = list({id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values())
+    before = [c._attn_implementation for c in configs]
+    impl = before[-1] or "eager"
+
+    def observing(module, query, key, value, attention_mask, **kwargs):
+        observe(module.layer_idx, query)
+        fn = ALL_ATTENTION_FUNCTIONS[impl] if impl != "eager" else sys.modules[type(module).__module__].eager_attention_forward
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("trtkv_observe_queries", observing)
+    for c in configs:
+        c._attn_implementation = "trtkv_observe_queries"
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c._attn_implementation = b
+
+
 def collect_stats(
     loaded: Any,
     windows: torch.Tensor,
@@ -397,11 +499,13 @@ def collect_stats(
     *,
     reservoir: int = DEFAULT_RESERVOIR,
     seed: int = 0,
+    sample_windows: int = DEFAULT_SAMPLE_WINDOWS,
 ) -> KVStats:
     """Run ``loaded.model`` over token ``windows`` [n, seq_len] and collect ``KVStats``.
 
     ``loaded`` is a ``trtkv.models.LoadedModel`` (``model``, ``info``, ``device``). Statistics
-    accumulate on the model's device and are returned on the CPU.
+    accumulate on the model's device and are returned on the CPU. The first ``sample_windows`` windows are also kept
+    whole (``KVStats.windows``), and the queries' second moments are collected (``KVStats.query``).
     """
     model, info, device = loaded.model, loaded.info, loaded.device
     if windows.dim() != 2 or windows.numel() == 0:
@@ -409,8 +513,10 @@ def collect_stats(
     attn = _attention_modules(model)
     if len(attn) != info.num_layers:
         raise TrtkvError(f"model has {len(attn)} attention layers, its info says {info.num_layers}", "reload the model")
-    stats = KVStats.empty(info.num_layers, info.num_kv_heads, info.head_dim, reservoir=reservoir, device=device)
-    collector = StatsCollector(stats, seed=seed)
+    n, seq_len = windows.shape
+    stats = KVStats.empty(info.num_layers, info.num_kv_heads, info.head_dim, reservoir=reservoir, device=device,
+                          sample_windows=min(sample_windows, n))
+    collector = StatsCollector(stats, seed=seed, seq_len=seq_len)
     H, D = info.num_kv_heads, info.head_dim
 
     hooks = []
@@ -421,26 +527,26 @@ def collect_stats(
             collector.add("k_pre", i, rows(out.detach()))
         hooks.append(module.register_forward_hook(hook))
 
-    n, seq_len = windows.shape
     total_tokens = n * seq_len
     t_start = time.perf_counter()
     try:
-        if getattr(loaded, "streamer", None) is not None:
-            _collect_streamed(loaded, windows, batch_size, collector, progress)
-            stats.count = total_tokens
-            stats.seconds = time.perf_counter() - t_start
-            return _finish(stats, reservoir, time.perf_counter() - t_start)
-        with _progress(progress, total_tokens) as advance, torch.inference_mode():
-            for start in range(0, n, batch_size):
-                batch = windows[start : start + batch_size].to(device)
-                collector.begin_batch(batch.numel())
-                t0 = time.perf_counter()
-                # the decoder stack alone: K/V are all we need, so the vocabulary projection is skipped
-                model.base_model(input_ids=batch, cache=make_stats_cache(model, collector), use_cache=True)
-                stats.seconds += time.perf_counter() - t0
-                collector.end_batch()
-                stats.count += batch.numel()
-                advance(batch.numel())
+        with observe_queries(model, collector.add_queries):
+            if getattr(loaded, "streamer", None) is not None:
+                _collect_streamed(loaded, windows, batch_size, collector, progress)
+                stats.count = total_tokens
+                stats.seconds = time.perf_counter() - t_start
+                return _finish(stats, reservoir, time.perf_counter() - t_start)
+            with _progress(progress, total_tokens) as advance, torch.inference_mode():
+                for start in range(0, n, batch_size):
+                    batch = windows[start : start + batch_size].to(device)
+                    collector.begin_batch(batch.numel())
+                    t0 = time.perf_counter()
+                    # the decoder stack alone: K/V are all we need, so the vocabulary projection is skipped
+                    model.base_model(input_ids=batch, cache=make_stats_cache(model, collector), use_cache=True)
+                    stats.seconds += time.perf_counter() - t0
+                    collector.end_batch()
+                    stats.count += batch.numel()
+                    advance(batch.numel())
     finally:
         for h in hooks:
             h.remove()
@@ -477,6 +583,8 @@ def _finish(stats: KVStats, reservoir: int, wall: float) -> KVStats:
         tensors={k: v.to("cpu") for k, v in stats.tensors.items()},
         count=stats.count, reservoir={k: v.cpu() for k, v in stats.reservoir.items()},
         reservoir_capacity=reservoir, seconds=wall,
+        query=None if stats.query is None else stats.query.cpu(), query_count=stats.query_count,
+        windows={k: v.cpu() for k, v in stats.windows.items()}, sample_windows=stats.sample_windows,
     )
     for kind, ts in out.tensors.items():
         if not (torch.isfinite(ts.amax).all() and torch.isfinite(ts.amin).all()):
@@ -521,23 +629,28 @@ class _progress:
         return False
 
 
-def stats_from_rows(rows: dict[str, Iterable[torch.Tensor]], reservoir: int = DEFAULT_RESERVOIR, seed: int = 0) -> KVStats:
+def stats_from_rows(rows: dict[str, Iterable[torch.Tensor]], reservoir: int = DEFAULT_RESERVOIR, seed: int = 0, *,
+                    seq_len: int | None = None, sample_windows: int = DEFAULT_SAMPLE_WINDOWS,
+                    queries: Iterable[torch.Tensor] | None = None) -> KVStats:
     """Build ``KVStats`` from synthetic data: ``rows[kind]`` is a list over layers of [N, H, D] tensors.
 
-    Used by tests and by callers that capture K/V some other way. ``k_pre`` defaults to ``k``.
+    Used by tests and by callers that capture K/V some other way. ``k_pre`` defaults to ``k``. With ``seq_len`` the rows
+    are windows of that many tokens, the first ``sample_windows`` kept whole; ``queries``: per layer [B, query_heads, S, D].
     """
     k = [torch.as_tensor(x).float() for x in rows["k"]]
     v = [torch.as_tensor(x).float() for x in rows["v"]]
     kp = [torch.as_tensor(x).float() for x in rows.get("k_pre", k)]
     L = len(k)
     N, H, D = k[0].shape
-    stats = KVStats.empty(L, H, D, reservoir=reservoir)
-    col = StatsCollector(stats, seed=seed)
+    stats = KVStats.empty(L, H, D, reservoir=reservoir, sample_windows=sample_windows if seq_len else 0)
+    col = StatsCollector(stats, seed=seed, seq_len=seq_len)
     col.begin_batch(N)
     for i in range(L):
         col.add("k", i, k[i])
         col.add("v", i, v[i])
         col.add("k_pre", i, kp[i])
     col.end_batch()
+    for i, q in enumerate(queries or ()):
+        col.add_queries(i, torch.as_tensor(q).float())
     stats.count = N
     return stats

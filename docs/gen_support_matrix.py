@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from marker_block import Block
 
 from trtkv.formats import PRESETS, get_format
-from trtkv.plugins.contract.capabilities import CAPABILITIES, LIMITS, ExecutionPath
+from trtkv.plugins.contract.capabilities import CAPABILITIES, FEATURES, LIMITS, ExecutionPath
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "architecture.md"]
@@ -54,11 +54,27 @@ def _sizes(p: ExecutionPath) -> tuple[str, str]:
     return (", ".join(map(str, p.block_sizes)) if p.block_sizes else "any", heads)
 
 
+# issue 27's storage features, each asked with a format that keeps it (the spec word in the cell)
+FEATURE_SPECS = {
+    "codebooks": ("nuq", "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard:nuq,block=64,sink=4"),
+    "outliers": ("outN", "k=int3:bchannel:asym:hadamard:out32,v=int3:g64:sym:hadamard,block=64,sink=4"),
+    "pre_rope": ("prerope", "k=int3:bchannel:asym:prerope:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4"),
+}
+assert set(FEATURE_SPECS) == {flag for _, _, flag in FEATURES}, "a FEATURES row without a format to ask it with"
+
+
+def _features_cell(p: ExecutionPath) -> str:
+    reads = [word for word, spec in FEATURE_SPECS.values() if not p.layout_reasons(get_format(spec))]
+    return "yes" if len(reads) == len(FEATURE_SPECS) else (", ".join(reads) + " only" if reads else "no (refused)")
+
+
 def table() -> str:
-    cols = [*FAMILIES, "per-layer / budget", "sliding windows", "soft-cap", "prefix cache", "block sizes", "head dims"]
+    cols = [*FAMILIES, "codebooks / outliers / pre-RoPE keys", "per-layer / budget", "sliding windows", "soft-cap", "prefix cache",
+            "block sizes", "head dims"]
     lines = ["| path | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for p in CAPABILITIES.values():
         cells = [_format_cell(p, PRESETS[preset].spec(), mse) for preset, mse in FAMILIES.values()]
+        cells.append(_features_cell(p))
         cells.append("no" if p.layout_reasons(get_format(PER_LAYER)) else "yes")
         cells.append("no" if p.model_reasons(_model("Gemma3ForCausalLM", window=512)) else "yes")
         cells.append("no" if p.model_reasons(_model("Gemma2ForCausalLM")) else "yes")

@@ -87,7 +87,7 @@ class PagedCase:
             x = torch.cat([self.rows[which].transpose(1, 2).reshape(-1, kv_heads, D),
                            (self.k_new if which == "k" else self.v_new).cpu()])
             p = case_params(self.tensor_format(which), which, x, gen)
-            self.params[which] = TensorParams(*(None if t is None else t.to(device) for t in (p.scale, p.smooth, p.clip)))
+            self.params[which] = p.map(lambda t: t.to(device))
             self.rows[which] = self.rows[which].to(device)
         self.kp, self.vp = self.params["k"], self.params["v"]
         self.dirty = garbage
@@ -231,4 +231,4 @@ def _cpu(t):
 
 
 def _cpu_params(p: TensorParams) -> TensorParams:
-    return TensorParams(scale=_cpu(p.scale), smooth=_cpu(p.smooth), clip=_cpu(p.clip))
+    return p.map(_cpu)

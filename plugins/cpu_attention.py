@@ -33,7 +33,7 @@ from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
 from trtkv.quant import QuantizedTensor, hadamard_matrix, per_channel
 
-from .contract.capabilities import CPU_KERNELS
+from .contract.capabilities import CPU_KERNELS, LACKS_HINT
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
@@ -151,6 +151,8 @@ class RowCodec:
         """For ``TensorFormat`` ``tf`` with its calibrated ``TensorParams`` (static scale) at these sizes."""
         if head_dim > MAX_HEAD_DIM:
             raise TrtkvError(f"head_dim {head_dim} exceeds the CPU kernels' {MAX_HEAD_DIM}", "use the torch ops (--attention torch)")
+        if lacks := CPU_KERNELS.lacks(tf):  # the capability table's ``cpu`` row
+            raise TrtkvError(f"{tf.short()} keeps {' and '.join(lacks)}, which the {CPU_KERNELS.title} do not read yet", LACKS_HINT)
         traits = tf.traits
         f = _Fmt(head_dim=head_dim, block_size=block_size, num_heads=num_heads, gran=GRAN[tf.granularity])
         keep: list[torch.Tensor] = []
@@ -307,6 +309,8 @@ class SealCodec:
             return "static scales"
         if tf.mse:
             return "its scales are searched (mse)"
+        if lacks := CPU_KERNELS.lacks(tf):  # the capability table's ``cpu`` row: the reference quantizer keeps them
+            return f"keeps {' and '.join(lacks)}"
         return None
 
     @classmethod

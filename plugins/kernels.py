@@ -64,7 +64,9 @@ from types import ModuleType
 import triton
 import triton.language as tl
 
+from trtkv.errors import TrtkvError
 from trtkv.plugins import contract as _C
+from trtkv.plugins.contract.capabilities import LACKS_HINT, op_refusal
 
 LOG2E = 1.4426950408889634
 
@@ -864,6 +866,8 @@ def format_constexprs(spec) -> dict:
     BCH / SMOOTH / HAD and the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
     CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4)."""
     fmt = _C.as_tensor_format(spec)
+    if (why := op_refusal(fmt)) is not None:  # the capability table: no constexpr says "codebook", "outliers", "pre-RoPE"
+        raise TrtkvError(f"{fmt.short()} {why}", LACKS_HINT)
     tr = fmt.traits
     sym = bool(fmt.symmetric or fmt.is_static)
     return {

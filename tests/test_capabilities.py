@@ -42,6 +42,11 @@ FORMATS = [*PRESETS, *MSE.values(), PER_LAYER]
 @pytest.mark.parametrize("spec", FORMATS)
 def test_format_reasons_of_every_path(spec):
     fmt = get_format(spec)
+    if any(t.codebook or t.outliers or t.pre_rope for f in fmt.layer_formats() for t in (f.k, f.v)):  # issue 27 phase 1
+        for path in CAPABILITIES.values():
+            r = path.layout_reasons(fmt)
+            assert len(r) == 1 and "does not read yet" in r[0] and r[0].kind == "layout", (path.name, r)
+        return
     mse = any(t.mse for f in fmt.layer_formats() for t in (f.k, f.v))
     for name in ("kernels", "seal"):
         r = CAPABILITIES[name].reasons(fmt, None, 64, 128)

@@ -164,8 +164,9 @@ class PagedReferenceCache(Cache):
     """A second, independent path through the paged contract: pools, block tables and open blocks of
     ``trtkv.cache_layout`` (write_tail / seal_blocks / gather_paged), one sequence per batch row."""
 
-    def __init__(self, fmt, num_layers: int, heads: int, dim: int, batch: int, params=None):
+    def __init__(self, fmt, num_layers: int, heads: int, dim: int, batch: int, params=None, rope=None):
         self.layout = PagedKVLayout(fmt, heads, dim, fmt.block_size, num_blocks=64, num_slots=batch)
+        self.rope = rope  # prerope keys: the model's RoPE table
         self.pools = [{w: self.layout.allocate(w) for w in "kv"} for _ in range(num_layers)]
         self.params = params
         self.lens = [0] * num_layers
@@ -185,11 +186,11 @@ class PagedReferenceCache(Cache):
             for b in range(x.shape[0]):
                 new = x[b].transpose(0, 1).half()  # the step's rows as the open block will hold them
                 # the step contract: cached tokens (sealed blocks + open block, read-only) plus the step's new rows
-                cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b)
+                cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b, rope=self.rope)
                 rows.append(torch.cat([cached, new.float()]).transpose(0, 1))
                 write_tail(pool, b, new, n0 % bs, bs)  # after the step: the runtime writes the rows ...
                 if (n0 + n) % bs == 0:  # ... and seals a full open block into the sequence's next pool block
-                    seal_open_block(self.layout, w, pool, b, int(self.tables[b, n0 // bs]), n0 // bs, p)
+                    seal_open_block(self.layout, w, pool, b, int(self.tables[b, n0 // bs]), n0 // bs, p, rope=self.rope)
             out.append(torch.stack(rows).to(x.dtype))
         self.lens[layer_idx] += n
         return out[0], out[1]

@@ -3,7 +3,7 @@
 Layout of an artifact directory (written atomically, see ``save_calibration``)::
 
     recipe.json              CalibrationRecipe: provenance, model identity, formats, per-layer summary
-    kv_scales.safetensors    {format}.layers.{i}.{k|v}.{scale|smooth|clip}  float32
+    kv_scales.safetensors    {format}.layers.{i}.{k|v}.{scale|smooth|clip|codebook}  float32
     stats.safetensors        raw K/V statistics (trtkv.calibration.stats.KVStats.to_tensors)
     report.md, plots/*.png   human-readable report
     trtllm/, vllm/           scale exports in other engines' conventions (docs/calibration.md)
@@ -16,6 +16,7 @@ calibrate that format.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,8 +42,8 @@ SCALES_FILE = "kv_scales.safetensors"
 STATS_FILE = "stats.safetensors"
 REPORT_FILE = "report.md"
 
-_PARAM_FIELDS = ("scale", "smooth", "clip")
-_KEY_RE = re.compile(r"^(?P<fmt>.+)\.layers\.(?P<layer>\d+)\.(?P<kv>[kv])\.(?P<field>scale|smooth|clip)$")
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(TensorParams))  # scale, smooth, clip, codebook
+_KEY_RE = re.compile(r"^(?P<fmt>.+)\.layers\.(?P<layer>\d+)\.(?P<kv>[kv])\.(?P<field>" + "|".join(_PARAM_FIELDS) + ")$")
 _RERUN = "run `trtkv calibrate --model MODEL --dataset DATA --out DIR` again"
 
 
@@ -82,6 +83,8 @@ class LayerChoice(BaseModel):
     v_smooth_max: float | None = None
     k_clip_ratio: float | None = None  # chosen range / absmax range (1.0 = max calibration), mean over heads
     v_clip_ratio: float | None = None
+    k_codebook: list[list[float]] | None = None  # nuq formats: the levels per KV head, in code units (the full table)
+    v_codebook: list[list[float]] | None = None
 
 
 class FormatCalibration(BaseModel):
@@ -330,7 +333,7 @@ class Calibration:
         name, kvf = self._resolve(fmt)
         if name in self.params or name in self.recipe.formats:
             layers = self.params.get(name) or [LayerParams() for _ in range(self.recipe.model.num_layers)]
-            return [LayerParams(k=TensorParams(lp.k.scale, lp.k.smooth, lp.k.clip), v=TensorParams(lp.v.scale, lp.v.smooth, lp.v.clip)) for lp in layers]
+            return [LayerParams(k=lp.k.map(lambda t: t), v=lp.v.map(lambda t: t)) for lp in layers]
         if not kvf.needs_calibration:
             return [LayerParams() for _ in range(self.recipe.model.num_layers)]
         have = ", ".join(self.recipe.formats) or "none"

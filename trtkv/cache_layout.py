@@ -14,29 +14,37 @@ description.
     scale [num_blocks, H, block_size, groups]       fp16, per-token dynamic formats
           [num_blocks, H, head_dim]                 fp16, per_block_channel formats (one per channel per block)
     zero  same shape as scale                       fp16, asymmetric dynamic formats
+    outlier_index [num_blocks, H, N]                int16, ``outN`` formats: positions token * head_dim + channel
+    outlier_value [num_blocks, H, N]                fp16, ``outN`` formats: the kept values (transformed space)
     tail  [num_slots, H, block_size + S, head_dim]  fp16, the open blocks, then the S sink rows
 
 Sequence ``s`` holding ``n`` tokens addresses them through its block table: ``block_table[s, i]`` is the
 pool block of tokens ``i*block_size ... (i+1)*block_size-1`` for ``i < n // block_size`` (sealed blocks),
 and tokens ``block_size*(n // block_size) ... n-1`` sit at the same offsets in ``tail[slot]``.
-Static scales and smoothing factors are per-layer constants (``TensorParams``), not pool tensors.
+Static scales, smoothing factors and the codebooks of ``nuq`` formats are per-layer constants (``TensorParams``), not
+pool tensors; ``PagedKVLayout.constant_bytes`` counts the codebooks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import SCALE_BITS, KVFormat, TensorFormat
+from trtkv.formats import KVFormat, TensorFormat
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trtkv.rope import RopeTable
 
 Which = Literal["k", "v"]
 TAIL_DTYPE = torch.float16
-SCALE_DTYPE = torch.float16  # dynamic scales and zero-points, ``SCALE_BITS`` wide (the byte counts read SCALE_BITS)
+SCALE_DTYPE = torch.float16  # dynamic scales and zero-points, ``formats.SCALE_BITS`` wide (the byte counts read SCALE_BITS)
+OUTLIER_INDEX_DTYPE = torch.int16  # ``formats.OUTLIER_INDEX_BITS`` wide
+OUTLIER_VALUE_DTYPE = torch.float16  # ``formats.OUTLIER_VALUE_BITS`` wide
 
 
 @dataclass
@@ -47,6 +55,8 @@ class KVPool:
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
     tail: torch.Tensor | None = None  # [num_slots, H, block_size + sink_tokens, head_dim] fp16
+    outlier_index: torch.Tensor | None = None  # [num_blocks, H, N] int16 (``outN`` formats)
+    outlier_value: torch.Tensor | None = None  # [num_blocks, H, N] fp16
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class PagedKVLayout:
         for f in self.fmt.layer_formats():
             for t in (f.k, f.v):
                 t.check_head_dim(self.head_dim)
+                t.check_block(self.block_size, self.head_dim)
 
     def layer(self, i: int) -> "PagedKVLayout":
         """Layer ``i``'s layout: a per-layer format's own storage for that layer (this layout otherwise)."""
@@ -112,6 +123,11 @@ class PagedKVLayout:
     def zero_shape(self, which: Which, num_blocks=None, layers=None) -> tuple | None:
         return None if self.tensor_format(which).symmetric else self.scale_shape(which, num_blocks, layers)
 
+    def outlier_shape(self, which: Which, num_blocks=None, layers=None) -> tuple | None:
+        """Shape of the outlier positions (int16) and values (fp16) of an ``outN`` format, one list per block and KV
+        head: ``[num_blocks, H, N]``; None without outliers."""
+        return self.tensor_format(which).outlier_shape(self._lead(num_blocks, self.num_blocks, layers), self.num_kv_heads)
+
     @property
     def sink_tokens(self) -> int:
         return self.fmt.sink_tokens
@@ -134,16 +150,19 @@ class PagedKVLayout:
         """The sink rows of ``tail`` (a sequence's first ``sink_tokens`` tokens once its first block is sealed): a view."""
         return tail.narrow(-2, self.block_size, self.sink_tokens)
 
-    # Byte counts: codes at the ``DTYPES`` row's bits per code, scales and zero-points at ``SCALE_BITS``, the tail
-    # at ``KVFormat.tail_bytes``; everything that counts cache memory asks these.
+    # Byte counts: a pool block at ``TensorFormat.block_bits`` per KV head (codes at the ``DTYPES`` row's bits, scales and
+    # zero-points at ``SCALE_BITS``, outlier lists at ``OUTLIER_BITS``), the tail at ``KVFormat.tail_bytes``; everything
+    # that counts cache memory asks these.
 
     def tensor_bytes_per_block(self, which: Which) -> int:
-        """Bytes of one pool block of K or V: its codes plus its dynamic scales and zero-points."""
-        bits = self.num_kv_heads * self.block_size * self.head_dim * self.tensor_format(which).traits.bits
-        for shape in (self.scale_shape(which, 1), self.zero_shape(which, 1)):
-            if shape is not None:
-                bits += _numel(shape) * SCALE_BITS
-        return bits // 8
+        """Bytes of one pool block of K or V: its codes plus its dynamic scales and zero-points and its outlier list
+        (``TensorFormat.block_bits`` per KV head: the shapes this layout allocates, counted once)."""
+        return self.num_kv_heads * self.tensor_format(which).block_bits(self.block_size, self.head_dim) // 8
+
+    def constant_bytes(self, layers) -> int:
+        """Bytes of the per-layer constants the pools of ``layers`` (indices) are read with that the format fixes: the
+        codebooks of ``nuq`` formats (``KVFormat.constant_bytes``); a fixed cost, not per block or slot."""
+        return sum(self.layer(i).fmt.constant_bytes(1, self.num_kv_heads) for i in layers)
 
     def bytes_per_block(self) -> int:
         """Bytes of one pool block of K and V together, scales included."""
@@ -177,6 +196,8 @@ class PagedKVLayout:
             scale=zeros(self.scale_shape(which, layers=layers), SCALE_DTYPE),
             zero=zeros(self.zero_shape(which, layers=layers), SCALE_DTYPE),
             tail=self.allocate_tail(device, layers) if tail else None,
+            outlier_index=zeros(self.outlier_shape(which, layers=layers), OUTLIER_INDEX_DTYPE),
+            outlier_value=zeros(self.outlier_shape(which, layers=layers), OUTLIER_VALUE_DTYPE),
         )
 
 
@@ -240,13 +261,6 @@ def storage_dtype(t: TensorFormat) -> torch.dtype:
     return t.storage.torch
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat pool slots ``block_table[pos // block_size] * block_size + pos % block_size`` of ``positions``.
 
@@ -267,12 +281,33 @@ def seal_blocks(
     rows: torch.Tensor,
     blocks: torch.Tensor,
     params: TensorParams | None = None,
+    first_positions: torch.Tensor | None = None,
+    rope: "RopeTable | None" = None,
 ) -> None:
-    """Reference seal: quantize full blocks ``rows`` [n, H, block_size, D] into pool blocks ``blocks`` [n]."""
+    """Reference seal: quantize full blocks ``rows`` [n, H, block_size, D] into pool blocks ``blocks`` [n].
+
+    ``prerope`` keys need ``rope`` (the model's ``trtkv.rope.RopeTable``) and ``first_positions`` [n], each block's first
+    token position (its sequence's block number times ``block_size``): the seal undoes RoPE at those positions."""
     if rows.shape[1:] != (layout.num_kv_heads, layout.block_size, layout.head_dim):
         raise ValueError(f"seal_blocks wants rows [n, {layout.num_kv_heads}, {layout.block_size}, {layout.head_dim}], got {list(rows.shape)}")
-    qt = quantize_block(rows, layout.tensor_format(which), params, head_axis=-3)
+    tf = layout.tensor_format(which)
+    cs = None
+    if tf.pre_rope and rope is not None and first_positions is not None:
+        cs = _block_rope(rope, first_positions, layout.block_size)
+    qt = quantize_block(rows, tf, params, head_axis=-3, rope=cs)
     store_blocks(pool.data, pool.scale, pool.zero, blocks, qt.codes, qt.scale, qt.zero)
+    if qt.outlier_index is not None:
+        if pool.outlier_index is None or pool.outlier_value is None:
+            raise ValueError(f"format {layout.tensor_format(which).short()} keeps outliers and this pool has no outlier lists")
+        b = blocks.long()
+        pool.outlier_index[b], pool.outlier_value[b] = qt.outlier_index, qt.outlier_value
+
+
+def _block_rope(rope: "RopeTable", first_positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` [n, 1, block_size, D] of blocks whose first tokens sit at ``first_positions`` [n]."""
+    pos = first_positions.long().reshape(-1, 1) + torch.arange(block_size, device=first_positions.device)
+    cos, sin = rope.cos_sin(pos.flatten())
+    return cos.view(pos.shape[0], 1, block_size, -1), sin.view(pos.shape[0], 1, block_size, -1)
 
 
 def store_blocks(data: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, blocks: torch.Tensor,
@@ -319,10 +354,11 @@ def open_block_to_seal(layout: PagedKVLayout, pool: KVPool, slot: int, block_ind
 
 
 def seal_open_block(layout: PagedKVLayout, which: Which, pool: KVPool, slot: int, block: int, block_index: int,
-                    params: TensorParams | None = None) -> None:
+                    params: TensorParams | None = None, rope: "RopeTable | None" = None) -> None:
     """Seal open block ``slot`` -- its sequence's block number ``block_index`` -- into pool block ``block``;
-    a first block also fills the slot's sink rows (``open_block_to_seal``)."""
-    seal_blocks(layout, which, pool, open_block_to_seal(layout, pool, slot, block_index), torch.tensor([block]), params)
+    a first block also fills the slot's sink rows (``open_block_to_seal``). ``rope``: for ``prerope`` keys."""
+    seal_blocks(layout, which, pool, open_block_to_seal(layout, pool, slot, block_index), torch.tensor([block]), params,
+                torch.tensor([block_index * layout.block_size]), rope)
 
 
 def chunk_length(start: int, remaining: int, block_size: int | None, limit: int | None = None) -> int:
@@ -361,8 +397,10 @@ def gather_paged(
     context_len: int,
     params: TensorParams | None = None,
     slot: int | None = None,
+    rope: "RopeTable | None" = None,
 ) -> torch.Tensor:
-    """Reference read of one sequence's ``context_len`` tokens: [context_len, H, D] float32, model space.
+    """Reference read of one sequence's ``context_len`` tokens: [context_len, H, D] float32, model space (``prerope``
+    keys: RoPE applied again at their positions, from ``rope``).
 
     Sealed blocks come from the pool through ``block_table``, except the first ``sink_tokens`` positions,
     which come from the sink rows of slot ``slot``; the newest ``context_len % block_size`` tokens come
@@ -380,8 +418,12 @@ def gather_paged(
             codes=pool.data[b],
             scale=None if pool.scale is None else pool.scale[b],
             zero=None if pool.zero is None else pool.zero[b],
+            outlier_index=None if pool.outlier_index is None else pool.outlier_index[b],
+            outlier_value=None if pool.outlier_value is None else pool.outlier_value[b],
         )
-        x = dequantize(qt, layout.tensor_format(which), params, head_axis=-3)  # [sealed, H, bs, D]
+        tf = layout.tensor_format(which)
+        cs = _block_rope(rope, torch.arange(sealed) * bs, bs) if tf.pre_rope and rope is not None else None
+        x = dequantize(qt, tf, params, head_axis=-3, rope=cs)  # [sealed, H, bs, D]
         x = x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim)
         if sink:
             x = torch.cat([layout.sink_rows(pool.tail[slot]).transpose(0, 1).float(), x[sink:]])

@@ -149,6 +149,9 @@ def plan(
         for r in rows
     ]
     print_table(console, columns, table_rows, title)
+    for r in rows:
+        if r.constant_bytes:  # codebooks (nuq): a per-layer constant, taken from the budget once (docs/kv-formats.md §6)
+            console.print(f"{r.format}: codebooks {r.constant_bytes / 1024:,.1f} KiB for all layers, taken from the KV budget before the tokens")
     if shape.sliding_window and any(len(r.by_layer_type) > 1 or r.window_saving != 1.0 for r in rows):
         by_type = [
             [r.format, t.layer_type, f"{t.layers}", f"{t.tokens_held:,}", f"{t.bytes_per_sequence / 2**20:,.2f}"]

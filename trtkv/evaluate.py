@@ -143,6 +143,13 @@ def _prefill(model, input_ids: torch.Tensor, cache, block_size: int | None, star
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def make_cache(model, fmt: KVFormat, params=None, num_layers: int | None = None) -> QuantizedKVCache:
+    """The really-quantized cache of ``fmt`` for ``model`` (its RoPE table when the format stores keys before RoPE)."""
+    from trtkv.rope import RopeTable
+
+    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.of(model) if fmt.needs_rope else None)
+
+
 def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None) -> torch.Tensor:
     """Logits [B, S, V] for ``input_ids`` [B, S] with the KV cache stored in ``fmt``.
 
@@ -150,14 +157,14 @@ def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=Non
     block unquantized and older blocks sealed — what the paged engine computes, token for token.
     """
     fmt = get_format(fmt)
-    cache = QuantizedKVCache(fmt, _num_layers(model), params)
+    cache = make_cache(model, fmt, params)
     return _prefill(model, input_ids, cache, fmt.block_size)
 
 
 def greedy_generate(model, prompts: torch.Tensor, fmt: KVFormat | str, params=None, *, new_tokens: int) -> torch.Tensor:
     """Greedy continuation [n, new_tokens] of ``prompts`` [n, P] with the KV cache stored in ``fmt``."""
     fmt = get_format(fmt)
-    cache = QuantizedKVCache(fmt, _num_layers(model), params)
+    cache = make_cache(model, fmt, params)
     logits = _prefill(model, prompts, cache, fmt.block_size)
     out = []
     for _ in range(new_tokens):
@@ -284,7 +291,7 @@ def _streamed_logits(model, streamer, windows: torch.Tensor, fmts: Sequence[KVFo
     for f in fmts:
         for start in range(0, windows.shape[0], batch_size):
             ids = windows[start : start + batch_size]
-            cache, lengths = QuantizedKVCache(f, num_layers, params[f.name]), LengthCache(num_layers)
+            cache, lengths = make_cache(model, f, params[f.name], num_layers), LengthCache(num_layers)
             jobs[f.name, start] = [Job(ids[:, a:b], cache, lengths, tag=f.name) for a, b in block_chunks(0, ids.shape[1], f.block_size)]
     every = [j for js in jobs.values() for j in js]
     with torch.inference_mode():

@@ -8,6 +8,7 @@ optional transforms. The quantization math that reads these rows lives once, in 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,13 @@ SCALE_BITS = 16  # dynamic scales and zero-points are stored as fp16 beside the 
 DEFAULT_BLOCK_SIZE = 64  # tokens per sealed block of a paged cache whose format names none (build-engine, plan)
 CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # range shrinks a ``mse`` block-channel search tries: 1.0 .. 0.5
 MAX_SINK_TOKENS = 16  # fp16 sink rows a format may keep per sequence (a few tokens carry the attention sink)
+# Dense-and-sparse outliers (spec word ``outN``): a sealed block keeps, per KV head, the N elements farthest from their
+# quantization group's centre exactly, as an fp16 value and an int16 position ``token * head_dim + channel`` in the block.
+OUTLIER_VALUE_BITS = 16
+OUTLIER_INDEX_BITS = 16
+OUTLIER_BITS = OUTLIER_VALUE_BITS + OUTLIER_INDEX_BITS
+MAX_OUTLIER_POSITIONS = 1 << 15  # positions are int16: block_size * head_dim must stay below this
+CODEBOOK_BITS = 32  # a codebook level is a float32 layer constant (counted beside the pools, not per element)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -216,6 +224,14 @@ class DtypeTraits:
             out.append(vals - self.offset(symmetric) if k == 0 else vals)
         return out
 
+    def grid(self, symmetric: bool) -> torch.Tensor:
+        """float32 [2**bits]: the code values of the uniform grid, ascending (symmetric int3: -4 .. 3, asymmetric 0 .. 7) --
+        the codebook a ``nuq`` format starts from, and the one that reproduces the grid. Packed ints only."""
+        if not self.planes:
+            raise ValueError(f"{self.name} has no code grid small enough for a codebook")
+        lo = self.sym_min if symmetric else 0
+        return torch.arange(2**self.bits, dtype=torch.float32) + lo
+
 
 @dataclass(frozen=True)
 class ElemType:
@@ -266,10 +282,22 @@ class TensorFormat(BaseModel):
     group_size: int | None = Field(default=None, ge=2)
     symmetric: bool = True
     smooth: bool = False  # divide by calibrated per-channel factors (folded into the query / output)
+    # what calibration sets the factors from: the tensor's channel absmax (``smooth``: absmax ** alpha) or, for keys, the
+    # balance of key and query energy (``qsmooth``: sqrt(rms_K / rms_Q), the error-optimal diagonal scaling before a rotation)
+    smooth_by: Literal["keys", "queries"] = "keys"
     hadamard: bool = False  # rotate head_dim with a normalized Hadamard matrix
+    # keys only (spec word ``prerope``): quantized in the frame before RoPE -- the seal undoes each token's RoPE first
+    # (``trtkv.rope``), and readers apply it again after dequantizing; every other transform happens in that frame
+    pre_rope: bool = False
     # per_block_channel only: each channel's range in a sealed block is the MSE-best of ``CLIP_GRID`` shrinks of
     # [min, max] (searched when the block is sealed; the stored scale / zero-point are the chosen ones, same bytes)
     mse: bool = False
+    # Non-uniform codes (spec word ``nuq``): a code indexes a calibrated table of 2**bits levels (per layer and KV head,
+    # ``TensorParams.codebook``) in the grid's code units instead of standing for its own value: x = level[code] * s (+ z).
+    codebook: bool = False
+    # Dense-and-sparse (spec word ``outN``): per sealed block and KV head, the N elements farthest from their group's
+    # centre are kept exactly beside the codes (sealed-block formats only) and set no range.
+    outliers: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TensorFormat":
@@ -289,6 +317,21 @@ class TensorFormat(BaseModel):
             raise ValueError("asymmetric (zero-point) quantization is only supported for dynamic granularities")
         if self.mse and self.granularity != "per_block_channel":
             raise ValueError("mse (a range searched per sealed block and channel) needs per_block_channel (bchannel) scales")
+        if self.codebook:
+            if not self.traits.planes:
+                raise ValueError(f"nuq (a codebook of 2**bits levels) needs int4, int3 or int2 codes, not {self.dtype}")
+            if not self.is_dynamic:
+                raise ValueError("nuq needs dynamic scales (token, gN or bchannel): the codebook is in the units of a group's scale")
+            if self.mse:
+                raise ValueError("nuq and mse both choose what a code stands for: give one")
+        if self.outliers and self.mse:
+            raise ValueError("outN and mse: the mse range search does not leave outliers out; give one")
+        if self.smooth_by == "queries" and not self.smooth:
+            raise ValueError("smooth_by 'queries' needs smooth (spec word qsmooth)")
+        if self.pre_rope and not self.is_dynamic:
+            raise ValueError("prerope needs dynamic scales (token, gN or bchannel): calibrated static ranges are of keys after RoPE")
+        if self.pre_rope and self.codebook:
+            raise ValueError("prerope with nuq: key codebooks are fitted to keys after RoPE; give one")
         return self
 
     @property
@@ -356,14 +399,47 @@ class TensorFormat(BaseModel):
             return (*lead, num_kv_heads, head_dim)
         return (*lead, num_kv_heads, block_size, self.groups(head_dim))
 
+    def block_bits(self, block_size: int, head_dim: int) -> int:
+        """Bits of one KV head's share of one pool block of ``block_size`` tokens: the codes, the dynamic scales and
+        zero-points (``scale_shape``, ``SCALE_BITS`` each) and the outlier list (``outlier_shape``, ``OUTLIER_BITS`` per
+        kept element). The one byte count: ``bits_per_element`` and ``PagedKVLayout``'s bytes per block are this over
+        the block's elements / times the KV heads, and the layout allocates its tensors from the same shapes. A
+        codebook (``nuq``) is a per-layer constant, not in the block (``KVFormat.constant_bytes``)."""
+        bits = block_size * head_dim * self.traits.bits
+        if (shape := self.scale_shape((), 1, block_size, head_dim)) is not None:
+            bits += math.prod(shape) * SCALE_BITS * (1 if self.symmetric else 2)
+        if (shape := self.outlier_shape((), 1)) is not None:
+            bits += math.prod(shape) * OUTLIER_BITS
+        return bits
+
     def bits_per_element(self, head_dim: int, block_size: int | None = None) -> float:
-        """Storage bits per element, dynamic scales and zero-points included (block-wise: amortised over the block)."""
-        per_scale = SCALE_BITS * (1 if self.symmetric else 2)
-        if self.is_block_wise:
-            if not block_size:
-                raise ValueError("per_block_channel scales need a block size")
-            return self.traits.bits + per_scale / block_size
-        return self.traits.bits + self.groups(head_dim) * per_scale / head_dim
+        """Storage bits per element, dynamic scales, zero-points and outlier lists included (block-wise: amortised over
+        the block): ``block_bits`` over the block's elements (formats without sealed blocks: a one-token block)."""
+        if (self.is_block_wise or self.outliers) and not block_size:
+            raise ValueError(f"{self.short()} needs a block size (per_block_channel scales and outliers are per sealed block)")
+        bs = block_size or 1
+        return self.block_bits(bs, head_dim) / (bs * head_dim)
+
+    def outlier_shape(self, lead: tuple, num_kv_heads) -> tuple | None:
+        """Shape of this format's outlier values (fp16) and positions (int16) after the ``lead`` axes (one entry per
+        sealed block): ``[*lead, kv_heads, outliers]``; None without outliers."""
+        return (*lead, num_kv_heads, self.outliers) if self.outliers else None
+
+    def check_block(self, block_size: int, head_dim: int) -> None:
+        """Whether this format's outlier list fits a sealed block of ``block_size`` x ``head_dim``: TrtkvError, else None."""
+        if not self.outliers:
+            return
+        n = block_size * head_dim
+        if n > MAX_OUTLIER_POSITIONS:
+            raise TrtkvError(f"outlier positions are int16, and a block of {block_size} x {head_dim} has {n} elements (at most {MAX_OUTLIER_POSITIONS})",
+                             "use a smaller block size")
+        if self.outliers >= n:
+            raise TrtkvError(f"out{self.outliers} keeps at least every element of a block of {block_size} x {head_dim}", "keep ~1 % of a block's elements")
+
+    @property
+    def codebook_levels(self) -> int:
+        """Entries of this format's codebook per layer and KV head (0 without ``nuq``)."""
+        return 2**self.traits.bits if self.codebook else 0
 
     def short(self) -> str:
         """Compact spec string, the inverse of ``parse_tensor_spec``."""
@@ -373,8 +449,18 @@ class TensorFormat(BaseModel):
             self.granularity, f"g{self.group_size}"
         )
         parts = [self.dtype, gran, "sym" if self.symmetric else "asym"]
-        parts += [t for t, on in (("smooth", self.smooth), ("hadamard", self.hadamard), ("mse", self.mse)) if on]
+        smooth = "qsmooth" if self.smooth_by == "queries" else "smooth"
+        parts += [t for t, on in (("prerope", self.pre_rope), (smooth, self.smooth), ("hadamard", self.hadamard), ("mse", self.mse),
+                                  ("nuq", self.codebook)) if on]
+        if self.outliers:
+            parts.append(f"out{self.outliers}")
         return ":".join(parts)
+
+    @property
+    def code_symmetric(self) -> bool:
+        """The symmetry the codec stores codes with: a codebook's codes are table indices 0 .. 2**bits - 1 (unsigned,
+        no offset), whatever the scales' symmetry; static codes are symmetric."""
+        return (self.symmetric or self.is_static) and not self.codebook
 
 
 class LayerStorage(BaseModel):
@@ -424,10 +510,16 @@ class KVFormat(BaseModel):
             for i, ls in enumerate(self.layers):
                 if self.block_size is None and (ls.k.is_block_wise or ls.v.is_block_wise):
                     raise ValueError(f"layer {i}: per_block_channel (bchannel) scales need sealed blocks: add block=N")
+        if any(f.v.smooth_by == "queries" for f in self.layer_formats()):
+            raise ValueError("qsmooth balances keys against the queries that read them: it is for k=, not v=")
+        if any(f.v.pre_rope for f in self.layer_formats()):
+            raise ValueError("prerope is for keys (values are not rotated by RoPE): k=, not v=")
         if self.shared_kv_scale and not (self.k.is_static and self.v.is_static and self.k.granularity == self.v.granularity == "per_tensor"):
             raise ValueError("shared_kv_scale needs per_tensor static scales on both K and V")
         if self.block_size is None and (self.k.is_block_wise or self.v.is_block_wise):
             raise ValueError("per_block_channel (bchannel) scales need sealed blocks: add block=N (e.g. block=64)")
+        if self.block_size is None and any(t.outliers for f in self.layer_formats() for t in (f.k, f.v)):
+            raise ValueError("outN (outliers kept per sealed block) needs sealed blocks: add block=N (e.g. block=64)")
         if self.sink_tokens and (self.block_size is None or self.sink_tokens >= self.block_size):
             raise ValueError(f"sink={self.sink_tokens} needs sealed blocks of more than {self.sink_tokens} tokens: add block=N (e.g. block=64)")
         return self
@@ -478,11 +570,23 @@ class KVFormat(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(t.is_static or t.smooth for f in self.layer_formats() for t in (f.k, f.v))
+        return any(t.is_static or t.smooth or t.codebook for f in self.layer_formats() for t in (f.k, f.v))
+
+    def constant_bytes(self, num_layers: int, num_kv_heads: int) -> int:
+        """Bytes of the per-layer constants the pools are read with that the format itself fixes, over ``num_layers``
+        layers: the codebooks (``nuq``: 2**bits float32 levels per KV head, K and V apart). Static scales and smoothing
+        factors are not counted (docs/kv-formats.md §6)."""
+        self.check_layers(num_layers)
+        return sum(num_kv_heads * t.codebook_levels * CODEBOOK_BITS // 8 for i in range(num_layers) for t in (self.layer(i).k, self.layer(i).v))
 
     @property
     def is_quantized(self) -> bool:
         return any(t.is_quantized for f in self.layer_formats() for t in (f.k, f.v))
+
+    @property
+    def needs_rope(self) -> bool:
+        """Keys stored before RoPE (``prerope``): the cache needs the model's RoPE table (``trtkv.rope.RopeTable``)."""
+        return any(f.k.pre_rope for f in self.layer_formats())
 
     def pool_bits_per_element(self, head_dim: int) -> float:
         """Bits per K/V element in the pool (sealed blocks), scales and zero-points included (a per-layer format:
@@ -581,6 +685,29 @@ PRESETS: dict[str, KVFormat] = {
             "tokens stay fp16",
             v=_t("int2", "per_token", symmetric=False, hadamard=True),
         ),
+        # issue 27: below 4 bits with calibrated transforms. ``-qs``: the presets' layout with query-aware key smoothing,
+        # which every engine path reads today (smoothing folds into the query); ``-nuq``: the best measured recipe, keys
+        # before RoPE and value codebooks (eval and the reference paged cache only, until phase 2 brings them to the engines)
+        KVFormat(name="int3-qs", k=_t("int3", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
+                 v=_t("int3", "per_token_group", group_size=32, hadamard=True), block_size=64, sink_tokens=4,
+                 description="int3 preset with keys smoothed by the queries (sqrt(rms_K / rms_Q), calibrated) before the "
+                 "rotation (3.5 bits); every engine path reads it"),
+        KVFormat(name="int2-qs", k=_t("int2", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
+                 v=_t("int2", "per_token", symmetric=False, hadamard=True), block_size=64, sink_tokens=4,
+                 description="int2 preset with keys smoothed by the queries before the rotation (2.5 bits at head_dim 64)"),
+        KVFormat(name="int3-nuq",
+                 k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True),
+                 v=_t("int3", "per_token_group", group_size=32, hadamard=True, codebook=True), block_size=64, sink_tokens=4,
+                 description="int3, 3.5 bits: keys quantized before RoPE, smoothed by the queries and rotated, asymmetric per "
+                 "channel over each block; values rotated, symmetric groups of 32 through a calibrated codebook of 8 levels "
+                 "per layer and head (eval only until the engines read it)"),
+        KVFormat(name="int2-nuq",
+                 k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
+                      outliers=32),
+                 v=_t("int2", "per_token", hadamard=True, codebook=True), block_size=64, sink_tokens=4,
+                 description="int2, 2.5 bits at head_dim 64: keys quantized before RoPE, smoothed by the queries, rotated, "
+                 "32 outliers per block and head kept exactly; values rotated, symmetric per token through a calibrated "
+                 "codebook of 4 levels (eval only until the engines read it)"),
         KVFormat(
             name="int4-token",
             k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
@@ -600,7 +727,7 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:smooth][:hadamard][:mse]`` (granularity: tensor|head|channel|token|gN|bchannel).
+    """Parse ``dtype[:granularity][:sym|asym][:prerope][:smooth|qsmooth][:hadamard][:mse][:nuq][:outN]`` (granularity: tensor|head|channel|token|gN|bchannel).
 
     Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
     """
@@ -614,8 +741,12 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             field = "granularity"
         elif word in ("sym", "asym"):
             field = "symmetry"
-        elif word in ("smooth", "hadamard", "mse"):
+        elif word in ("smooth", "qsmooth"):
+            field = "smooth"
+        elif word in ("hadamard", "mse", "nuq", "prerope"):
             field = word
+        elif re.fullmatch(r"out\d+", word):
+            field = "outliers"
         else:
             raise ValueError(f"unknown word {word!r}")
         if field in seen:
@@ -628,6 +759,14 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             fields["granularity"], fields["group_size"] = "per_token_group", int(word[1:])
         elif field == "symmetry":
             fields["symmetric"] = word == "sym"
+        elif field == "outliers":
+            fields["outliers"] = int(word[3:])
+        elif word == "nuq":
+            fields["codebook"] = True
+        elif word == "qsmooth":
+            fields["smooth"], fields["smooth_by"] = True, "queries"
+        elif word == "prerope":
+            fields["pre_rope"] = True
         else:
             fields[word] = True
     return TensorFormat(**fields)

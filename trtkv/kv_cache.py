@@ -51,16 +51,22 @@ from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_bloc
 
 if TYPE_CHECKING:  # pragma: no cover
     from trtkv.artifacts import LayerParams
+    from trtkv.rope import RopeTable
 
 HEAD_AXIS = -3  # transformers: [batch, kv_heads, seq, head_dim]
 SEQ_AXIS = -2  # codes [B, H, S, D or D/2], scales / zeros [B, H, S, groups]
 
 
 def _params_to(p: TensorParams | None, device: torch.device) -> TensorParams | None:
-    if p is None:
-        return None
-    move = lambda t: None if t is None else t.to(device)
-    return TensorParams(scale=move(p.scale), smooth=move(p.smooth), clip=move(p.clip))
+    return None if p is None else p.map(lambda t: t.to(device))
+
+
+_PER_BLOCK = ("outlier_index", "outlier_value")  # a sealed block's outlier list: one row per block, like block-wise scales
+
+
+def _qt_map(q: QuantizedTensor, fn) -> QuantizedTensor:
+    """``fn`` applied to every stored tensor of ``q`` that is set."""
+    return QuantizedTensor(**{f: None if (t := getattr(q, f)) is None else fn(t) for f in ("codes", "scale", "zero", *_PER_BLOCK)})
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -78,10 +84,11 @@ def _select(t: torch.Tensor | None, fn) -> torch.Tensor | None:
 class TensorStore:
     """The stored form of one of K or V in one layer: the quantized past plus, for sealed formats, the open block."""
 
-    def __init__(self, kv_fmt: KVFormat, which: str, params: TensorParams | None):
+    def __init__(self, kv_fmt: KVFormat, which: str, params: TensorParams | None, rope: "RopeTable | None" = None):
         self.kv_fmt = kv_fmt  # the open block's byte count is the format's (``KVFormat.tail_bytes``)
         self.fmt: TensorFormat = getattr(kv_fmt, which)
         self.params = params
+        self.rope = rope if self.fmt.pre_rope else None  # prerope keys: RoPE is undone before the seal, applied on read
         self.block_size = kv_fmt.block_size
         self.sink_tokens = kv_fmt.sink_tokens if self.fmt.is_quantized else 0  # fp16 storage keeps every row as it is
         self.sink: torch.Tensor | None = None  # [B, H, sink_tokens, D]: the first tokens, unquantized
@@ -97,24 +104,27 @@ class TensorStore:
     def _to_device(self, device: torch.device) -> None:
         self.params = _params_to(self.params, device)
 
+    def _positions(self, start: int, n: int, device) -> tuple | None:
+        """``(cos, sin)`` [n, D] of positions ``start ..`` for prerope keys (windows start at position 0), else None."""
+        return None if self.rope is None else self.rope.rows(start, n, device)
+
     def _write_quantized(self, x: torch.Tensor) -> None:
         if x.shape[SEQ_AXIS] == 0:
             return
         if not self.fmt.is_quantized:  # kept as-is in the model's dtype (see module docstring)
             qt = QuantizedTensor(codes=x)
         else:
-            qt = quantize_block(x, self.fmt, self.params, head_axis=HEAD_AXIS)
-            if self.fmt.is_block_wise:  # one scale row per block: [B, H, D] -> [B, H, 1, D]
-                qt = QuantizedTensor(qt.codes, _select(qt.scale, lambda t: t.unsqueeze(SEQ_AXIS)), _select(qt.zero, lambda t: t.unsqueeze(SEQ_AXIS)))
+            start = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
+            qt = quantize_block(x, self.fmt, self.params, head_axis=HEAD_AXIS, rope=self._positions(start, x.shape[SEQ_AXIS], x.device))
+            per_block = _PER_BLOCK + (("scale", "zero") if self.fmt.is_block_wise else ())
+            # one row per block: [B, H, D] -> [B, H, 1, D] (block-wise scales), [B, H, N] -> [B, H, 1, N] (outliers)
+            qt = QuantizedTensor(**{f: None if (t := getattr(qt, f)) is None else t.unsqueeze(SEQ_AXIS) if f in per_block else t
+                                    for f in ("codes", "scale", "zero", *_PER_BLOCK)})
         if self.quantized is None:
             self.quantized = qt
         else:
             old = self.quantized
-            self.quantized = QuantizedTensor(
-                codes=torch.cat([old.codes, qt.codes], dim=SEQ_AXIS),
-                scale=_cat(old.scale, qt.scale),
-                zero=_cat(old.zero, qt.zero),
-            )
+            self.quantized = QuantizedTensor(**{f: _cat(getattr(old, f), getattr(qt, f)) for f in ("codes", "scale", "zero", *_PER_BLOCK)})
 
     def append(self, x: torch.Tensor) -> None:
         if self.dtype is None:
@@ -159,29 +169,36 @@ class TensorStore:
     def _dequantized(self) -> torch.Tensor:
         q = self.quantized
         assert q is not None and self.dtype is not None
-        if not self.fmt.is_block_wise:
-            return dequantize(q, self.fmt, self.params, head_axis=HEAD_AXIS, dtype=self.dtype)
+        *lead, s, dp = q.codes.shape
+        rope = self._positions(0, s, q.codes.device)
+        if not (self.fmt.is_block_wise or self.fmt.outliers):
+            return dequantize(q, self.fmt, self.params, head_axis=HEAD_AXIS, dtype=self.dtype, rope=rope)
         bs = self.block_size
         assert bs
-        *lead, s, dp = q.codes.shape
-        blocks = QuantizedTensor(q.codes.reshape(*lead, s // bs, bs, dp), q.scale, q.zero)  # scales [B, H, blocks, D]
-        x = dequantize(blocks, self.fmt, self.params, head_axis=HEAD_AXIS - 1, dtype=self.dtype)
+        by_block = lambda t: t.reshape(*lead, s // bs, bs, t.shape[-1])  # per-token rows -> [B, H, blocks, bs, .]
+        blocks = QuantizedTensor(  # block-wise scales and outlier lists are [B, H, blocks, .] already
+            by_block(q.codes),
+            *(t if t is None or self.fmt.is_block_wise else by_block(t) for t in (q.scale, q.zero)),
+            q.outlier_index, q.outlier_value,
+        )
+        rope = None if rope is None else tuple(t.reshape(s // bs, bs, t.shape[-1]) for t in rope)
+        x = dequantize(blocks, self.fmt, self.params, head_axis=HEAD_AXIS - 1, dtype=self.dtype, rope=rope)
         return x.reshape(*lead, s, x.shape[-1])
 
     def apply(self, fn) -> None:
         """Apply a batch-axis selection (``fn(tensor) -> tensor``) to every stored tensor."""
         if self.quantized is not None:
-            q = self.quantized
-            self.quantized = QuantizedTensor(codes=fn(q.codes), scale=_select(q.scale, fn), zero=_select(q.zero, fn))
+            self.quantized = _qt_map(self.quantized, fn)
         self.open = _select(self.open, fn)
         self.sink = _select(self.sink, fn)
 
     def nbytes(self) -> int:
-        """Bytes held: codes, scales, zero-points, and the open block and sink rows counted at their full fp16 size (a reservation)."""
+        """Bytes held: codes, scales, zero-points, outlier lists, and the open block and sink rows counted at their full fp16
+        size (a reservation)."""
         total = 0
         if self.quantized is not None:
             q = self.quantized
-            total += sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.zero) if t is not None)
+            total += sum(t.numel() * t.element_size() for f in ("codes", "scale", "zero", *_PER_BLOCK) if (t := getattr(q, f)) is not None)
         if self.block_size and len(self):  # the open block is a fixed fp16 reservation per sequence
             ref = self.open if self.open is not None else self.quantized.codes
             total += ref.shape[0] * self.kv_fmt.tail_bytes(ref.shape[1], self.head_dim)
@@ -193,10 +210,10 @@ class QuantizedKVLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None):
+    def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None, rope: "RopeTable | None" = None):
         super().__init__()
         self.fmt = fmt
-        self.k_store = TensorStore(fmt, "k", None if params is None else params.k)
+        self.k_store = TensorStore(fmt, "k", None if params is None else params.k, rope)
         self.v_store = TensorStore(fmt, "v", None if params is None else params.v)
         self.cumulative_length = 0
 
@@ -225,7 +242,7 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         fmt = self.fmt
         k, v = self.k_store, self.v_store
-        self.k_store = TensorStore(fmt, "k", k.params)
+        self.k_store = TensorStore(fmt, "k", k.params, k.rope)
         self.v_store = TensorStore(fmt, "v", v.params)
         self.cumulative_length = 0
         self.keys = self.values = None
@@ -266,13 +283,18 @@ class QuantizedKVCache(Cache):
     format stores each layer in its own ``fmt.layer(i)``).
 
     ``params`` are the calibrated per-layer constants (``LayerParams`` with ``.k`` / ``.v`` ``TensorParams``),
-    required by formats with static scales or smoothing. Pass the cache as ``model(..., cache=cache)``
-    (``past_key_values=`` on older transformers).
+    required by formats with static scales, smoothing or codebooks; ``rope`` (``trtkv.rope.RopeTable.of(model)``) by
+    formats whose keys are stored before RoPE (each sequence's tokens at positions 0, 1, ...). Pass the cache as
+    ``model(..., cache=cache)`` (``past_key_values=`` on older transformers).
     """
 
-    def __init__(self, fmt: str | KVFormat, num_layers: int, params: "Sequence[LayerParams] | None" = None):
+    def __init__(self, fmt: str | KVFormat, num_layers: int, params: "Sequence[LayerParams] | None" = None,
+                 rope: "RopeTable | None" = None):
         self.fmt = get_format(fmt)
         self.fmt.check_layers(num_layers)
+        if self.fmt.needs_rope and rope is None:
+            raise TrtkvError(f"KV format {self.fmt.name!r} stores keys before RoPE and the cache was given no RoPE table",
+                             "pass rope=trtkv.rope.RopeTable.of(model)")
         if params is not None and len(params) != num_layers:
             raise TrtkvError(
                 f"calibration has {len(params)} layers but the model has {num_layers}",
@@ -283,7 +305,7 @@ class QuantizedKVCache(Cache):
                 f"KV format {self.fmt.name!r} needs calibrated scales or smoothing factors",
                 "run `trtkv calibrate` and pass --calibration",
             )
-        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i]) for i in range(num_layers)]
+        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], rope) for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

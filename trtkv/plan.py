@@ -116,6 +116,7 @@ class PlanRow:
     window_saving: float = 1.0  # bytes if every layer were global / bytes with sliding layers' freed blocks (1 without local layers)
     by_layer_type: tuple[LayerTypeBytes, ...] = ()
     cached_bytes_per_token: float = 0.0  # what a prefix kept in the prefix cache costs: sealed blocks only, no open block
+    constant_bytes: int = 0  # per-layer constants the format fixes (``nuq`` codebooks), all layers: taken from the budget once
 
 
 def gpu_memory_bytes(gpu: str | None, gpu_mem_gib: float | None) -> int:
@@ -160,7 +161,8 @@ def plan(
         all_global = fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, context_len)
         by_type = layer_type_bytes(shape, fmt, context_len)
         per_token = sum(r.bytes_per_sequence for r in by_type) / context_len  # a sequence's bytes over its tokens
-        tokens = int(budget // per_token)
+        constants = fmt.constant_bytes(shape.num_layers, shape.num_kv_heads)
+        tokens = int(max(budget - constants, 0) // per_token)
         rows.append(
             PlanRow(
                 format=fmt.name,
@@ -174,6 +176,7 @@ def plan(
                 window_saving=all_global / per_token,
                 by_layer_type=tuple(by_type),
                 cached_bytes_per_token=fmt.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim),
+                constant_bytes=constants,
             )
         )
     return budget, rows

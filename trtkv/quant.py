@@ -14,6 +14,7 @@ Conventions (documented in docs/kv-formats.md):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -32,15 +33,29 @@ class TensorParams:
     scale: torch.Tensor | None = None  # static scale: [] per_tensor, [H] per_head, [H, D] per_channel
     smooth: torch.Tensor | None = None  # [H, D] per-channel divisor, > 0
     clip: torch.Tensor | None = None  # dynamic formats: [] or [H] range multiplier in (0, 1]
+    codebook: torch.Tensor | None = None  # nuq formats: [2**bits] or [H, 2**bits] levels in code units, ascending
+
+    def map(self, fn) -> "TensorParams":
+        """A copy with ``fn`` applied to every tensor that is set (``lambda t: t.to(device)``, ``torch.Tensor.clone``):
+        the one place that lists the fields."""
+        return TensorParams(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in dataclasses.fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that are set, by field name (what the calibration artifact stores)."""
+        return {f.name: t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None}
 
 
 @dataclass
 class QuantizedTensor:
-    """Stored form of a K or V tensor: codes in their storage dtype plus dynamic scales."""
+    """Stored form of a K or V tensor: codes in their storage dtype plus dynamic scales (and a sealed block's outliers)."""
 
     codes: torch.Tensor  # [..., D] (int4: [..., D/2] packed)
     scale: torch.Tensor | None = None  # dynamic: [..., groups] fp16; static: None (lives in TensorParams)
     zero: torch.Tensor | None = None  # asymmetric dynamic: [..., groups] fp16
+    # ``outN`` formats, per sealed block [..., H, block_size, D']: the kept elements' positions ``token * D + channel``
+    # in their block (int16, ascending) and values in the transformed space (fp16), both [..., H, N]
+    outlier_index: torch.Tensor | None = None
+    outlier_value: torch.Tensor | None = None
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
@@ -95,8 +110,23 @@ def _per_head(t: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
     return t.reshape(t.shape[0], *([1] * between), t.shape[1])  # [H, D]
 
 
-def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2) -> torch.Tensor:
-    """Apply smoothing and rotation, the steps before quantization."""
+Rope = tuple  # (cos, sin) of the rows' positions, broadcastable to them (``trtkv.rope.RopeTable``): ``prerope`` keys
+
+
+def _need_rope(fmt: TensorFormat, rope) -> None:
+    if rope is None:
+        raise TrtkvError(f"format {fmt.short()} stores keys before RoPE and no positions were given",
+                         "pass the model's RoPE table (trtkv.rope.RopeTable.of(model)) to the cache")
+
+
+def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2,
+                      rope: Rope | None = None) -> torch.Tensor:
+    """Apply the steps before quantization: undo RoPE (``prerope``: ``rope`` is the rows' ``(cos, sin)``), smooth, rotate."""
+    if fmt.pre_rope:
+        from trtkv.rope import rotate
+
+        _need_rope(fmt, rope)
+        x = rotate(x, rope[0].to(x.dtype), rope[1].to(x.dtype), inverse=True)
     if fmt.smooth:
         if params is None or params.smooth is None:
             raise TrtkvError("this KV format smooths channels but no smoothing factors were given", "run `trtkv calibrate` and pass --calibration")
@@ -107,13 +137,19 @@ def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams |
     return x
 
 
-def inverse_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2) -> torch.Tensor:
+def inverse_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2,
+                      rope: Rope | None = None) -> torch.Tensor:
     """Undo ``forward_transform`` after dequantization."""
     if fmt.hadamard:
         x = x @ hadamard_matrix(x.shape[-1], x.dtype, x.device).T
     if fmt.smooth:
         assert params is not None and params.smooth is not None
         x = x * _per_head(params.smooth, x.dim(), head_axis).to(x.dtype)
+    if fmt.pre_rope:
+        from trtkv.rope import rotate
+
+        _need_rope(fmt, rope)
+        x = rotate(x, rope[0].to(x.dtype), rope[1].to(x.dtype))
     return x
 
 
@@ -140,21 +176,78 @@ def _round_codes(y: torch.Tensor, fmt: TensorFormat, lo: float, hi: float) -> to
     return torch.round(y).clamp(lo, hi)
 
 
-def _dynamic_codes(g: torch.Tensor, fmt: TensorFormat, clip, axis: int) -> QuantizedTensor:
-    """Codes, fp16 scales and zero-points of ``g`` with one scale per slice along ``axis`` (kept, size 1)."""
+def _levels(codebook: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
+    """A ``[n]`` / ``[H, n]`` codebook shaped to broadcast against a tensor of ``ndim`` axes (head at ``head_axis``) with
+    one more axis, the levels', at the end."""
+    cb = codebook.float()
+    if cb.dim() == 1:
+        return cb
+    return cb.reshape(cb.shape[0], *([1] * (ndim - 1 - head_axis % ndim)), cb.shape[1])
+
+
+def nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the level nearest each ``u`` (``levels`` ascending, broadcast with a trailing level axis, see ``_levels``):
+    the number of midpoints between neighbouring levels below ``u`` -- a tie goes to the lower level. float32 codes."""
+    mids = (levels[..., 1:] + levels[..., :-1]) * 0.5
+    return (u.unsqueeze(-1) > mids).sum(-1).float()
+
+
+def lookup_levels(idx: torch.Tensor, codebook: torch.Tensor, head_axis: int) -> torch.Tensor:
+    """The levels of code indices ``idx`` (float, head axis at ``head_axis``) in a ``[n]`` / ``[H, n]`` codebook, float32:
+    the table lookup (a LUT gather in a kernel, a Gather in a graph) that replaces a code's own value."""
+    cb = codebook.float()
+    i = idx.long()
+    if cb.dim() == 1:
+        return cb[i]
+    n = cb.shape[1]
+    offs = (torch.arange(cb.shape[0], device=i.device) * n).reshape(cb.shape[0], *([1] * (i.dim() - 1 - head_axis % i.dim())))
+    return cb.flatten()[i + offs]
+
+
+def _dynamic_range(g: torch.Tensor, fmt: TensorFormat, clip, axis: int, mask: torch.Tensor | None = None):
+    """fp16 scale, zero-point (None when symmetric) and float32 reciprocal of ``g`` with one scale per slice along
+    ``axis`` (kept, size 1); elements where ``mask`` is True (a block's outliers) set no range."""
     tr = fmt.traits
     if fmt.symmetric:
-        scale = _to_fp16(g.abs().amax(axis, keepdim=True) * clip / tr.sym_max)
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = _round_codes(g * inv, fmt, tr.sym_min, tr.sym_max)
-        return QuantizedTensor(codes=q, scale=scale)
-    mn, mx = g.amin(axis, keepdim=True), g.amax(axis, keepdim=True)
-    rng = mx - mn
-    # clip shrinks [mn, mx] about its centre; written from mn so that clip=1 gives zero == fp16(mn) exactly
-    zero = _to_fp16(mn + rng * (1 - clip) / 2)
-    scale = _to_fp16(rng * clip / tr.asym_max)
+        a = g.abs() if mask is None else g.abs().masked_fill(mask, 0.0)
+        scale = _to_fp16(a.amax(axis, keepdim=True) * clip / tr.sym_max)
+        zero = None
+    else:
+        if mask is None:
+            mn, mx = g.amin(axis, keepdim=True), g.amax(axis, keepdim=True)
+        else:  # a slice of outliers only has no range: zero 0, scale 0
+            mn = g.masked_fill(mask, torch.inf).amin(axis, keepdim=True)
+            mx = g.masked_fill(mask, -torch.inf).amax(axis, keepdim=True)
+            empty = ~torch.isfinite(mn)
+            mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+        rng = mx - mn
+        # clip shrinks [mn, mx] about its centre; written from mn so that clip=1 gives zero == fp16(mn) exactly
+        zero = _to_fp16(mn + rng * (1 - clip) / 2)
+        scale = _to_fp16(rng * clip / tr.asym_max)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = _round_codes((g - zero) * inv, fmt, 0, tr.asym_max)
+    return scale, zero, inv
+
+
+def _normalized(g: torch.Tensor, zero: torch.Tensor | None, inv: torch.Tensor) -> torch.Tensor:
+    """What a code rounds: ``(g - zero) / s`` (``g / s`` symmetric), in code units."""
+    return (g - zero) * inv if zero is not None else g * inv
+
+
+def _dynamic_codes(g: torch.Tensor, fmt: TensorFormat, clip, axis: int, levels: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> QuantizedTensor:
+    """Codes, fp16 scales and zero-points of ``g`` with one scale per slice along ``axis`` (kept, size 1).
+
+    ``levels`` (a ``nuq`` format's codebook, shaped by ``_levels``): each code is the index of the nearest level instead of
+    the rounded value; ``mask``: elements that set no range (outliers, kept elsewhere)."""
+    tr = fmt.traits
+    scale, zero, inv = _dynamic_range(g, fmt, clip, axis, mask)
+    u = _normalized(g, zero, inv)
+    if levels is not None:
+        q = nearest_level(u, levels)
+    elif fmt.symmetric:
+        q = _round_codes(u, fmt, tr.sym_min, tr.sym_max)
+    else:
+        q = _round_codes(u, fmt, 0, tr.asym_max)
     return QuantizedTensor(codes=q, scale=scale, zero=zero)
 
 
@@ -178,15 +271,34 @@ def _searched_codes(xf: torch.Tensor, fmt: TensorFormat) -> QuantizedTensor:
     return best
 
 
-def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> QuantizedTensor:
-    """Quantize K or V (head_dim last) into its stored form, each token on its own (see ``quantize_block``)."""
+def _codebook(fmt: TensorFormat, params: TensorParams | None) -> torch.Tensor | None:
+    if not fmt.codebook:
+        return None
+    if params is None or params.codebook is None:
+        raise TrtkvError(f"format {fmt.short()} decodes through a calibrated codebook (nuq) but none was given",
+                         "run `trtkv calibrate --kv FORMAT` and pass --calibration")
+    return params.codebook
+
+
+def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2,
+             rope: Rope | None = None) -> QuantizedTensor:
+    """Quantize K or V (head_dim last) into its stored form, each token on its own (see ``quantize_block``); ``rope``: the
+    rows' ``(cos, sin)`` for ``prerope`` keys."""
     if not fmt.is_quantized:
         return QuantizedTensor(codes=x.to(torch.float16))
     if fmt.is_block_wise:
         raise TrtkvError(f"format {fmt.short()} quantizes whole sealed blocks, not single tokens", "use quantize_block")
+    if fmt.outliers:
+        raise TrtkvError(f"format {fmt.short()} keeps outliers per sealed block, not per token", "use quantize_block")
     check_finite(x, "K/V input")
+    return _quantize_rows(forward_transform(x.float(), fmt, params, head_axis, rope), fmt, params, head_axis)
+
+
+def _quantize_rows(xf: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int,
+                   mask: torch.Tensor | None = None) -> QuantizedTensor:
+    """Codes of transformed rows ``xf``, each token on its own (static scale, or per token / group); ``mask``: a sealed
+    block's outliers, which set no group range."""
     tr = fmt.traits
-    xf = forward_transform(x.float(), fmt, params, head_axis)
     if fmt.is_static:
         if params is None or params.scale is None:
             raise TrtkvError(f"format {fmt.short()} needs a calibrated static scale", "run `trtkv calibrate` and pass --calibration")
@@ -194,32 +306,97 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = N
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         q = _round_codes(xf * inv, fmt, tr.sym_min, tr.sym_max)
         return QuantizedTensor(codes=fmt.traits.encode(q, True))
-    qt = _dynamic_codes(_group(xf, fmt), fmt, _dynamic_clip(params, xf.dim(), head_axis), -1)  # groups [..., G, g]
+    g = _group(xf, fmt)  # [..., G, g]: the head axis moved one further from the end
+    cb = _codebook(fmt, params)
+    levels = None if cb is None else _levels(cb, g.dim(), head_axis - 1)
+    qt = _dynamic_codes(g, fmt, _dynamic_clip(params, xf.dim(), head_axis), -1, levels, None if mask is None else _group(mask, fmt))
     return QuantizedTensor(
-        codes=fmt.traits.encode(qt.codes.flatten(-2), fmt.symmetric),
+        codes=fmt.traits.encode(qt.codes.flatten(-2), fmt.code_symmetric),
         scale=qt.scale.squeeze(-1).half(),
         zero=None if qt.zero is None else qt.zero.squeeze(-1).half(),
     )
 
 
-def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3) -> QuantizedTensor:
+def _deviation(xf: torch.Tensor, fmt: TensorFormat) -> torch.Tensor:
+    """Each element's outlier score in blocks ``xf`` [..., bs, D]: its distance from its group's centre -- its channel's
+    mean over the block (per_block_channel, asymmetric), its token group's mean (per token / group, asymmetric), or 0
+    (symmetric and static scales)."""
+    if fmt.symmetric or fmt.is_static:
+        return xf.abs()
+    if fmt.is_block_wise:
+        return (xf - xf.mean(-2, keepdim=True)).abs()
+    g = _group(xf, fmt)
+    return (g - g.mean(-1, keepdim=True)).abs().flatten(-2)
+
+
+def block_outliers(xf: torch.Tensor, fmt: TensorFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outliers of sealed blocks ``xf`` [..., H, bs, D] (transformed): per (block, head), the ``fmt.outliers`` elements
+    farthest from their group's centre (``_deviation``; ties: the lower position first). Returns the mask [..., H, bs, D]
+    (True where kept aside), the positions ``token * D + channel`` [..., H, N] int16, ascending, and their fp16 values."""
+    bs, D = xf.shape[-2:]
+    fmt.check_block(bs, D)
+    score = _deviation(xf, fmt).flatten(-2)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., : fmt.outliers]
+    idx = order.sort(-1).values
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True).view(xf.shape)
+    return mask, idx.to(torch.int16), _to_fp16(xf.flatten(-2).gather(-1, idx)).half()
+
+
+def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3,
+                   rope: Rope | None = None) -> QuantizedTensor:
     """Quantize sealed blocks ``x`` [..., H, block_size, D] (tokens on axis -2) as the pool stores them.
 
     Block-wise formats (``per_block_channel``) get one fp16 scale (and zero-point) per channel over the
     block's tokens: ``scale``/``zero`` [..., H, D]. Every other format quantizes each token on its own,
-    exactly as ``quantize``.
+    exactly as ``quantize``. ``outN`` formats first set aside each block and head's N outliers (``block_outliers``):
+    they set no range and are stored beside the codes (``outlier_index`` / ``outlier_value`` [..., H, N]). ``rope``: the
+    rows' ``(cos, sin)`` [..., bs, D] (broadcast over heads) for ``prerope`` keys.
     """
-    if not fmt.is_block_wise:
-        return quantize(x, fmt, params, head_axis)
+    if not fmt.is_quantized or not (fmt.is_block_wise or fmt.outliers):
+        return quantize(x, fmt, params, head_axis, rope)
     check_finite(x, "K/V input")
-    xf = forward_transform(x.float(), fmt, params, head_axis)
+    xf = forward_transform(x.float(), fmt, params, head_axis, rope)
+    mask = oidx = oval = None
+    if fmt.outliers:
+        mask, oidx, oval = block_outliers(xf, fmt)
+    if not fmt.is_block_wise:
+        qt = _quantize_rows(xf, fmt, params, head_axis, mask)
+        return dataclasses.replace(qt, outlier_index=oidx, outlier_value=oval)
     clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
-    qt = _searched_codes(xf, fmt) if fmt.mse else _dynamic_codes(xf, fmt, clip, -2)
+    cb = _codebook(fmt, params)
+    if fmt.mse:
+        qt = _searched_codes(xf, fmt)
+    else:
+        qt = _dynamic_codes(xf, fmt, clip, -2, None if cb is None else _levels(cb, xf.dim(), head_axis), mask)
     return QuantizedTensor(
-        codes=fmt.traits.encode(qt.codes, fmt.symmetric),
+        codes=fmt.traits.encode(qt.codes, fmt.code_symmetric),
         scale=qt.scale.squeeze(-2).half(),
         zero=None if qt.zero is None else qt.zero.squeeze(-2).half(),
+        outlier_index=oidx,
+        outlier_value=oval,
     )
+
+
+def normalized_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3,
+                     rope: Rope | None = None):
+    """What the seal of sealed blocks ``x`` [..., H, bs, D] snaps to a code, for fitting a codebook: ``(u, s, dense)``, all
+    [..., H, bs, D] float32 / bool -- the normalized values (code units, before rounding or the level search), each
+    element's scale (what one code unit is worth in the transformed space) and False where the element is an outlier.
+    Dynamic formats only; the same range rules as ``quantize_block``."""
+    if not fmt.is_dynamic:
+        raise ValueError(f"{fmt.short()}: only dynamic formats have normalized values")
+    xf = forward_transform(x.float(), fmt, params, head_axis, rope)
+    mask = block_outliers(xf, fmt)[0] if fmt.outliers else None
+    if fmt.is_block_wise:
+        clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
+        scale, zero, inv = _dynamic_range(xf, fmt, clip, -2, mask)
+        u, s = _normalized(xf, zero, inv), scale.expand_as(xf)
+    else:
+        g = _group(xf, fmt)
+        scale, zero, inv = _dynamic_range(g, fmt, _dynamic_clip(params, xf.dim(), head_axis), -1, None if mask is None else _group(mask, fmt))
+        u, s = _normalized(g, zero, inv).flatten(-2), scale.expand_as(g).flatten(-2)
+    dense = torch.ones_like(u, dtype=torch.bool) if mask is None else ~mask
+    return u, s.float(), dense
 
 
 def dequantize(
@@ -229,17 +406,23 @@ def dequantize(
     head_axis: int = -2,
     dtype: torch.dtype = torch.float32,
     transforms: bool = True,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Stored form back to values in the model's channel space (transforms undone; ``transforms=False``: left in
-    the stored channel space -- smoothed / rotated -- for consumers that fold them into the query and output).
+    the stored channel space -- smoothed / rotated / before RoPE -- for consumers that fold them into the query and
+    output). ``rope``: the rows' ``(cos, sin)`` for ``prerope`` keys.
 
-    Block-wise formats: ``codes`` [..., block_size, D'] with ``scale``/``zero`` [..., D] (see ``quantize_block``).
+    Block-wise formats: ``codes`` [..., block_size, D'] with ``scale``/``zero`` [..., D] (see ``quantize_block``);
+    formats with outliers: ``codes`` of whole blocks [..., block_size, D'] with ``outlier_*`` [..., N].
     """
     if not fmt.is_quantized:
         return qt.codes.to(dtype)
     sym = fmt.symmetric or fmt.is_static
     c = fmt.traits.stored_values(qt.codes)  # codes + offset: the offset is folded into the zero-point below
-    off = fmt.traits.offset(sym)
+    if fmt.codebook:  # a code is a table index: its value is the level (no offset)
+        c, off = lookup_levels(c, _codebook(fmt, params), head_axis), 0
+    else:
+        off = fmt.traits.offset(sym)
     if fmt.is_static:
         assert params is not None and params.scale is not None
         x = _affine(c, _per_head(params.scale, c.dim(), head_axis), None, off)
@@ -249,7 +432,15 @@ def dequantize(
     else:
         assert qt.scale is not None and (sym or qt.zero is not None)
         x = _affine(_group(c, fmt), qt.scale.float().unsqueeze(-1), None if sym else qt.zero.float().unsqueeze(-1), off).flatten(-2)
-    return (inverse_transform(x, fmt, params, head_axis) if transforms else x).to(dtype)
+    if qt.outlier_index is not None:
+        x = restore_outliers(x, qt.outlier_index, qt.outlier_value)
+    return (inverse_transform(x, fmt, params, head_axis, rope) if transforms else x).to(dtype)
+
+
+def restore_outliers(x: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Blocks ``x`` [..., bs, D] (transformed space) with their outliers (positions ``index``, values ``value`` [..., N])
+    written back over the dequantized codes."""
+    return x.flatten(-2).scatter(-1, index.long(), value.to(x.dtype)).view(x.shape)
 
 
 def _affine(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, offset: int) -> torch.Tensor:
@@ -260,11 +451,13 @@ def _affine(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, off
     return c * scale if shift is None else torch.addcmul(shift, c, scale)
 
 
-def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2,
+                  rope: Rope | None = None) -> torch.Tensor:
     """``dequantize(quantize(x))`` in x's dtype: what attention sees when reading the stored cache."""
-    return dequantize(quantize(x, fmt, params, head_axis), fmt, params, head_axis, dtype=x.dtype)
+    return dequantize(quantize(x, fmt, params, head_axis, rope), fmt, params, head_axis, dtype=x.dtype, rope=rope)
 
 
-def fake_quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3) -> torch.Tensor:
+def fake_quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3,
+                        rope: Rope | None = None) -> torch.Tensor:
     """``dequantize(quantize_block(x))`` for sealed blocks [..., H, block_size, D], in x's dtype."""
-    return dequantize(quantize_block(x, fmt, params, head_axis), fmt, params, head_axis, dtype=x.dtype)
+    return dequantize(quantize_block(x, fmt, params, head_axis, rope), fmt, params, head_axis, dtype=x.dtype, rope=rope)

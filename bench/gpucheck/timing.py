@@ -32,7 +32,7 @@ TARGETS = {"int4_speedup": 2.5, "int4_bw_frac": 0.70, "int8_speedup": 1.6}
 
 
 def _device_params(p: TensorParams, device) -> TensorParams:
-    return TensorParams(*(None if t is None else t.to(device) for t in (p.scale, p.smooth, p.clip)))
+    return p.map(lambda t: t.to(device))
 
 
 def _time_cuda(fn, warmup: int = 3, reps: int = 5, inner: int = 20, use_graph: bool = True) -> float:

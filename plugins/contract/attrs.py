@@ -8,6 +8,7 @@ from typing import Any
 from trtkv.errors import TrtkvError
 from trtkv.formats import MAX_SINK_TOKENS, TensorFormat, get_format, parse_tensor_spec
 
+from .capabilities import op_refusal
 from .limits import LIMITS
 from .specs import FIX, PARSER_ATTRS, OpSpec, get_op
 
@@ -100,6 +101,8 @@ def _check_values(op: OpSpec, a: Attrs) -> dict[str, TensorFormat]:
             raise _bad(op, key, a[key], LIMITS.dtype_problem(f.dtype))
         if f.mse:
             raise _bad(op, key, a[key], "searches block-channel ranges (mse), which the seal kernel does not implement yet")
+        if (why := op_refusal(f)) is not None:  # the capability table: codebooks, outlier lists, pre-RoPE keys
+            raise _bad(op, key, a[key], why)
         try:
             f.check_head_dim(d)
         except TrtkvError as exc:

@@ -31,6 +31,12 @@ KERNEL_BLOCK_SIZES = tuple(b for b in (16, 32, 64, 128) if LIMITS.block_size_pro
 KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_problem(d) is None)
 
 
+# what a tensor format may keep that a path must read to run it: (TensorFormat field, words in a reason, ExecutionPath flag)
+FEATURES = (("codebook", "codebooks (nuq)", "codebooks"), ("outliers", "outlier lists (outN)", "outliers"),
+            ("pre_rope", "keys before RoPE (prerope)", "pre_rope"))
+LACKS_HINT = "measure it with trtkv eval; serve int4 / int3-qs / int2-qs (or a --budget choice) meanwhile"
+
+
 class Reason(str):
     """A reason a path refuses a configuration: the message, with the hint a ``TrtkvError`` shows beside it."""
 
@@ -60,6 +66,11 @@ class ExecutionPath:
     head_dim_max: int | None = None  # None: no bound
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
+    # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
+    # (phase 1 lands them in eval and the reference paged cache; no engine path reads them yet)
+    codebooks: bool = False
+    outliers: bool = False
+    pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
 
     # ------------------------------------------------------------------ the questions
@@ -74,7 +85,15 @@ class ExecutionPath:
         if fmt.is_per_layer and not self.per_layer:
             return [Reason(f"KV format {fmt.name} stores each layer its own way, which only the torch engine reads "
                            "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
+        lacks = list(dict.fromkeys(what for f in fmt.layer_formats() for t in (f.k, f.v) for what in self.lacks(t)))
+        if lacks:
+            return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet", LACKS_HINT, "layout")]
         return []
+
+    def lacks(self, t) -> list[str]:
+        """What of one tensor format (``TensorFormat``) this path does not read: codebooks, outlier lists, keys stored
+        before RoPE (``FEATURES``); [] when it reads them all."""
+        return [what for attr, what, has in FEATURES if getattr(t, attr) and not getattr(self, has)]
 
     def size_reasons(self, block_size: int | None = None, head_dim: int | None = None) -> list[Reason]:
         out = []
@@ -170,7 +189,21 @@ KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA
 def kernels_take(fmt) -> bool:
     """Whether the Triton kernels seal and decode every layer's K and V of ``fmt`` (storage dtypes, no ``mse`` seal):
     the ``seal`` row, asked by the AOT configuration list and the contract tests."""
-    return not KERNEL_SEAL.format_reasons(fmt)
+    return not KERNEL_SEAL.layout_reasons(fmt) and not KERNEL_SEAL.format_reasons(fmt)
+
+
+# The op contract (plugins/contract: PagedKVSeal, PagedDecode*, PagedPrefillAttention) is what the Triton kernels, the
+# ONNX Runtime custom ops and the TensorRT plugins all implement: its format attributes are refused for what any of
+# them does not read.
+OP_PATHS = ("plugin", "kernels", "seal")
+
+
+def op_refusal(t) -> str | None:
+    """Why the trtkv:: ops cannot store / read one tensor format (``TensorFormat``), as one line, or None."""
+    lacks = list(dict.fromkeys(w for name in OP_PATHS for w in CAPABILITIES[name].lacks(t)))
+    if lacks:
+        return f"keeps {' and '.join(lacks)}, which the trtkv:: ops (Triton kernels, ONNX Runtime / TensorRT plugins) do not read yet"
+    return None
 
 
 CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, CPU_KERNELS, KERNEL_ATTENTION, KERNEL_SEAL)}

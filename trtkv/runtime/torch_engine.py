@@ -49,7 +49,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
 from trtkv.plugins import cpu_attention, ops
-from trtkv.plugins.contract.capabilities import CPU_KERNELS, KERNEL_ATTENTION
+from trtkv.plugins.contract.capabilities import CAPABILITIES, CPU_KERNELS, KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -144,6 +144,9 @@ class TorchEngine(Engine):
             if lack:
                 raise TrtkvError(f"trtkv's CPU attention kernels cannot run this engine: {lack}", "use --attention torch")
             cpu_attention.library()  # one line saying why, when they cannot be built here
+        if manifest is not None:  # the capability table: a format this path does not read (codebooks, outliers, pre-RoPE keys)
+            for r in CAPABILITIES[attention].layout_reasons(manifest.kv_format):
+                raise TrtkvError(r, r.hint)
         self.attention = attention
         self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype

@@ -1,0 +1,63 @@
+"""RoPE for keys stored before it (``prerope`` formats, issue 27): the model's own rotary table, and the rotation.
+
+transformers rotates keys in the rotate-half layout (docs/kv-formats.md §8): ``k_post = k * cos + rotate_half(k) * sin``
+with ``rotate_half(x) = cat(-x[D/2:], x[:D/2])`` and ``cos`` / ``sin`` of ``position * inv_freq`` (both halves alike,
+times the rope type's attention scaling). A ``prerope`` format quantizes ``k_pre = R(p)^T k_post`` -- the key in the
+frame where its channels do not turn with the position, so a sealed block's per-channel ranges are not widened by the
+rotation -- and a reader applies ``R(p)`` to the dequantized key. ``RopeTable.of(model)`` takes the table from the
+model's ``rotary_emb``, so every rope type transformers implements (linear, dynamic, llama3, yarn, ...) is the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtkv.errors import TrtkvError
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE of rows ``x`` [..., D] (rotate-half layout) by ``cos`` / ``sin`` broadcast to ``x``; ``inverse``: by the
+    opposite angles (``R^T``; exact when the table's scaling is 1, else it divides by the scaling squared)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    if not inverse:
+        return x * cos + rot * sin
+    scale2 = (cos.square() + sin.square())  # attention_scaling ** 2 (1 for plain RoPE)
+    return (x * cos - rot * sin) / scale2
+
+
+@dataclass
+class RopeTable:
+    """The model's RoPE angles: ``cos_sin(positions)`` -> ``(cos, sin)`` [n, D] float32."""
+
+    rotary: torch.nn.Module
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "RopeTable":
+        """The table of a transformers causal LM whose layers share one ``rotary_emb`` (Llama, Mistral, Qwen2/3, Phi-3,
+        Gemma 2); refused for models with several (Gemma 3's local and global bases: a separate module, or one module
+        whose ``rope_type`` is keyed by layer type) or a partial rotary dimension."""
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        rotary = getattr(base, "rotary_emb", None)
+        cfg = model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if rotary is None or hasattr(base, "rotary_emb_local") or isinstance(getattr(rotary, "rope_type", None), dict):
+            raise TrtkvError(f"{type(model).__name__} has no single rotary embedding to store keys before RoPE with",
+                             "use a format without prerope for this model")
+        cos, _ = rotary(torch.zeros(1, dtype=torch.float32), torch.zeros(1, 1, dtype=torch.long))
+        if cos.shape[-1] != head_dim:
+            raise TrtkvError(f"{type(model).__name__} rotates {cos.shape[-1]} of {head_dim} key channels (partial RoPE)",
+                             "use a format without prerope for this model")
+        return cls(rotary, head_dim)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = positions.reshape(1, -1).long()
+        cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=p.device), p)
+        return cos[0].float(), sin[0].float()
+
+    def rows(self, start: int, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` [n, D] of positions ``start .. start + n - 1``."""
+        return self.cos_sin(torch.arange(start, start + n, device=device))
