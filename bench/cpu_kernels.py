@@ -1,0 +1,111 @@
+"""trtkv's CPU decode attention kernel (plugins/cpu_attention.c) per KV format: the time of one layer's decode call.
+
+A pool of random codes / scales per format (throughput does not depend on the values), every sequence holding
+``--context`` sealed tokens, one decode call per measurement (``decode_model_space``: what the torch engine runs per
+layer and step), one thread; formats alternated ``--reps`` times in one process and the best of ``--iters`` calls
+kept per round, the median over rounds reported, with each format's time against fp16's from the same rounds.
+Results: bench/results/cpu-kernels-<date>.{json,md}.
+
+    .venv/bin/python bench/cpu_kernels.py [--batch 8] [--context 2048] [--formats fp16 int8 int4] [--reps 5] [--iters 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_engine import machine
+from report import write_report
+
+from trtkv.cache_layout import PagedKVLayout
+from trtkv.formats import get_format
+from trtkv.plugins import cpu_attention as ca
+from trtkv.quant import TensorParams
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, HEAD_DIM, QUERIES, BLOCK = 3, 64, 3, 64  # SmolLM2-135M: 3 KV heads of 64 channels, 3 query heads each
+
+
+def decode_call(spec: str, batch: int, context: int, seed: int):
+    """A ready decode call of ``spec`` over random pools: a zero-argument function."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = get_format(spec).with_block_size(BLOCK)
+    nb = context // BLOCK
+    lay = PagedKVLayout(fmt, HEADS, HEAD_DIM, BLOCK, batch * nb, batch)
+    pools, codecs = [], []
+    for which in "kv":
+        tf = lay.tensor_format(which)
+        params = TensorParams(smooth=torch.rand(HEADS, HEAD_DIM, generator=g) + 0.5) if tf.smooth else None
+        pool = lay.allocate(which)
+        for t in (pool.data, pool.scale, pool.zero, pool.tail):
+            if t is None:
+                continue
+            if t.dtype == torch.uint8 or t.dtype == torch.int8:
+                t.copy_(torch.randint(0, 256, t.shape, generator=g).to(torch.uint8).view(t.dtype))
+            else:
+                t.copy_(torch.rand(t.shape, generator=g) * 0.1)
+        pools.append(pool)
+        codecs.append(ca.RowCodec.of(tf, params, HEADS, HEAD_DIM, BLOCK))
+    tables = torch.arange(batch * nb).view(batch, nb)
+    ctx = torch.full((batch,), context)
+    step = ca.DecodeStep(tables, torch.full((batch,), nb), nb, torch.arange(batch), torch.zeros(batch), ctx, torch.zeros(batch), ctx)
+    q = torch.randn(batch, HEADS, QUERIES, HEAD_DIM, generator=g)
+    nk, nv = torch.randn(batch, HEADS, HEAD_DIM, generator=g), torch.randn(batch, HEADS, HEAD_DIM, generator=g)
+    return lambda: ca.decode_model_space(codecs[0], codecs[1], pools[0], pools[1], step, q, nk, nv, 0.125, None, None, lay.sink_tokens)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", nargs="+", default=["fp16", "int8", "int4"], help="presets or spec strings; the first is the baseline")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    if (why := ca.unavailable()) is not None:
+        raise SystemExit(f"trtkv's CPU kernels cannot run here: {why}")
+    torch.set_num_threads(1)
+    specs = args.formats
+    calls = {s: decode_call(s, args.batch, args.context, seed=i) for i, s in enumerate(specs)}
+    rounds: dict[str, list[float]] = {s: [] for s in specs}
+    for _ in range(args.reps):
+        for s, f in calls.items():
+            f()
+            best = float("inf")
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                f()
+                best = min(best, time.perf_counter() - t)
+            rounds[s].append(best)
+    rows = args.batch * HEADS * args.context
+    result = {}
+    for s in specs:
+        ms = statistics.median(rounds[s]) * 1e3
+        vs = statistics.median(a / b for a, b in zip(rounds[s], rounds[specs[0]]))
+        result[s] = {"ms_per_layer": ms, "ns_per_row_head": ms * 1e6 / rows, "vs_first": vs, "rounds_ms": [x * 1e3 for x in rounds[s]]}
+    data = {"command": "python " + " ".join(sys.argv), "machine": machine(), "batch": args.batch, "context": args.context,
+            "heads": HEADS, "head_dim": HEAD_DIM, "queries_per_head": QUERIES, "block": BLOCK, "results": result}
+    lines = [f"# trtkv CPU decode kernel, {date.today()}", "", f"Command: `{data['command']}`  ",
+             f"Machine: {data['machine']}  ",
+             f"One layer's decode call (`decode_model_space`), batch {args.batch}, {args.context} sealed tokens per sequence, "
+             f"{HEADS} KV heads x {HEAD_DIM} channels, {QUERIES} queries per KV head, block {BLOCK}, one thread; median of "
+             f"{args.reps} alternated rounds of the best of {args.iters} calls.", "",
+             f"| format | ms per layer | ns per (row, head) | vs {specs[0]} |", "|---|---:|---:|---:|"]
+    for s, r in result.items():
+        lines.append(f"| `{s}` | {r['ms_per_layer']:.2f} | {r['ns_per_row_head']:.0f} | {r['vs_first']:.2f} |")
+    stem = write_report(Path(args.out) / f"cpu-kernels-{date.today()}", data, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"written: {stem}.json, {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""bench/cpu_kernels.py end to end at a tiny size: it measures every format it is given and writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtkv.plugins import cpu_attention as ca
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(ca.unavailable() is not None, reason="no C compiler for trtkv's CPU kernels")
+def test_the_kernel_bench_reports_each_format_against_the_first(tmp_path):
+    formats = ["fp16", "int4", "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=64"]
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_kernels.py"), "--formats", *formats, "--batch", "2",
+                          "--context", "128", "--reps", "2", "--iters", "1", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [report] = tmp_path.glob("cpu-kernels-*.json")
+    data = json.loads(report.read_text())
+    assert list(data["results"]) == formats and data["batch"] == 2 and data["context"] == 128
+    first = data["results"]["fp16"]
+    assert first["vs_first"] == 1.0 and len(first["rounds_ms"]) == 2
+    for r in data["results"].values():
+        assert r["ms_per_layer"] > 0 and r["ns_per_row_head"] == pytest.approx(r["ms_per_layer"] * 1e6 / (2 * 3 * 128))
+    assert all(f"`{f}`" in report.with_suffix(".md").read_text() for f in formats)
