@@ -13,11 +13,15 @@ import pytest
 from test_runtime_faults import BS, greedy, make_llm
 
 from trtkv.formats import PRESETS
+from trtkv.plugins.contract.capabilities import TORCH_OPS
 from trtkv.runtime.block_manager import BlockManager
 from trtkv.runtime.prefix_cache import PrefixCache
 from trtkv.runtime.sequence import SamplingParams, Sequence
 
 BASE = list(range(100, 118))  # 18 tokens: 4 full blocks of 4 and 2 more
+
+# the presets the torch engine serves (the capability table's torch row; eval-only presets such as int3-nuq are refused)
+SERVED_PRESETS = [n for n, f in PRESETS.items() if not (TORCH_OPS.lacks(f.k) or TORCH_OPS.lacks(f.v))]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +50,7 @@ def run(llm, first_output=None):
     return first, outs, sum(n for _, n in rest)
 
 
-@pytest.mark.parametrize("fmt", list(PRESETS))
+@pytest.mark.parametrize("fmt", SERVED_PRESETS)
 def test_a_hit_never_changes_an_output(model, tokenizer, fmt):
     off = make_llm(model, tokenizer, fmt, enable_prefix_caching=False)
     want_first, want, _ = run(off)
