@@ -12,9 +12,7 @@ the prompt's length: the expectations come from OpenAI's API rules and the input
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,9 +23,10 @@ import pytest
 pytest.importorskip("uvicorn")
 aiohttp_web = pytest.importorskip("aiohttp.web")
 
+from test_openai_front import FakeTriton  # noqa: E402
+
 from trtkv.triton_repo import openai_api as api  # noqa: E402
 from trtkv.triton_repo.openai_api import OpenAIError, Served, start_openai_server  # noqa: E402
-from trtkv.triton_repo.repository import LLM_MODEL  # noqa: E402
 from trtkv.triton_repo.server import free_port  # noqa: E402
 
 MODEL = "served-model"
@@ -77,18 +76,14 @@ class Reply:
     extra_lines: list[str] = field(default_factory=list)  # other lines of the stream (comments, event names)
 
 
-class ScriptedTriton:
-    """An aiohttp server in its own thread; ``calls`` holds (endpoint, body) of every request; ``reply`` is the answer."""
+class ScriptedTriton(FakeTriton):
+    """test_openai_front's stand-in server with a scripted answer: ``calls`` holds (endpoint, body) of every request;
+    ``reply`` is the answer."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.reply = Reply()
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(30)
+        super().__init__()
 
     def _answer(self):
         r = self.reply
@@ -113,21 +108,6 @@ class ScriptedTriton:
         await resp.write_eof()
         return resp
 
-    def _run(self):
-        asyncio.set_event_loop(self.loop)
-        app = aiohttp_web.Application()
-        app.router.add_post(f"/v2/models/{LLM_MODEL}/generate", self._generate)
-        app.router.add_post(f"/v2/models/{LLM_MODEL}/generate_stream", self._generate_stream)
-        self.runner = aiohttp_web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(aiohttp_web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @dataclass
