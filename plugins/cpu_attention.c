@@ -202,6 +202,18 @@ static void block_channel(const Ctx *c, int64_t bh, int64_t D, float *restrict s
     else memset(zf, 0, (size_t)D * sizeof(float));
 }
 
+/* One scale and zero-point per channel for a block (per_block_channel: the block's; static: head h's, zero 0): the
+   granularities whose scales fold into a query or onto a block's sum. */
+static inline void channel_scales(const Fmt *f, const Ctx *c, int64_t bh, int64_t h, float *restrict sf, float *restrict zf) {
+    const int64_t D = f->head_dim;
+    if (f->gran == GRAN_BLOCK_CHANNEL) {
+        block_channel(c, bh, D, sf, zf);
+        return;
+    }
+    memcpy(sf, f->static_scale + h * D, (size_t)D * sizeof(float));
+    memset(zf, 0, (size_t)D * sizeof(float));
+}
+
 /* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. */
 static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
@@ -370,11 +382,7 @@ static inline void key_scores(const Fmt *f, const Ctx *c, int64_t b, int64_t h, 
         return;
     }
     float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM], *bias = w->bias;
-    if (f->gran == GRAN_BLOCK_CHANNEL) block_channel(c, bh, D, sf, zf);
-    else {
-        memcpy(sf, f->static_scale + h * D, (size_t)D * sizeof(float));
-        memset(zf, 0, (size_t)D * sizeof(float));
-    }
+    channel_scales(f, c, bh, h, sf, zf);
     for (int64_t i = 0; i < n; i++) {
         float z = 0.0f;
         for (int64_t d = 0; d < D; d++) {
@@ -420,11 +428,7 @@ static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64
         return;
     }
     float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
-    if (f->gran == GRAN_BLOCK_CHANNEL) block_channel(c, bh, D, sf, zf);
-    else {
-        memcpy(sf, f->static_scale + h * D, (size_t)D * sizeof(float));
-        memset(zf, 0, (size_t)D * sizeof(float));
-    }
+    channel_scales(f, c, bh, h, sf, zf);
     memset(w->acc, 0, (size_t)(n * D) * sizeof(float));
     accumulate(w->acc, p + skip, ps, rows, m, n, D);
     for (int64_t i = 0; i < n; i++) {
