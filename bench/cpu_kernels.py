@@ -2,11 +2,13 @@
 
 A pool of random codes / scales per format (throughput does not depend on the values), every sequence holding
 ``--context`` sealed tokens, one decode call per measurement (``decode_model_space``: what the torch engine runs per
-layer and step), one thread; formats alternated ``--reps`` times in one process and the best of ``--iters`` calls
-kept per round, the median over rounds reported, with each format's time against fp16's from the same rounds.
-Results: bench/results/cpu-kernels-<date>.{json,md}.
+layer and step) at each of ``--threads`` (the engine passes its step's torch threads; the kernel splits the
+sequences and heads over them); formats and thread counts alternated ``--reps`` times in one process and the best of
+``--iters`` calls kept per round, the median over rounds reported, with each format's time against the first format's
+and against its own time at the first thread count, from the same rounds.
+Results: bench/results/cpu-kernels-<date>[-threads-1-2].{json,md}.
 
-    .venv/bin/python bench/cpu_kernels.py [--batch 8] [--context 2048] [--formats fp16 int8 int4] [--reps 5] [--iters 40]
+    .venv/bin/python bench/cpu_kernels.py [--batch 8] [--context 2048] [--formats fp16 int8 int4] [--threads 1 2] [--reps 5] [--iters 40]
 """
 
 from __future__ import annotations
@@ -66,42 +68,51 @@ def main() -> int:
     ap.add_argument("--formats", nargs="+", default=["fp16", "int8", "int4"], help="presets or spec strings; the first is the baseline")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1], help="threads of each decode call; the first is the baseline")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     if (why := ca.unavailable()) is not None:
         raise SystemExit(f"trtkv's CPU kernels cannot run here: {why}")
-    torch.set_num_threads(1)
-    specs = args.formats
+    specs, threads = args.formats, args.threads
     calls = {s: decode_call(s, args.batch, args.context, seed=i) for i, s in enumerate(specs)}
-    rounds: dict[str, list[float]] = {s: [] for s in specs}
+    rounds: dict[tuple[str, int], list[float]] = {(s, t): [] for t in threads for s in specs}
     for _ in range(args.reps):
-        for s, f in calls.items():
+        for s, t in rounds:
+            torch.set_num_threads(t)
+            f = calls[s]
             f()
             best = float("inf")
             for _ in range(args.iters):
-                t = time.perf_counter()
+                t0 = time.perf_counter()
                 f()
-                best = min(best, time.perf_counter() - t)
-            rounds[s].append(best)
+                best = min(best, time.perf_counter() - t0)
+            rounds[(s, t)].append(best)
     rows = args.batch * HEADS * args.context
-    result = {}
+    ratio = lambda key, base: statistics.median(a / b for a, b in zip(rounds[key], rounds[base]))
+    result: dict[str, dict] = {}
     for s in specs:
-        ms = statistics.median(rounds[s]) * 1e3
-        vs = statistics.median(a / b for a, b in zip(rounds[s], rounds[specs[0]]))
-        result[s] = {"ms_per_layer": ms, "ns_per_row_head": ms * 1e6 / rows, "vs_first": vs, "rounds_ms": [x * 1e3 for x in rounds[s]]}
-    data = {"command": "python " + " ".join(sys.argv), "machine": machine(), "batch": args.batch, "context": args.context,
+        per = {}
+        for t in threads:
+            ms = statistics.median(rounds[(s, t)]) * 1e3
+            per[str(t)] = {"ms_per_layer": ms, "ns_per_row_head": ms * 1e6 / rows, "vs_first": ratio((s, t), (specs[0], t)),
+                           "speedup": ratio((s, threads[0]), (s, t)), "rounds_ms": [x * 1e3 for x in rounds[(s, t)]]}
+        result[s] = {**per[str(threads[0])], "threads": per}
+    data = {"command": "python " + " ".join(sys.argv), "machine": machine(), "batch": args.batch, "context": args.context, "threads": threads,
             "heads": HEADS, "head_dim": HEAD_DIM, "queries_per_head": QUERIES, "block": BLOCK, "results": result}
     lines = [f"# trtkv CPU decode kernel, {date.today()}", "", f"Command: `{data['command']}`  ",
              f"Machine: {data['machine']}  ",
              f"One layer's decode call (`decode_model_space`), batch {args.batch}, {args.context} sealed tokens per sequence, "
-             f"{HEADS} KV heads x {HEAD_DIM} channels, {QUERIES} queries per KV head, block {BLOCK}, one thread; median of "
-             f"{args.reps} alternated rounds of the best of {args.iters} calls.", "",
-             f"| format | ms per layer | ns per (row, head) | vs {specs[0]} |", "|---|---:|---:|---:|"]
+             f"{HEADS} KV heads x {HEAD_DIM} channels, {QUERIES} queries per KV head, block {BLOCK}; median of "
+             f"{args.reps} alternated rounds (every format at every thread count) of the best of {args.iters} calls.", "",
+             f"| format | threads | ms per layer | ns per (row, head) | vs {specs[0]} | speedup vs {threads[0]} thread(s) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for s, r in result.items():
-        lines.append(f"| `{s}` | {r['ms_per_layer']:.2f} | {r['ns_per_row_head']:.0f} | {r['vs_first']:.2f} |")
-    stem = write_report(Path(args.out) / f"cpu-kernels-{date.today()}", data, "\n".join(lines) + "\n")
+        for t, x in r["threads"].items():
+            lines.append(f"| `{s}` | {t} | {x['ms_per_layer']:.2f} | {x['ns_per_row_head']:.0f} | {x['vs_first']:.2f} | {x['speedup']:.2f} |")
+    stem = write_report(Path(args.out) / f"cpu-kernels-{date.today()}{'' if threads == [1] else '-threads-' + '-'.join(map(str, threads))}",
+                        data, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"written: {stem}.json, {stem}.md")
     return 0

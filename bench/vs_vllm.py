@@ -515,7 +515,7 @@ def trtkv_server(args, name: str, engine: Path, work: Path) -> Server:
     ports = [free_port() for _ in range(4)]
     cmd = trtkv_cmd("serve", str(engine), "--repo", str(work / f"repo-{name}"), "--kv-memory", f"{args.kv_gib:g}", "--max-seqs", str(args.max_seqs),
                     "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3]),
-                    "--served-model-name", SERVED_NAME, "--log-file", str(work / f"{name}-tritonserver.log"))  # fmt: skip
+                    "--served-model-name", SERVED_NAME, "--log-file", str(work / f"{name}-tritonserver.log"), *args.trtkv_arg)  # fmt: skip
     return Server(name, cmd, f"http://127.0.0.1:{ports[3]}", work / f"{name}.log", metrics_url=f"http://127.0.0.1:{ports[2]}/metrics")
 
 
@@ -530,6 +530,7 @@ def main() -> int:
     ap.add_argument("--vllm-model", type=Path, help="the checkpoint vLLM serves (default: trtkv's converted SmolLM2 in ~/.cache/trtkv/models)")
     ap.add_argument("--vllm-env", action="append", default=[], help="KEY=VALUE for vllm serve (repeatable), e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vllm serve (repeatable)")
+    ap.add_argument("--trtkv-arg", action="append", default=[], help="one more argument for trtkv serve (repeatable), e.g. --cpu-threads=2")
     ap.add_argument("--servers", nargs="+", default=["vllm", "trtkv-fp16", "trtkv-int4"],
                     help="which servers the streams load runs on (e.g. `--servers none --binding`: the binding load alone)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="KV budget in GiB on every server (vLLM takes whole GiB)")

@@ -18,8 +18,10 @@
    byte value v adds ``table[p][v * per[p] + i]`` to channel ``j * per[p] + i`` (the first plane's table already
    subtracts the symmetric offset); integer dtypes whose tables are plain bit fields (every one today: Python checks)
    decode by shifts instead, which vectorize. fp16 rows are converted directly. Then the scale (and zero-point) of the format's
-   granularity: x = value * scale + zero. Everything is single-threaded: the engine's decode runs on one thread and a
-   prefill's matmuls use torch's threads. */
+   granularity: x = value * scale + zero. ``trtkv_decode`` splits its [B, H] pairs over ``threads`` OpenMP threads (the
+   engine passes torch's thread count of the step; the library links the libgomp torch has loaded, so they are torch's
+   own warm pool: a fresh thread per call waits for an idle core to wake, milliseconds on a VM), in ranges of about
+   equal rows read; the rest is single-threaded (a prefill's matmuls use torch's threads). */
 
 #include <math.h>
 #include <stdint.h>
@@ -326,6 +328,7 @@ typedef struct {
     float *out_sealed, *out_rest;/* [B, H, n, D] */
     int64_t model_space;         /* 1: qf is not read -- the query is folded here by the keys' transforms -- and out_rest is the
                                     whole output, the sealed part transformed back by the values' (out_sealed: scratch) */
+    int64_t threads;             /* OpenMP threads the [B, H] pairs are split over (<= 1: the caller's only) */
 } Decode;
 
 /* Scratch of one decode call: a block of rows, the folded queries and the scaled probabilities of one block. */
@@ -438,84 +441,118 @@ static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64
     }
 }
 
-int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
+/* The pairs bh = b * H + h in [first, last) of one decode call, with their own scratch (not inlined: inlined into the
+   OpenMP region its int4 path ran 8-16 % slower on one thread). */
+static __attribute__((noinline)) int64_t decode_pairs(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a, int64_t first, int64_t last) {
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, nb = kc->nb, n = a->n, tr = a->tail_rows;
     const int64_t C = nb * bs + tr + 1;
-    if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
     const int64_t rows = bs > tr ? bs : tr;
     float *sc = malloc((size_t)(n * C + rows * D + 3 * n * D + n * bs + n) * sizeof(float));
     if (!sc) return -2;
     Scratch w = {.blk = sc + n * C};
     w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs, w.qf = w.bias + n;
     float *blk = w.blk;  /* one block of decoded rows [bs, D] */
-    for (int64_t b = 0; b < kc->batch; b++) {
+    for (int64_t pair = first; pair < last; pair++) {
+        const int64_t b = pair / H, h = pair % H, bh = pair;
         const int64_t held = kc->held[b] < nb ? kc->held[b] : nb, ol = a->open_len[b], qp = a->q_pos[b];
         const int64_t S = held * bs, R = S + ol;  /* scores: sealed 0..S-1, open S..R-1, the new row R */
         /* keys at positions <= qp - window are outside the window: which sealed / open rows that is */
         const int64_t lo = a->window ? qp - a->window + 1 : INT64_MIN;
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t bh = b * H + h;
-            const float *q = a->q + bh * n * D, *qf = a->model_space ? w.qf : a->qf + bh * n * D;
-            if (a->model_space) fold_query(kf, h, q, n, w.qf);
-            const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
-            const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
-            const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
-            /* scores, block by block: decoded rows, then the n dot products of each */
-            for (int64_t j = 0; j < held; j++) {
-                const int64_t p0 = a->first_pos[b] + j * bs;
-                if (p0 + bs - 1 < lo) {  /* the whole block is outside the window: never read */
-                    for (int64_t i = 0; i < n; i++)
-                        for (int64_t t = 0; t < bs; t++) sc[i * C + j * bs + t] = -INFINITY;
-                    continue;
-                }
-                key_scores(kf, kc, b, h, j, qf, n, &w, sc + j * bs, C);
-                if (j == 0 && sink) {  /* the first rows: the model-space sink rows against the model-space query */
-                    half_to_float(kt + bs * D, blk, sink * D);
-                    dots(sc, C, q, blk, sink, n, D);
-                }
-                for (int64_t t = 0; t < bs && p0 + t < lo; t++)
-                    for (int64_t i = 0; i < n; i++) sc[i * C + j * bs + t] = -INFINITY;
+        const float *q = a->q + bh * n * D, *qf = a->model_space ? w.qf : a->qf + bh * n * D;
+        if (a->model_space) fold_query(kf, h, q, n, w.qf);
+        const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
+        const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
+        const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
+        /* scores, block by block: decoded rows, then the n dot products of each */
+        for (int64_t j = 0; j < held; j++) {
+            const int64_t p0 = a->first_pos[b] + j * bs;
+            if (p0 + bs - 1 < lo) {  /* the whole block is outside the window: never read */
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t t = 0; t < bs; t++) sc[i * C + j * bs + t] = -INFINITY;
+                continue;
             }
-            half_to_float(kt, blk, ol * D);
-            dots(sc + S, C, q, blk, ol, n, D);
-            for (int64_t o = 0; o < ol && a->open_pos[b] + o < lo; o++)
-                for (int64_t i = 0; i < n; i++) sc[i * C + S + o] = -INFINITY;
-            dots(sc + R, C, q, a->new_k + bh * D, 1, n, D);
-            /* softmax per query (a masked score is -inf, exp gives 0; the new row is never masked) */
-            for (int64_t i = 0; i < n; i++) {
-                float *restrict si = sc + i * C, mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t <= R; t++) si[t] *= a->scaling;
-                if (a->softcap > 0.0f)
-                    for (int64_t t = 0; t <= R; t++)  /* a masked score stays -inf */
-                        si[t] = si[t] == -INFINITY ? si[t] : a->softcap * tanhf(si[t] / a->softcap);
-                for (int64_t t = 0; t <= R; t++) mx = si[t] > mx ? si[t] : mx;
-                for (int64_t t = 0; t <= R; t++) {
-                    si[t] = expf(si[t] - mx);
-                    sum += si[t];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t <= R; t++) si[t] *= inv;
+            key_scores(kf, kc, b, h, j, qf, n, &w, sc + j * bs, C);
+            if (j == 0 && sink) {  /* the first rows: the model-space sink rows against the model-space query */
+                half_to_float(kt + bs * D, blk, sink * D);
+                dots(sc, C, q, blk, sink, n, D);
             }
-            /* outputs: sealed values (stored space), then the open rows and the new row (model space) */
-            float *os = a->out_sealed + bh * n * D, *orest = a->out_rest + bh * n * D;
-            memset(os, 0, (size_t)(n * D) * sizeof(float));
-            memset(orest, 0, (size_t)(n * D) * sizeof(float));
-            for (int64_t j = 0; j < held; j++) {
-                if (a->first_pos[b] + j * bs + bs - 1 < lo) continue;
-                const int64_t skip = j == 0 ? sink : 0;  /* sink rows: model space, into the rest */
-                value_accumulate(vf, vc, b, h, j, skip, sc + j * bs, C, n, &w, os);
-            }
-            half_to_float(vt, blk, ol * D);
-            accumulate(orest, sc + S, C, blk, ol, n, D);
-            if (sink) {
-                half_to_float(vt + bs * D, blk, sink * D);
-                accumulate(orest, sc, C, blk, sink, n, D);
-            }
-            accumulate(orest, sc + R, C, a->new_v + bh * D, 1, n, D);
-            if (a->model_space) unfold_values(vf, h, os, n, orest);
+            for (int64_t t = 0; t < bs && p0 + t < lo; t++)
+                for (int64_t i = 0; i < n; i++) sc[i * C + j * bs + t] = -INFINITY;
         }
+        half_to_float(kt, blk, ol * D);
+        dots(sc + S, C, q, blk, ol, n, D);
+        for (int64_t o = 0; o < ol && a->open_pos[b] + o < lo; o++)
+            for (int64_t i = 0; i < n; i++) sc[i * C + S + o] = -INFINITY;
+        dots(sc + R, C, q, a->new_k + bh * D, 1, n, D);
+        /* softmax per query (a masked score is -inf, exp gives 0; the new row is never masked) */
+        for (int64_t i = 0; i < n; i++) {
+            float *restrict si = sc + i * C, mx = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t <= R; t++) si[t] *= a->scaling;
+            if (a->softcap > 0.0f)
+                for (int64_t t = 0; t <= R; t++)  /* a masked score stays -inf */
+                    si[t] = si[t] == -INFINITY ? si[t] : a->softcap * tanhf(si[t] / a->softcap);
+            for (int64_t t = 0; t <= R; t++) mx = si[t] > mx ? si[t] : mx;
+            for (int64_t t = 0; t <= R; t++) {
+                si[t] = expf(si[t] - mx);
+                sum += si[t];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t <= R; t++) si[t] *= inv;
+        }
+        /* outputs: sealed values (stored space), then the open rows and the new row (model space) */
+        float *os = a->out_sealed + bh * n * D, *orest = a->out_rest + bh * n * D;
+        memset(os, 0, (size_t)(n * D) * sizeof(float));
+        memset(orest, 0, (size_t)(n * D) * sizeof(float));
+        for (int64_t j = 0; j < held; j++) {
+            if (a->first_pos[b] + j * bs + bs - 1 < lo) continue;
+            const int64_t skip = j == 0 ? sink : 0;  /* sink rows: model space, into the rest */
+            value_accumulate(vf, vc, b, h, j, skip, sc + j * bs, C, n, &w, os);
+        }
+        half_to_float(vt, blk, ol * D);
+        accumulate(orest, sc + S, C, blk, ol, n, D);
+        if (sink) {
+            half_to_float(vt + bs * D, blk, sink * D);
+            accumulate(orest, sc, C, blk, sink, n, D);
+        }
+        accumulate(orest, sc + R, C, a->new_v + bh * D, 1, n, D);
+        if (a->model_space) unfold_values(vf, h, os, n, orest);
     }
     free(sc);
+    return 0;
+}
+
+typedef struct {
+    int64_t first, last, rc;
+} Share;
+
+#define MAX_THREADS 64
+
+int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
+    const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, pairs = kc->batch * H;
+    if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
+    int64_t T = a->threads < 1 ? 1 : a->threads > MAX_THREADS ? MAX_THREADS : a->threads;
+    if (T > pairs) T = pairs;
+    if (T <= 1) return decode_pairs(kf, vf, kc, vc, a, 0, pairs);
+    /* T ranges of about equal rows read (a pair reads its sealed, open and new rows) */
+    int64_t total = 0;
+    for (int64_t b = 0; b < kc->batch; b++) total += H * ((kc->held[b] < kc->nb ? kc->held[b] : kc->nb) * bs + a->open_len[b] + 1);
+    Share share[MAX_THREADS];
+    int64_t pair = 0, done = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t goal = total * (t + 1) / T;
+        share[t] = (Share){pair, pair, 0};
+        while (pair < pairs && (t == T - 1 || done < goal)) {
+            const int64_t b = pair / H;
+            done += (kc->held[b] < kc->nb ? kc->held[b] : kc->nb) * bs + a->open_len[b] + 1;
+            pair++;
+        }
+        share[t].last = pair;
+    }
+    /* torch's OpenMP pool (the library shares torch's libgomp; without OpenMP the ranges run one after the other) */
+    #pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) share[t].rc = decode_pairs(kf, vf, kc, vc, a, share[t].first, share[t].last);
+    for (int64_t t = 0; t < T; t++)
+        if (share[t].rc) return share[t].rc;
     return 0;
 }
 

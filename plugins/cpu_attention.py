@@ -13,6 +13,8 @@ and the format's scale granularity:
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
 12+ or clang 15+) for this CPU (``-march=native``) and cached under ``~/.cache/trtkv/cpu-kernels`` by a hash of the
 source, the flags, the compiler and the CPU; ``unavailable()`` says why it cannot be used (then the torch ops run).
+With OpenMP (``-fopenmp``; else it is built without, and decodes on one thread) a decode call splits its sequences
+and heads over the step's torch threads.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .contract.capabilities import CPU_KERNELS, LACKS_HINT
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
 LIBS = ("-lm",)
+OPENMP = ("-fopenmp",)  # the decode's threads (torch's libgomp, already loaded); a compiler without it builds a one-thread library
 MAX_PLANES = 4  # as in the C source
 MAX_HEAD_DIM = CPU_KERNELS.head_dim_max  # the C source's MAX_HEAD_DIM
 KIND_FP16, KIND_LUT = 0, 1
@@ -62,7 +65,7 @@ class _Decode(ctypes.Structure):
     _fields_ = [("n", _i64), ("q", _ptr), ("qf", _ptr), ("new_k", _ptr), ("new_v", _ptr), ("k_tail", _ptr), ("v_tail", _ptr),
                 ("tail_rows", _i64), ("slot", _ptr), ("open_len", _ptr), ("q_pos", _ptr), ("first_pos", _ptr), ("open_pos", _ptr),
                 ("sink_tokens", _i64), ("sink_ok", _ptr), ("window", _i64), ("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("out_sealed", _ptr), ("out_rest", _ptr),
-                ("model_space", _i64)]
+                ("model_space", _i64), ("threads", _i64)]
 
 
 class _SealFmt(ctypes.Structure):
@@ -98,16 +101,19 @@ def _library() -> ctypes.CDLL | str:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{cc} --version failed: {exc}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS), version, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS + OPENMP), version, _cpu_id()]).encode()).hexdigest()[:16]
     out = cache_root() / "cpu-kernels" / f"cpu_attention-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # compiled aside, then renamed: no half-written library
             built = Path(tmp) / out.name
-            try:
-                proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), *LIBS], capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as exc:
-                return f"compiling {SOURCE.name} failed: {exc}"
+            for extra in (OPENMP, ()):
+                try:
+                    proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), *LIBS, *extra], capture_output=True, text=True, timeout=300)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    return f"compiling {SOURCE.name} failed: {exc}"
+                if proc.returncode == 0:
+                    break
             if proc.returncode != 0:
                 first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
                 return f"compiling {SOURCE.name} with {cc} failed: {first}"
@@ -288,6 +294,7 @@ def _decode(kcodec, vcodec, kpool, vpool, step, q, qf, new_k, new_v, scaling, wi
     a.k_tail, a.v_tail, a.tail_rows = kpool.tail.data_ptr(), vpool.tail.data_ptr(), kpool.tail.shape[-2]
     a.sink_tokens, a.window, a.scaling, a.softcap = sink_tokens, int(window or 0), scaling, softcap or 0.0
     a.out_sealed, a.out_rest, a.model_space = out.data_ptr(), out[1].data_ptr(), int(model_space)
+    a.threads = torch.get_num_threads()  # the step's threads (the engine sets them per step): [B, H] pairs split over them
     _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
     return out[0], out[1]
 

@@ -339,6 +339,21 @@ def test_a_failing_compile_is_one_line_and_leaves_no_library(fresh_library, monk
     assert not list((tmp_path / "cache" / "cpu-kernels").glob("*.so"))
 
 
+def test_a_compiler_without_openmp_builds_a_one_thread_library(fresh_library, monkeypatch, tmp_path):
+    """-fopenmp refused: the library is built without it, links no OpenMP runtime, and its decode split over threads
+    still gives the one-thread result (the ranges run one after the other)."""
+    real = ca._compiler()
+    cc = tmp_path / "noompcc"
+    cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && echo 'cc: error: unsupported option -fopenmp' >&2 && exit 1; done\n"
+                  f"exec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert ca.unavailable() is None
+    built = list((tmp_path / "cache" / "cpu-kernels").glob("cpu_attention-*.so"))
+    assert len(built) == 1 and b"GOMP_parallel" not in built[0].read_bytes()
+    test_decode_split_over_threads_is_the_one_thread_result("int4", 3)
+
+
 def test_switched_off_by_the_environment(fresh_library, monkeypatch):
     monkeypatch.setenv("TRTKV_CPU_KERNELS", "0")
     assert ca.unavailable() == "TRTKV_CPU_KERNELS=0"
@@ -422,3 +437,34 @@ def test_the_pool_seals_with_the_reference_without_the_kernels(fresh_library, mo
         caches.append(cache)
     for name, t in caches[0].tensors.items():
         assert torch.equal(caches[1].tensors[name], t), name
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5, 64])
+@pytest.mark.parametrize("spec", ["int4", "k=int4:g8:asym,v=int3:bchannel:sym,block=5"])
+def test_decode_split_over_threads_is_the_one_thread_result(spec, threads):
+    """The [B, H] pairs split over POSIX threads (uneven sequences: ranges of equal rows read; more threads than pairs
+    included): every pair's output bit for bit the one-thread call's, and the naive float64 attention's."""
+    prev = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            g = torch.Generator().manual_seed(5)
+            lay = PagedKVLayout(_format(spec), H, D, BS, NB, 3)
+            tables, held, owned = _tables(g)
+            kp, vp = (_params(lay.tensor_format(w), g) for w in "kv")
+            kpool, vpool = _filled_pool(lay, "k", kp, g, owned), _filled_pool(lay, "v", vp, g, owned)
+            kc, vc = ca.RowCodec.of(lay.tensor_format("k"), kp, H, D, BS), ca.RowCodec.of(lay.tensor_format("v"), vp, H, D, BS)
+            slots, open_len = torch.tensor([2, 0, 1]), torch.tensor([2, 4, 0])
+            q_pos, first = held * BS + open_len, torch.zeros(3, dtype=torch.long)
+            step = ca.DecodeStep(tables, held, int(held.max()), slots, open_len, q_pos, first, (q_pos // BS) * BS, first == 0)
+            q, nk, nv = torch.randn(3, H, 3, D, generator=g), torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
+            outs.append(ca.decode(kc, vc, kpool, vpool, step, q, q, nk, nv, 0.3, None, None, lay.sink_tokens))
+    finally:
+        torch.set_num_threads(prev)
+    kref, vref = _reference_rows(lay, "k", kpool, kp), _reference_rows(lay, "v", vpool, vp)
+    want = _naive_decode(kref, vref, kpool, vpool, lay, tables, held, slots, open_len, q_pos, first, q, q, nk, nv, 0.3, 0, 0.0,
+                         lay.sink_tokens, first == 0)
+    for got, one, ref in zip(outs[1], outs[0], want):
+        assert torch.equal(got, one)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
