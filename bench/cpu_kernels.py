@@ -44,7 +44,8 @@ def decode_call(spec: str, batch: int, context: int, seed: int):
     pools, codecs = [], []
     for which in "kv":
         tf = lay.tensor_format(which)
-        params = TensorParams(smooth=torch.rand(HEADS, HEAD_DIM, generator=g) + 0.5) if tf.smooth else None
+        params = TensorParams(smooth=torch.rand(HEADS, HEAD_DIM, generator=g) + 0.5 if tf.smooth else None,  # nuq: random levels
+                              codebook=torch.sort(torch.randn(tf.codebook_levels, generator=g), -1).values if tf.codebook else None)
         pool = lay.allocate(which)
         for t in (pool.data, pool.scale, pool.zero, pool.tail):
             if t is None:

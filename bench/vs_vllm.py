@@ -10,7 +10,8 @@ wait) in turn:
   tritonserver with the OpenAI front), torch engines of the same checkpoint (float32 weights);
 - ``vllm-export-*``: only the greedy check: trtkv's ``export --to vllm`` checkpoint (float32 weights, the fp8 KV scales
   as a compressed-tensors ``kv_cache_scheme``) in the same vLLM, with ``--kv-cache-dtype auto`` and ``fp8`` where the
-  CPU has AVX-512 (vLLM's fp8 CPU attention needs it; ``auto`` follows the checkpoint's fp8 scheme), else ``float16``.
+  CPU has AVX-512 (vLLM's fp8 CPU attention needs it; ``auto`` follows the checkpoint's fp8 scheme), else ``bfloat16``
+  weights and cache (vLLM 0.32's AVX2 build answers garbage for float32 weights over a 16-bit cache).
 
 The client is vLLM's own ``vllm bench serve`` from the peer venv for every server: ``/v1/completions`` streaming,
 random prompts of ``--input-len`` tokens, exactly ``--output-len`` new tokens (``--ignore-eos``), greedy
@@ -586,10 +587,13 @@ def main() -> int:
             plan.append((vllm_server(args, "vllm-export-auto", args.export, work, kv_cache_dtype="auto", eager=True), "vllm", False))
             plan.append((vllm_server(args, "vllm-export-fp8", args.export, work, kv_cache_dtype="fp8", eager=True), "vllm", False))
         else:  # `auto` follows the checkpoint's fp8 kv_cache_scheme, which vLLM's CPU attention refuses without AVX-512
-            plan.append((vllm_server(args, "vllm-export-float16", args.export, work, kv_cache_dtype="float16", eager=True), "vllm", False))
-            data["notes"].append("no AVX-512 on this CPU: the export ran with `--kv-cache-dtype float16` (its weights, tokenizer and config "
-                                 "in vLLM; `auto` follows its fp8 kv_cache_scheme, and vLLM's CPU fp8 attention needs AVX-512 or AMX: "
-                                 "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')")
+            plan.append((vllm_server(args, "vllm-export-bf16", args.export, work, kv_cache_dtype="bfloat16", dtype="bfloat16", eager=True),
+                         "vllm", False))
+            data["notes"].append("no AVX-512 on this CPU: the export ran with `--dtype bfloat16 --kv-cache-dtype bfloat16` (its weights, "
+                                 "tokenizer and config in vLLM; `auto` follows its fp8 kv_cache_scheme, and vLLM's CPU fp8 attention needs "
+                                 "AVX-512 or AMX: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'). vLLM 0.32's AVX2 build answers "
+                                 "garbage for a float32 model over a float16 or bfloat16 KV cache -- its own checkpoint too (measured "
+                                 "2026-12-03) -- so the weights go to bfloat16 with the cache.")
     for fmt in ("fp16", "int4"):
         name = f"trtkv-{fmt}"
         plan.append((trtkv_server(args, name, args.engines[fmt], work), "trtkv", name in args.servers))

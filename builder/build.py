@@ -24,7 +24,7 @@ from trtkv.builder.step_network import check_model
 from trtkv.engine_backends import RUNTIME_BACKENDS
 from trtkv.errors import TrtkvError
 from trtkv.models import load_model, model_info
-from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path
+from trtkv.plugins.contract.capabilities import CAPABILITIES, TORCH_ENGINE_PATHS, backend_path, cache_reasons
 
 ENGINE_BACKENDS = RUNTIME_BACKENDS  # what --backend takes: the manifest's backends, or auto
 DEFAULT_CAPABILITIES = (80, 86, 89, 120)
@@ -154,7 +154,11 @@ def build_engine(
     if calibration is not None:  # a format the calibration holds by name (e.g. a --budget choice) is its definition
         kv = load_calibration(calibration).definition(kv)
     base_fmt = get_format(kv)  # the one parse; fitted to the model's head_dim below
-    for r in (backend_path(backend) or CAPABILITIES["torch" if backend == "torch" else attention]).layout_reasons(base_fmt):  # the capability table
+    # the capability table: a torch-backend engine runs where one of the torch engine's attentions reads the format
+    # (serving asks again for the attention it picks), an ONNX one the step network's
+    reasons = cache_reasons(base_fmt, TORCH_ENGINE_PATHS) if backend == "torch" else \
+        (backend_path(backend) or CAPABILITIES[attention]).layout_reasons(base_fmt)
+    for r in reasons:
         raise TrtkvError(r, r.hint)
     bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads

@@ -68,6 +68,10 @@ typedef struct {
        NULL where the format has none */
     const float *smooth;        /* [H, D] */
     const float *rot;           /* [D, D] the Hadamard matrix */
+    /* nuq formats: a code is an index into a calibrated table of ``levels`` values (code units, before the scale), one
+       table per layer (codebook_heads 1) or per KV head (codebook_heads H); NULL: a code is its own value */
+    const float *codebook;
+    int64_t levels, codebook_heads;
 } Fmt;
 
 typedef struct {
@@ -178,8 +182,8 @@ static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D,
         for (int64_t d = 0; d < D; d++) x[d] -= f->offset;
 }
 
-/* Column j of sequence b: its bs rows' codes as floats (the dtype's offset taken off, no scale yet) into out [bs, D];
-   fp16 rows are their values. */
+/* Column j of sequence b: its bs rows' codes as floats (the dtype's offset taken off, no scale yet; a nuq format's
+   codes replaced by their codebook levels) into out [bs, D]; fp16 rows are their values. */
 static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
     const uint8_t *data = c->data + bh * bs * f->row_bytes;
@@ -194,6 +198,14 @@ static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         }
         for (int64_t p = 0; p < f->n_planes; p++)
             lut_plane(data + t * f->row_bytes + f->byte_off[p], f->table[p], f->per[p], p > 0, D, out + t * D);
+    }
+    if (f->codebook) {  /* the codes are table indices 0 .. levels - 1 (unsigned: no offset) */
+        const float *restrict cb = f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0);
+        const int64_t top = f->levels - 1;
+        for (int64_t i = 0; i < bs * D; i++) {
+            const int64_t k = (int64_t)out[i];
+            out[i] = cb[k < 0 ? 0 : k > top ? top : k];
+        }
     }
 }
 

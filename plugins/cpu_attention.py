@@ -33,9 +33,9 @@ import torch
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
-from trtkv.quant import QuantizedTensor, hadamard_matrix, per_channel
+from trtkv.quant import QuantizedTensor, codebook_of, hadamard_matrix, per_channel
 
-from .contract.capabilities import CPU_KERNELS, LACKS_HINT
+from .contract.capabilities import CPU_KERNELS, CPU_SEAL, LACKS_HINT
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
@@ -53,7 +53,8 @@ class _Fmt(ctypes.Structure):
     _fields_ = [("kind", _i64), ("head_dim", _i64), ("block_size", _i64), ("num_heads", _i64), ("row_bytes", _i64),
                 ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
                 ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
-                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr), ("smooth", _ptr), ("rot", _ptr)]
+                ("gran", _i64), ("groups", _i64), ("static_scale", _ptr), ("smooth", _ptr), ("rot", _ptr),
+                ("codebook", _ptr), ("levels", _i64), ("codebook_heads", _i64)]
 
 
 class _Ctx(ctypes.Structure):
@@ -165,7 +166,7 @@ class RowCodec:
         if not tf.is_quantized:
             f.kind, f.row_bytes = KIND_FP16, head_dim * 2
         else:
-            sym = tf.symmetric or tf.is_static
+            sym = tf.code_symmetric  # how the codes are stored (a codebook's are unsigned table indices)
             f.kind, f.row_bytes = KIND_LUT, traits.packed_dim(head_dim) * traits.storage.itemsize
             if traits.packed:
                 planes = [(byte, width, low, table) for (byte, width, low), table in zip(traits.plane_layout(head_dim), traits.plane_tables(sym))]
@@ -187,6 +188,10 @@ class RowCodec:
                 f.static_scale = scale.data_ptr()
             elif not tf.is_block_wise:
                 f.groups = tf.groups(head_dim)
+            if tf.codebook:  # nuq: the layer's table, [levels] or [H, levels]
+                book = codebook(tf, params, num_heads)
+                keep.append(book)
+                f.codebook, f.levels, f.codebook_heads = book.data_ptr(), tf.codebook_levels, book.shape[0]
         if tf.smooth:  # the transforms, for decode_model_space (the other calls work in stored space)
             smooth = per_channel(params.smooth, num_heads, head_dim, "smoothing factors")
             keep.append(smooth)
@@ -197,6 +202,16 @@ class RowCodec:
             keep.append(rot)
             f.rot = rot.data_ptr()
         return cls(f, tuple(keep))
+
+
+def codebook(tf, params, num_heads: int) -> torch.Tensor:
+    """A ``nuq`` format's calibrated levels as the kernels read them: float32 ``[1 or H, 2**bits]``, checked."""
+    given = codebook_of(tf, params)  # the reference's own check: one line when there is none
+    book = given.float().reshape(-1, given.shape[-1]).contiguous()
+    if book.shape[-1] != tf.codebook_levels or book.shape[0] not in (1, num_heads):
+        raise TrtkvError(f"a codebook of shape {tuple(given.shape)} for {tf.short()} (wants [{tf.codebook_levels}] or "
+                         f"[{num_heads}, {tf.codebook_levels}])", "recalibrate with this format and model")
+    return book
 
 
 def _linear_table(width: int, low: int, offset: float, signed: bool) -> torch.Tensor:
@@ -316,7 +331,7 @@ class SealCodec:
             return "static scales"
         if tf.mse:
             return "its scales are searched (mse)"
-        if lacks := CPU_KERNELS.lacks(tf):  # the capability table's ``cpu`` row: the reference quantizer keeps them
+        if lacks := CPU_SEAL.lacks(tf):  # the capability table's ``cpu-seal`` row: the reference quantizer keeps them
             return f"keeps {' and '.join(lacks)}"
         return None
 

@@ -38,6 +38,8 @@ SPECS = [
     "k=int4:g8:asym,v=int8:g12:asym",  # per token group, zero-points
     "k=int2:token:sym,v=int3:bchannel:sym,block=5",
     "k=fp8_e4m3:head,v=fp8_e4m3:channel",
+    # nuq: codes index the layer's codebook (per layer for K, per KV head for V; see _params)
+    "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5", "k=int2:token:asym:nuq,v=int3:bchannel:sym:nuq,block=5",
 ]
 
 
@@ -46,7 +48,13 @@ def _format(spec: str):
     return fmt.with_block_size(BS)
 
 
-def _params(tf, g):
+def _params(tf, g, which="k"):
+    """A static format's random scales; a nuq format's random ascending codebook in code units, one per layer for keys
+    ([levels]) and one per KV head for values ([H, levels]); else None."""
+    if tf.codebook:
+        n = tf.codebook_levels
+        book = torch.sort(torch.randn(n if which == "k" else (H, n), generator=g) * n / 3, -1).values
+        return TensorParams(codebook=book)
     if not tf.is_static:
         return None
     shape = {"per_tensor": (), "per_head": (H,), "per_channel": (H, D)}[tf.granularity]
@@ -79,7 +87,8 @@ def _reference_rows(lay, which, pool, params):
     """Every pool block dequantized in float64, stored channel space: [NB, H, BS, D]."""
     tf = lay.tensor_format(which)
     qt = QuantizedTensor(pool.data, pool.scale, pool.zero)
-    p64 = None if params is None else TensorParams(scale=params.scale.double())
+    p64 = None if params is None else TensorParams(scale=None if params.scale is None else params.scale.double(),
+                                                   codebook=None if params.codebook is None else params.codebook.double())
     return dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, transforms=False)
 
 
@@ -104,7 +113,7 @@ def test_dequant_matches_float64(spec):
     nb = int(held.max())
     for which in ("k", "v"):
         tf = lay.tensor_format(which)
-        params = _params(tf, g)
+        params = _params(tf, g, which)
         pool = _filled_pool(lay, which, params, g, owned)
         ref = _reference_rows(lay, which, pool, params)
         want = torch.zeros(3, H, nb * BS, D, dtype=torch.float64)
@@ -184,6 +193,9 @@ def _naive_decode(kref, vref, kpool, vpool, lay, tables, held, slots, open_len, 
     ("k=int8:channel,v=int8:head", 0, 0.0, False),
     ("k=int4:bchannel:sym,v=int8:g12:asym,block=5", 5, 0.0, False),
     ("k=int3:bchannel:asym,v=int4:bchannel:asym,block=5", 0, 0.0, False),
+    # codebooks: keys' per layer folded like any per-block-channel code, values' per KV head in token groups; a ring view
+    ("k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5", 7, 0.0, True),
+    ("k=int2:token:asym:nuq,v=int3:bchannel:asym:nuq,block=5", 0, 2.0, False),
 ])
 def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
     g = torch.Generator().manual_seed(11)
@@ -193,7 +205,7 @@ def test_decode_matches_a_naive_float64_attention(spec, window, softcap, ring):
     lay = PagedKVLayout(fmt, H, D, BS, NB, 3)
     tables, held, owned = _tables(g)
     nb = int(held.max())
-    kp, vp = (_params(lay.tensor_format(w), g) for w in "kv")
+    kp, vp = (_params(lay.tensor_format(w), g, w) for w in "kv")
     kpool, vpool = _filled_pool(lay, "k", kp, g, owned), _filled_pool(lay, "v", vp, g, owned)
     kref, vref = _reference_rows(lay, "k", kpool, kp), _reference_rows(lay, "v", vpool, vp)
     kc, vc = ca.RowCodec.of(lay.tensor_format("k"), kp, H, D, BS), ca.RowCodec.of(lay.tensor_format("v"), vp, H, D, BS)
@@ -225,7 +237,8 @@ def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["k=int4:bchannel:asym:smooth:hadamard,v=int4:g8:sym:smooth:hadamard,block=5,sink=2",
-                                  "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=5", "fp16"])
+                                  "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=5", "fp16",
+                                  "k=int3:bchannel:asym:smooth:hadamard:nuq,v=int3:g8:sym:hadamard:nuq,block=5,sink=2"])
 def test_decode_in_model_space_applies_the_formats_transforms(spec):
     """decode_model_space (the transforms inside the kernel) against decode with the torch transforms around it: the
     query folded by trtkv.quant's rule ((q * smooth) @ H) and the sealed part undone by inverse_transform, then added."""
@@ -239,7 +252,8 @@ def test_decode_in_model_space_applies_the_formats_transforms(spec):
     params = {}
     for w in "kv":
         tf = lay.tensor_format(w)
-        params[w] = TensorParams(smooth=torch.rand(H, D, generator=g) * 1.5 + 0.5) if tf.smooth else None
+        book = _params(tf, g, w).codebook if tf.codebook else None
+        params[w] = TensorParams(smooth=torch.rand(H, D, generator=g) * 1.5 + 0.5 if tf.smooth else None, codebook=book)
     kpool, vpool = (_filled_pool(lay, w, params[w], g, owned) for w in "kv")
     kc, vc = (ca.RowCodec.of(lay.tensor_format(w), params[w], H, D, BS) for w in "kv")
     slots, open_len = torch.tensor([2, 0, 1]), torch.tensor([2, 4, 0])
@@ -285,6 +299,39 @@ def test_engine_cpu_attention_gives_the_torch_ops_logits(family, name, kv, ring)
         engine = TorchEngine(model, attention=attention, device="cpu")
         results[attention] = _logits(engine, cache, [list(range(3, 30)), list(range(40, 51))], 9)
     torch.testing.assert_close(results["cpu"], results["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g8:sym:hadamard:nuq,block=4,sink=1",
+                                  "k=int2:bchannel:asym:nuq,v=int2:token:asym:nuq,block=4"])
+def test_engine_serves_codebook_formats_like_the_eval_cache(tiny_models, spec):
+    """A nuq format through the torch engine's C kernels (prefill chunks, then decodes; the pool's seal snaps to the
+    nearest level with the reference quantizer) gives the eval cache's teacher-forced logits for the same tokens; the
+    torch ops refuse it in one line."""
+    from trtkv.artifacts import LayerParams
+    from trtkv.evaluate import model_logits
+
+    d, _ = tiny_models("llama", num_hidden_layers=2)
+    info = model_info(str(d))
+    model = load_model(str(d), device="cpu", dtype="float32").model
+    [fmt], _ = fit_formats([spec], info.head_dim)
+    g = torch.Generator().manual_seed(31)
+    H, hd = info.num_kv_heads, info.head_dim
+
+    def tensor(tf, which):
+        book = torch.sort(torch.randn(tf.codebook_levels if which == "k" else (H, tf.codebook_levels), generator=g) * 1.5, -1).values
+        return TensorParams(smooth=torch.rand(H, hd, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
+
+    params = [LayerParams(k=tensor(fmt.k, "k"), v=tensor(fmt.v, "v")) for _ in range(info.num_layers)]
+    prompts = [list(range(3, 22)), list(range(40, 59))]
+    lay = PagedKVLayout(fmt, H, hd, 4, 40, 2)
+    got = _logits(TorchEngine(model, attention="cpu", device="cpu"), PagedKVCache(lay, info.num_layers, params), prompts, 7)
+    ids = torch.tensor([p + got[i, :-1].argmax(-1).tolist() for i, p in enumerate(prompts)])
+    with torch.inference_mode():
+        want = model_logits(model, ids, fmt, params)[:, len(prompts[0]) - 1 :]
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-4)
+    with pytest.raises(TrtkvError, match="codebooks") as info_:
+        _logits(TorchEngine(model, attention="torch", device="cpu"), PagedKVCache(lay, info.num_layers, params), prompts, 1)
+    assert "\n" not in str(info_.value)
 
 
 def test_engine_cpu_attention_with_a_per_layer_format(tiny_models):
@@ -452,7 +499,7 @@ def test_decode_split_over_threads_is_the_one_thread_result(spec, threads):
             g = torch.Generator().manual_seed(5)
             lay = PagedKVLayout(_format(spec), H, D, BS, NB, 3)
             tables, held, owned = _tables(g)
-            kp, vp = (_params(lay.tensor_format(w), g) for w in "kv")
+            kp, vp = (_params(lay.tensor_format(w), g, w) for w in "kv")
             kpool, vpool = _filled_pool(lay, "k", kp, g, owned), _filled_pool(lay, "v", vp, g, owned)
             kc, vc = ca.RowCodec.of(lay.tensor_format("k"), kp, H, D, BS), ca.RowCodec.of(lay.tensor_format("v"), vp, H, D, BS)
             slots, open_len = torch.tensor([2, 0, 1]), torch.tensor([2, 4, 0])

@@ -271,7 +271,8 @@ def _searched_codes(xf: torch.Tensor, fmt: TensorFormat) -> QuantizedTensor:
     return best
 
 
-def _codebook(fmt: TensorFormat, params: TensorParams | None) -> torch.Tensor | None:
+def codebook_of(fmt: TensorFormat, params: TensorParams | None) -> torch.Tensor | None:
+    """A ``nuq`` format's calibrated codebook from ``params`` (None for other formats); one line when it is missing."""
     if not fmt.codebook:
         return None
     if params is None or params.codebook is None:
@@ -307,7 +308,7 @@ def _quantize_rows(xf: torch.Tensor, fmt: TensorFormat, params: TensorParams | N
         q = _round_codes(xf * inv, fmt, tr.sym_min, tr.sym_max)
         return QuantizedTensor(codes=fmt.traits.encode(q, True))
     g = _group(xf, fmt)  # [..., G, g]: the head axis moved one further from the end
-    cb = _codebook(fmt, params)
+    cb = codebook_of(fmt, params)
     levels = None if cb is None else _levels(cb, g.dim(), head_axis - 1)
     qt = _dynamic_codes(g, fmt, _dynamic_clip(params, xf.dim(), head_axis), -1, levels, None if mask is None else _group(mask, fmt))
     return QuantizedTensor(
@@ -363,7 +364,7 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
         qt = _quantize_rows(xf, fmt, params, head_axis, mask)
         return dataclasses.replace(qt, outlier_index=oidx, outlier_value=oval)
     clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
-    cb = _codebook(fmt, params)
+    cb = codebook_of(fmt, params)
     if fmt.mse:
         qt = _searched_codes(xf, fmt)
     else:
@@ -420,7 +421,7 @@ def dequantize(
     sym = fmt.symmetric or fmt.is_static
     c = fmt.traits.stored_values(qt.codes)  # codes + offset: the offset is folded into the zero-point below
     if fmt.codebook:  # a code is a table index: its value is the level (no offset)
-        c, off = lookup_levels(c, _codebook(fmt, params), head_axis), 0
+        c, off = lookup_levels(c, codebook_of(fmt, params), head_axis), 0
     else:
         off = fmt.traits.offset(sym)
     if fmt.is_static:

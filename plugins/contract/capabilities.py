@@ -67,7 +67,7 @@ class ExecutionPath:
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
     # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
-    # (phase 1 lands them in eval and the reference paged cache; no engine path reads them yet)
+    # (eval and the reference paged cache read all of them; of the engines, the CPU kernels read codebooks)
     codebooks: bool = False
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
@@ -180,9 +180,13 @@ TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attent
                              block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True)
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
-# trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables
-CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024)
+# trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, and a nuq
+# format's codes through the layer's codebook
+CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024,
+                            codebooks=True)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
+# the C seal (the pool's seal on CPU): a nuq format's nearest-level codes are the reference quantizer's
+CPU_SEAL = ExecutionPath("cpu-seal", "trtkv's C seal kernel (the pool's seal on CPU)", per_layer=True, window_ring=True, head_dim_max=1024)
 
 
 
@@ -206,7 +210,20 @@ def op_refusal(t) -> str | None:
     return None
 
 
-CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, CPU_KERNELS, KERNEL_ATTENTION, KERNEL_SEAL)}
+CAPABILITIES: dict[str, ExecutionPath] = {p.name: p for p in (ONNX_NATIVE, ONNX_PLUGIN, TENSORRT_RTX, TORCH_OPS, CPU_KERNELS, KERNEL_ATTENTION, KERNEL_SEAL,
+                                                              CPU_SEAL)}
+
+
+TORCH_ENGINE_PATHS = ("torch", "cpu", "kernels")  # the torch engine's attentions (a torch-backend engine runs one of them)
+ENGINE_PATHS = (*TORCH_ENGINE_PATHS, "native", "plugin", "tensorrt-rtx")  # every path that attends over a paged cache
+
+
+def cache_reasons(fmt, paths: tuple[str, ...] = ENGINE_PATHS) -> list[Reason]:
+    """Why none of ``paths`` reads ``fmt``'s pools (a paged cache -- or a torch-backend engine, with
+    ``TORCH_ENGINE_PATHS`` -- of it would serve nothing): the torch ops' layout reasons when each path has one, else []."""
+    if any(not CAPABILITIES[name].layout_reasons(fmt) for name in paths):
+        return []
+    return TORCH_OPS.layout_reasons(fmt)
 
 
 def backend_path(backend: str) -> ExecutionPath | None:

@@ -30,7 +30,7 @@ from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_bloc
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins import cpu_attention
-from trtkv.plugins.contract.capabilities import TORCH_OPS, seal_with_kernels
+from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
 from trtkv.quant import check_finite, forward_transform, quantize_block
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput
@@ -70,7 +70,7 @@ class PagedKVCache:
         if ring is not None and ring.block_size != layout.block_size:
             raise ValueError(f"a window ring of {ring.block_size}-token blocks for a cache of {layout.block_size}")
         layout.fmt.check_layers(num_layers)
-        for r in TORCH_OPS.layout_reasons(layout.fmt):  # the widest path: codebooks and outlier lists are in no engine yet
+        for r in cache_reasons(layout.fmt):  # a format no engine path reads (outlier lists, keys before RoPE)
             raise TrtkvError(r, r.hint)
         # every layer's layout, made once: a per-layer format's ``layer(i)`` builds a format, not for every step
         self._layouts = [layout.layer(i) for i in range(num_layers)]

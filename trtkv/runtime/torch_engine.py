@@ -158,6 +158,7 @@ class TorchEngine(Engine):
         self._head = model.get_output_embeddings()
         self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
+        self._checked: PagedKVCache | None = None  # the last cache whose format this engine's attention was asked about
         # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
         # ``cuda_graphs=True`` runs the same padded fixed-shape steps eagerly)
         self.cuda_graphs = (self.device.type == "cuda" and self.attention == "kernels") if cuda_graphs is None else cuda_graphs
@@ -209,6 +210,10 @@ class TorchEngine(Engine):
                 c._attn_implementation = b
 
     def _step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:
+        if self._checked is not cache:  # the capability table, for a cache this engine was not built with
+            for r in CAPABILITIES[self.attention].layout_reasons(cache.layout.fmt):
+                raise TrtkvError(r, r.hint)
+            self._checked = cache
         dev = self.device
         batch = StepBatch(*(t.to(dev) for t in (batch.input_ids, batch.context_lens, batch.new_lens, batch.block_tables, batch.slot_ids)))
         B, T = batch.input_ids.shape
