@@ -157,8 +157,60 @@ static inline int nibbles(const uint8_t *restrict bytes, float offset, int64_t D
     return 1;
 }
 #define NIBBLES(f) ((f)->n_planes == 1 && (f)->per[0] == 2 && (f)->low[0] == 0)
+
+/* Byte v of a plane of 2-bit fields as its 4 codes (one per byte, little end first), and of 1-bit fields as its 8:
+   filled once when the library loads. */
+static uint32_t FIELDS2[256];
+static uint64_t FIELDS1[256];
+__attribute__((constructor)) static void fill_fields(void) {
+    for (int v = 0; v < 256; v++) {
+        FIELDS2[v] = 0, FIELDS1[v] = 0;
+        for (int i = 0; i < 4; i++) FIELDS2[v] |= (uint32_t)((v >> (2 * i)) & 3) << (8 * i);
+        for (int i = 0; i < 8; i++) FIELDS1[v] |= (uint64_t)((v >> i) & 1) << (8 * i);
+    }
+}
+
+/* Planes of 2- and 1-bit fields (int2, int3): every plane's fields gathered into one code byte per channel by table
+   (planes after the first shifted to their bit, or-ed in), then 8 channels per pass to float minus the offset -- or,
+   for a codebook of at most 8 levels, straight to its levels by one register permute. 0: not this layout (or D not a
+   multiple of 8). */
+static inline int small_fields(const Fmt *f, const uint8_t *restrict row, int64_t D, const float *restrict cb, float *restrict x) {
+    if ((D & 7) || f->signed_bytes || (cb && f->levels > 8)) return 0;
+    for (int64_t p = 0; p < f->n_planes; p++)
+        if (f->per[p] != 4 && f->per[p] != 8) return 0;
+    uint8_t codes[MAX_HEAD_DIM];
+    for (int64_t p = 0; p < f->n_planes; p++) {
+        const uint8_t *restrict bytes = row + f->byte_off[p];
+        const int low = (int)f->low[p];
+        if (f->per[p] == 4)
+            for (int64_t j = 0; j < D / 4; j++) {
+                uint32_t v = FIELDS2[bytes[j]] << low, o;
+                if (p) { memcpy(&o, codes + 4 * j, 4); v |= o; }
+                memcpy(codes + 4 * j, &v, 4);
+            }
+        else
+            for (int64_t j = 0; j < D / 8; j++) {
+                uint64_t v = FIELDS1[bytes[j]] << low, o;
+                if (p) { memcpy(&o, codes + 8 * j, 8); v |= o; }
+                memcpy(codes + 8 * j, &v, 8);
+            }
+    }
+    if (cb) {
+        float book[8] = {0};
+        memcpy(book, cb, (size_t)f->levels * sizeof(float));
+        const __m256 levels = _mm256_loadu_ps(book);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(x + d, _mm256_permutevar8x32_ps(levels, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + d)))));
+        return 1;
+    }
+    const __m256 off = _mm256_set1_ps(f->offset);
+    for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(x + d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + d)))), off));
+    return 1;
+}
 #else
 static inline int nibbles(const uint8_t *restrict bytes, float offset, int64_t D, float *restrict x) { return 0; }
+static inline int small_fields(const Fmt *f, const uint8_t *restrict row, int64_t D, const float *restrict cb, float *restrict x) { return 0; }
 #define NIBBLES(f) 0
 #endif
 
@@ -191,16 +243,22 @@ static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         half_to_float((const half *)data, out, bs * D);
         return;
     }
+    const float *restrict cb = f->codebook ? f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0) : 0;
+    int looked_up = 0;  /* the codebook applied by the row decoder */
+    const int small = f->linear && !NIBBLES(f);  /* int4's nibbles keep their own path (lin_row) */
     for (int64_t t = 0; t < bs; t++) {
         if (f->linear) {
+            if (small && small_fields(f, data + t * f->row_bytes, D, cb, out + t * D)) {
+                looked_up = cb != 0;
+                continue;
+            }
             lin_row(f, data + t * f->row_bytes, D, out + t * D);
             continue;
         }
         for (int64_t p = 0; p < f->n_planes; p++)
             lut_plane(data + t * f->row_bytes + f->byte_off[p], f->table[p], f->per[p], p > 0, D, out + t * D);
     }
-    if (f->codebook) {  /* the codes are table indices 0 .. levels - 1 (unsigned: no offset) */
-        const float *restrict cb = f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0);
+    if (cb && !looked_up) {  /* the codes are table indices 0 .. levels - 1 (unsigned: no offset) */
         const int64_t top = f->levels - 1;
         for (int64_t i = 0; i < bs * D; i++) {
             const int64_t k = (int64_t)out[i];
