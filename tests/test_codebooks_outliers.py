@@ -609,6 +609,9 @@ def test_every_path_of_the_capability_table_refuses_each_new_feature_in_one_line
             assert not path.layout_reasons(fmt), path.name
             continue
         assert len(reasons) == 1 and "\n" not in reasons[0] and path.title in reasons[0] and reasons[0].hint, (path.name, reasons)
+        # the hint names a torch-engine path that reads it, where there is one
+        assert ("--backend torch" in reasons[0].hint) == bool(readers), (path.name, reasons[0].hint)
+        assert all(CAPABILITIES[r].title in reasons[0].hint for r in readers)
     assert not kernels_take(fmt)  # the AOT list and the contract tests ask this: the kernels do not take it
 
 

@@ -87,7 +87,11 @@ class ExecutionPath:
                            "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
         lacks = list(dict.fromkeys(what for f in fmt.layer_formats() for t in (f.k, f.v) for what in self.lacks(t)))
         if lacks:
-            return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet", LACKS_HINT, "layout")]
+            # a torch-engine path that reads all of it (the C kernels read codebooks) is the first way out
+            readers = [p.title for name in TORCH_ENGINE_PATHS if (p := CAPABILITIES[name]) is not self and
+                       not any(p.lacks(t) for f in fmt.layer_formats() for t in (f.k, f.v))]
+            hint = f"build it with --backend torch, where the {readers[0]} read it; or {LACKS_HINT}" if readers else LACKS_HINT
+            return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet", hint, "layout")]
         return []
 
     def lacks(self, t) -> list[str]:
