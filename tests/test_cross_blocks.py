@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -124,6 +125,36 @@ def test_the_step_seals_every_block_it_fills(llama):
             assert (other[:, used].float() - t[:, used].float()).abs().max() <= 1.01 * (t[:, used].float().abs().max() * 2e-3 + 1), name
             rest = torch.tensor([b for b in range(12) if b not in (7, 2, 9, 4)])
             assert torch.equal(other[:, rest], t[:, rest]), name
+
+
+@needs_c
+@pytest.mark.parametrize("kv", ["int4", "int3", "k=int4:g8:asym,v=int8:g16:asym"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_pool_stores_the_codes_the_step_attended(tiny_models, kv, dtype):
+    """A crossing step hands the blocks it sealed to the pool (``StepSeals``): stored as they are, they are the bytes the
+    pool's own seal makes of the step's fp16 rows (a bfloat16 model's too), sink rows included; a block that fills at the
+    step's last token is the pool's to seal."""
+    d, _ = tiny_models("llama", **LLAMA)
+    info, model = model_info(str(d)), load_model(str(d), device="cpu", dtype=dtype).model
+    [fmt], _ = fit_formats([kv], info.head_dim)
+    fmt = fmt.with_block_size(4).model_copy(update={"sink_tokens": 1})
+    engine = TorchEngine(model, attention="cpu", device="cpu")
+    prompts, tables = [list(range(3, 14)), list(range(20, 26)), list(range(30, 38))], [[5, 1, 7], [2, 9], [0, 3]]
+    sb = StepBatch.make(prompts, [0, 0, 0], tables, [0, 1, 2])
+    caches = [PagedKVCache(PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, 4, 10, 3), info.num_layers) for _ in range(2)]
+    out = engine.step(sb, caches[0])
+    assert out.sealed is not None and out.sealed.count == [2, 1, 1]  # 11, 6 and 8 tokens: the 8th fills block 1 at the end
+    caches[0].write_new_rows(sb, out)
+    caches[1].write_new_rows(sb, dataclasses.replace(out, sealed=None))  # the pool seals every block from the rows
+    for name, t in caches[0].tensors.items():
+        assert torch.equal(t, caches[1].tensors[name]), name
+    zeroed = {key: dataclasses.replace(qt, codes=torch.zeros_like(qt.codes)) for key, qt in out.sealed.blocks.items()}
+    caches.append(PagedKVCache(PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, 4, 10, 3), info.num_layers))
+    caches[2].write_new_rows(sb, dataclasses.replace(out, sealed=dataclasses.replace(out.sealed, blocks=zeroed)))
+    for which in ("k", "v"):  # not quantized again: the step's (here zeroed) codes in blocks 5, 1, 2, 0; the pool's in 3
+        data = caches[2].tensors[f"{which}_data"]
+        assert not data[:, [5, 1, 2, 0]].any() and torch.equal(data[:, 3], caches[0].tensors[f"{which}_data"][:, 3])
+        assert caches[0].tensors[f"{which}_data"][:, [5, 1, 2, 0, 3]].any()
 
 
 def test_which_engines_cross_blocks(family, tiny_models, llama):

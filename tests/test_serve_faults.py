@@ -414,8 +414,9 @@ def test_killed_model_process_fails_readiness_errors_clients_restarts_then_exits
     s = Serve(engine, tmp_path, "--restarts", "1")
     try:
         s.wait_for("Ctrl-C")
+        stub = s.stub_pid()  # found before the stream opens: on a loaded machine the search outlasted the 400 tokens
         resp, _ = open_stream_resp(s.http_port, {"text_input": PROMPT, "max_tokens": LONG, "min_tokens": LONG}, events=3)
-        os.kill(s.stub_pid(), signal.SIGKILL)
+        os.kill(stub, signal.SIGKILL)
         t0 = time.monotonic()
         how, rest = rest_of_stream(resp)
         assert how in ("cut", "error") and time.monotonic() - t0 < 10, (how, len(rest), rest[-2:], time.monotonic() - t0)  # an error, not a stream left hanging

@@ -33,7 +33,7 @@ from trtkv.plugins import cpu_attention
 from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
 from trtkv.quant import check_finite, forward_transform, quantize_block
 from trtkv.runtime.seal_device import seal_open_block_kernels
-from trtkv.runtime.step import StepBatch, StepOutput
+from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
 
 POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
 RING = "@ring"  # suffix of the sliding layers' pool tensors in a cache with a WindowRing
@@ -156,7 +156,8 @@ class PagedKVCache:
 
     def write_new_rows(self, batch: StepBatch, out: StepOutput) -> list[int]:
         """Copy each sequence's new rows into its open block, sealing every open block that becomes full on the way
-        (a step across blocks -- an engine with ``cross_blocks`` -- fills and seals several, in order).
+        (a step across blocks -- an engine with ``cross_blocks`` -- fills and seals several, in order). A block the
+        step sealed itself (``out.sealed``) is stored with the step's codes, not quantized again.
 
         Returns the indices (into the batch) of the sequences that sealed a block.
         """
@@ -167,6 +168,7 @@ class PagedKVCache:
         slots = batch.slot_ids.tolist()
         k_tail, v_tail = self.tensors["k_tail"], self.tensors["v_tail"]
         filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []  # blocks to seal: slot, pool block, index, rows
+        stored: list[tuple[int, int, int, int]] = []  # blocks the step sealed: slot, pool block, index, place in out.sealed
         for b in range(batch.batch_size):
             c, n, s = ctx[b], new[b], slots[b]
             done = 0
@@ -184,15 +186,43 @@ class PagedKVCache:
                             f"sequence {b} fills its open block at {c + done} tokens but its block table has no block at index {idx}",
                             "allocate the block that receives the sealed block before the step",
                         )
-                    if self.seal_with_kernels:
+                    at = None if out.sealed is None or self.seal_with_kernels else out.sealed.position(b, idx)
+                    if at is not None:
+                        if idx == 0 and self.layout.sink_tokens:  # its sink rows, before the next piece reuses the open block
+                            self.keep_sink_rows(s)
+                        stored.append((s, int(batch.block_tables[b, idx]), idx, at))
+                    elif self.seal_with_kernels:
                         self.seal(s, int(batch.block_tables[b, idx]), idx)
                     else:  # the block's rows as they are now (the next piece reuses the open block): sealed below, together
                         filled.append((s, int(batch.block_tables[b, idx]), idx, k_tail[:, s, :, :bs].clone(), v_tail[:, s, :, :bs].clone()))
                     if not sealed or sealed[-1] != b:
                         sealed.append(b)
+        if stored:
+            self.store_sealed(stored, out.sealed)
         if filled:
             self.seal_rows(filled)
         return sealed
+
+    def keep_sink_rows(self, slot: int) -> None:
+        """Copy the first ``sink_tokens`` rows of ``slot``'s full open block -- its sequence's first block -- into the
+        slot's sink rows in every layer (what sealing a first block keeps in fp16, ``cache_layout.sealing``)."""
+        sink = self.layout.sink_tokens
+        for layer in range(self.num_layers):
+            lay = self.layout_of(layer)
+            for which in ("k", "v"):
+                tail = self.pool(layer, which).tail
+                lay.sink_rows(tail[slot]).copy_(tail[slot, :, :sink])
+
+    def store_sealed(self, stored: list[tuple[int, int, int, int]], seals: StepSeals) -> None:
+        """Store blocks the step sealed itself -- ``(slot, pool block, block index, place in seals)`` -- with the
+        step's codes (``StepSeals``): one copy per layer and K / V, no quantization."""
+        at = torch.tensor([a for _, _, _, a in stored])
+        for layer in range(self.num_layers):
+            targets = torch.tensor([self.seal_target(layer, s, blk, idx) for s, blk, idx, _ in stored])
+            for which in ("k", "v"):
+                pool, qt = self.pool(layer, which), seals.blocks[(layer, which)]
+                store_blocks(pool.data, pool.scale, pool.zero, targets, *(None if t is None else t.index_select(0, at)
+                                                                           for t in (qt.codes, qt.scale, qt.zero)))
 
     def seal_rows(self, filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
         """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trtkv.errors import TrtkvError
+from trtkv.quant import QuantizedTensor
 
 
 @dataclass
@@ -91,9 +92,28 @@ class StepBatch:
 
 
 @dataclass
+class StepSeals:
+    """The blocks a step across blocks sealed itself (the torch engine's CPU prefill quantizes them in the step for its
+    later queries): the pool stores these codes instead of quantizing the same rows a second time. Sequence ``b``
+    sealed its blocks ``first[b] ... first[b] + count[b] - 1``; each ``QuantizedTensor`` holds ``[B * per_seq]``
+    blocks, sequence-major (``b * per_seq + (block - first[b])``; padding past ``count[b]``)."""
+
+    first: list[int]
+    count: list[int]
+    per_seq: int
+    blocks: dict[tuple[int, str], QuantizedTensor]  # (layer, "k" / "v") -> the blocks as the seal stores them
+
+    def position(self, b: int, block_index: int) -> int | None:
+        """Where sequence ``b``'s block ``block_index`` is in ``blocks``, or None when the step did not seal it."""
+        j = block_index - self.first[b]
+        return b * self.per_seq + j if 0 <= j < self.count[b] else None
+
+
+@dataclass
 class StepOutput:
     """The step network's outputs."""
 
     logits: torch.Tensor  # [B, V] float32 at each sequence's last valid token ([B, T, V] for an all-logits build)
     new_k: torch.Tensor  # [L, B, T, H, D] float16: this step's K rows (after RoPE), model space
     new_v: torch.Tensor  # [L, B, T, H, D] float16
+    sealed: StepSeals | None = None  # blocks the engine sealed in the step (None: the pool seals every block it fills)

@@ -50,11 +50,11 @@ from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
 from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import CAPABILITIES, CPU_KERNELS, KERNEL_ATTENTION
-from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
+from trtkv.quant import QuantizedTensor, TensorParams, check_finite, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.lean import LeanDecoder
-from trtkv.runtime.step import StepBatch, StepOutput
+from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
 
 ATTN_NAME = "trtkv_paged"
 STEP_KWARG = "trtkv_step"  # the per-step context, passed through the model's **kwargs to the attention function
@@ -101,6 +101,7 @@ class _Step:
     in_step: int = 0
     in_step_rows: torch.Tensor | None = None  # [B, in_step * bs] column of [open_max + T] each in-step sealed row is
     in_step_first: torch.Tensor | None = None  # [B] bool: the step seals the sequence's first block (its sink rows apply)
+    in_step_codes: dict = dataclasses.field(default_factory=dict)  # (layer, which) -> those blocks' codes (``StepSeals``)
 
 
 def load_plan(m: EngineManifest, device: torch.device, dtype: str | None = None, *, kv_bytes: int = 0):
@@ -245,7 +246,17 @@ class TorchEngine(Engine):
         logits = self._head(hidden).float()
         if self._final_softcap:  # Gemma 2: the causal-LM head caps its logits (the decoder + head bypass its forward)
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
-        return StepOutput(logits, st.new_k, st.new_v)
+        return StepOutput(logits, st.new_k, st.new_v, self._seals(st))
+
+    @staticmethod
+    def _seals(st: _Step) -> StepSeals | None:
+        """The blocks the step sealed for its later queries, for the pool to store as they are (``StepSeals``)."""
+        if not st.in_step_codes:
+            return None
+        b, bs = st.batch, st.cache.block_size
+        first = b.context_lens // bs
+        count = ((b.context_lens + b.new_lens - 1) // bs - first).clamp(min=0)
+        return StepSeals(first.tolist(), count.tolist(), st.in_step, dict(st.in_step_codes))
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
 
@@ -695,7 +706,7 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     model_rows = _open_rows(st, layer, which, new_rows)
     rest = forward_transform(model_rows, fmt, params, head_axis=-3)
     if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
-        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params)], 2)
+        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params, new_rows.dtype)], 2)
     if not st.sealed_max:
         return rest.contiguous()
     S = st.sealed_max * st.cache.block_size
@@ -705,13 +716,16 @@ def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_r
     return out
 
 
-def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params) -> torch.Tensor:
-    """``[B, H, in_step * bs, D]``: the blocks a step across blocks seals, from its open blocks' and new rows ``model_rows``
-    [B, H, open_max + T, D] (fp16 values), quantized and dequantized exactly as ``PagedKVCache.seal`` will store them
-    (``cache_layout.sealing``: a first block without its sink rows), in the stored channel space."""
+def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, in_step * bs, D]`` in ``dtype``: the blocks a step across blocks seals, from its open blocks' and new
+    rows ``model_rows`` [B, H, open_max + T, D] (fp16 values; a bfloat16 model's are exact in fp16), quantized in
+    float32 as ``PagedKVCache.seal_rows`` quantizes them (``cache_layout.sealing``: a first block without its sink rows)
+    and dequantized, in the stored channel space. The codes go to the pool with the step's output (``StepSeals``):
+    the pool stores them instead of quantizing the rows again."""
     B, H, _, D = model_rows.shape
     n, bs = st.in_step, lay.block_size
-    rows = model_rows.gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))
+    rows = model_rows.float().gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))
     blocks = rows.view(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
     if lay.sink_tokens:
         firsts = blocks.view(B, n, H, bs, D)[:, 0]
@@ -720,9 +734,13 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
         blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
         blocks = blocks.view(B * n, H, bs, D)
     codec = st.cache.seal_codec(layer, which)  # the pool's own seal: the C kernel where it takes the format
-    qt = cpu_attention.seal(codec, forward_transform(blocks, fmt, params, head_axis=-3)) if codec is not None else \
-        quantize_block(blocks, fmt, params, head_axis=-3)
-    x = dequantize(qt, fmt, params, head_axis=-3, dtype=blocks.dtype, transforms=False)
+    if codec is not None:
+        check_finite(blocks, "K/V input")
+        qt = cpu_attention.seal(codec, forward_transform(blocks, fmt, params, head_axis=-3))
+    else:
+        qt = quantize_block(blocks, fmt, params, head_axis=-3)
+    st.in_step_codes[(layer, which)] = qt
+    x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 

@@ -1,0 +1,36 @@
+"""bench/prefill.py end to end at a tiny size: both pool writes of every format, each against the first format's."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtkv.plugins import cpu_attention as ca
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(ca.unavailable() is not None, reason="no C compiler for trtkv's CPU kernels")
+def test_the_prefill_bench_reports_stored_and_resealed_writes(tiny_models, tmp_path):
+    d, _ = tiny_models("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    formats = ["fp16", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=8,sink=2"]
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill.py"), "--model", str(d), "--tokens", "21", "--formats", *formats,
+                          "--block", "8", "--threads", "1", "--reps", "3", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [report] = tmp_path.glob("prefill-*.json")
+    data = json.loads(report.read_text())
+    assert list(data["results"]) == formats and data["tokens"] == 21
+    base = data["results"]["fp16"]["stored"]["rounds_ms"]
+    for modes in data["results"].values():
+        assert list(modes) == ["stored", "resealed"]
+        for x in modes.values():
+            assert len(x["rounds_ms"]) == 2 and x["step_ms"] > 0 and x["write_ms"] > 0
+            assert x["total_ms"] == pytest.approx(statistics.median(s + w for s, w in x["rounds_ms"]))
+            assert x["vs_first"] == pytest.approx(statistics.median((s + w) / (bs + bw) for (s, w), (bs, bw) in zip(x["rounds_ms"], base)))
+    assert data["results"]["fp16"]["stored"]["vs_first"] == 1.0
+    assert all(f"`{f}`" in report.with_suffix(".md").read_text() for f in formats)
