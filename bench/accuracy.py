@@ -117,6 +117,17 @@ ISSUE27_ROUND2 = [
     ("int2-prerope-qsm-ksout-vtnuq", f"k=int2:bchannel:sym:prerope:qsmooth:hadamard:out32,v=int2:token:asym:hadamard:nuq{S}",
      "keys before RoPE, query smoothing, symmetric scales + 32 outliers; values asymmetric per token through a codebook", {}),
 ]
+# screen 4 (round 3): the best int3 row's measures at block 128, where a channel's key scale and zero-point cost half
+# (0.25 bits): the saving buys 64 key outliers per block and head, or values in groups of 32 again (<= 3.5 pool bits)
+ISSUE27_ROUND3 = [
+    ("int3-b128-kout64-vnuq-layer", f"k={K3PQ}:out64,v={V3}:nuq,block=128,sink=4", "all four at block 128: 64 key outliers, values g32", {"codebook_per_head": False}),
+    ("int3-b128-kout32-vnuq-layer", f"k={K3PQ}:out32,v={V3}:nuq,block=128,sink=4", "all four at block 128: 32 key outliers, values g32 (3.44 bits)", {"codebook_per_head": False}),
+    ("int3-b128-kout32-vnuq", f"k={K3PQ}:out32,v={V3}:nuq,block=128,sink=4", "all four at block 128: 32 key outliers, values g32, a codebook per head", {}),
+    ("int2-b128-kout64-vnuq-layer", f"k={K2PQ}:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+     "all four at block 128: 64 key outliers, values symmetric per token (2.375 bits)", {"codebook_per_head": False}),
+    ("int2-b128-kout64-vtnuq-layer", f"k={K2PQ}:out64,v=int2:token:asym:hadamard:nuq,block=128,sink=4",
+     "all four at block 128: 64 key outliers, values asymmetric per token", {"codebook_per_head": False}),
+]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -175,7 +186,7 @@ ROWS: list[Row] = [
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
     # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
     # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
-    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2],
+    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -188,6 +199,8 @@ GROUPS = {
     "issue27": ["int4", "int3", "int2", *[name for name, *_ in ISSUE27_ROWS]],
     "issue27-combos": ["int3", "int2", *[name for name, *_ in ISSUE27_COMBOS]],
     "issue27-round2": ["int3", "int2", "int3-prerope-qsm-vnuq", "int2-prerope-qsm-kout-vnuq", *[name for name, *_ in ISSUE27_ROUND2]],
+    "issue27-round3": ["int3", "int3-prerope-qsm-kout-vnuq-layer", "int3-b128-kout64-vnuq-layer", "int3-b128-kout32-vnuq-layer"],
+    "issue27-round3b": ["int2-prerope-qsm-kout-vnuq-layer", "int3-b128-kout32-vnuq", "int2-b128-kout64-vnuq-layer", "int2-b128-kout64-vtnuq-layer"],
     "all": [r.name for r in ROWS],
 }
 

@@ -39,6 +39,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = DEFAULT_BUDGET_WINDOWS,
         budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
         budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",
+        codebooks: Annotated[str, typer.Option(help="nuq formats: fit the levels per KV head (head) or once per layer, heads pooled (layer)")] = "head",
         debug: DebugOpt = False,
     ) -> None:
         """Collect K/V statistics on calibration text and choose scales for each KV format (and, with --budget, per-layer bits)."""
@@ -66,6 +67,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             budget_name=budget_name,
             budget_margin=budget_margin,
             stream=stream,
+            codebooks=codebooks,
         )
         console.print(f"calibration written to [bold]{path}[/]")
 

@@ -19,6 +19,7 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import KVFormat, fit_formats, get_format
 
 DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
+CODEBOOK_SCOPES = ("head", "layer")  # a nuq format's levels: one table per KV head, or one per layer (heads pooled)
 
 
 def wants_params(fmt: KVFormat, method: str) -> bool:
@@ -143,6 +144,7 @@ def run_calibration(
     progress: bool = True,
     percentile: float = 99.9,
     smooth_alpha: float = 0.5,
+    codebooks: str = "head",
     reservoir: int = DEFAULT_RESERVOIR,
     loaded: Any = None,
     tokenizer: str | Path | None = None,
@@ -162,6 +164,7 @@ def run_calibration(
     windows, aiming ``budget_margin`` (a fraction) below the budget (calibration/budget.py), and saves it as format
     ``budget_name``. ``stream`` (auto | always | never): the layers are streamed from the checkpoint one at a time
     (trtkv.streaming; the same statistics) when the memory plan says the resident model does not fit, always, or never.
+    ``codebooks`` (head | layer): a ``nuq`` format's levels are fitted per KV head or once per layer (heads pooled).
 
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
@@ -178,6 +181,8 @@ def run_calibration(
     out_path = Path(out).expanduser()
     if out_path.exists() and not out_path.is_dir():
         raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact (an existing artifact directory is replaced)")
+    if codebooks not in CODEBOOK_SCOPES:
+        raise TrtkvError(f"unknown --codebooks {codebooks!r}", f"use one of: {', '.join(CODEBOOK_SCOPES)}")
     info = loaded.info if loaded is not None else model_info(model)
     fmts, notes = resolve_formats(formats, info.head_dim)
     want_budget = Budget.parse(budget, budget_margin) if budget is not None else None
@@ -207,7 +212,7 @@ def run_calibration(
     tokens_per_s = stats.count / stats.seconds if stats.seconds else 0.0
 
     t0 = time.perf_counter()
-    knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha)
+    knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha, codebook_per_head=codebooks == "head")
     console.print(f"{stats.count:,} tokens through the model in {stats.seconds:.1f} s; choosing scales ({method}, "
                   f"{stats.reservoir_size} sampled rows per layer)", highlight=False)
     params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False), **knobs)

@@ -578,7 +578,7 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_codebooks_and_outlie
     assert (teacher - grid).abs().max() > 5e-4  # the codebooks and outliers really change what is read
 
 
-# --------------------------------------------------------------------------- no engine path reads them yet (phase 2)
+# --------------------------------------------------------------------------- the paths that do not read them yet
 
 
 # (spec, the words a refusal names, the side that keeps it); and formats every path reads (no such refusal)
@@ -593,7 +593,8 @@ NEW_FEATURES = [
 READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
 
-READERS = {"codebooks (nuq)": {"cpu"}}  # the paths that read a feature (the C decode kernels read codebooks); others: none
+# the paths that read a feature (the torch ops read them all, the C decode kernels codebooks); others: none
+READERS = {"codebooks (nuq)": {"cpu", "torch"}, "outlier lists (outN)": {"torch"}, "keys before RoPE (prerope)": {"torch"}}
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -687,15 +688,22 @@ def test_the_cpu_c_kernels_refuse_each_new_feature(spec, words, side):
     cpu_attention.RowCodec.of(other, None, 3, 64, 64)
 
 
-@pytest.mark.parametrize("attention", ["torch", "cpu", "kernels"])
+@pytest.mark.parametrize("attention", ["torch", "cpu", "kernels", "auto"])
 def test_the_torch_engine_refuses_each_new_feature(tiny_model, attention):
+    """Each attention that does not read a feature refuses it in one line; ``auto`` on CPU takes the C kernels where they
+    read the format (codebooks) and the torch ops where only they do (outlier lists, keys before RoPE)."""
     from types import SimpleNamespace
 
+    from trtkv.plugins import cpu_attention
     from trtkv.runtime.torch_engine import TorchEngine
 
     _, model = tiny_model("llama")
     for spec, words, _ in NEW_FEATURES:
         m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=64))
+        if attention == "auto":
+            want = "cpu" if "cpu" in READERS.get(words, ()) and cpu_attention.unavailable() is None else "torch"
+            assert TorchEngine(model, m, attention="auto", device="cpu").attention == want, words
+            continue
         if attention in READERS.get(words, ()):
             assert TorchEngine(model, m, attention=attention, device="cpu").attention == attention
             continue
@@ -727,16 +735,77 @@ def test_the_step_network_and_build_engine_refuse_each_new_feature(spec, words, 
     assert any(words in r and "TensorRT-RTX" in r for r in backend_path("tensorrt-rtx").layout_reasons(get_format(spec)))
 
 
-def test_the_runtime_pool_refuses_codebooks_and_outliers():
+def test_the_runtime_pool_keeps_outlier_lists_and_seals_prerope_keys_only_with_the_models_rope():
+    """The runtime pool holds an outN format's outlier lists beside its codes (one stacked tensor per field, so a swap
+    or a copy of the cache moves them too); a prerope format's seal needs the model's RoPE table, which the torch
+    engine hands over: without it, one line naming the fix."""
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.runtime.kv_pool import PagedKVCache
+    from trtkv.runtime.step import StepBatch, StepOutput
 
     fmt = get_format("k=int3:bchannel:asym:hadamard:nuq:out4,v=int3:g32:sym:hadamard,block=16")
-    with pytest.raises(TrtkvError, match="does not read yet"):
-        PagedKVCache(PagedKVLayout(fmt, 2, 32, 16, 4, 1), 2)
-    # codebooks alone: the C decode kernels read them, so a pool of them is made (cache_reasons asks every engine path)
-    nuq = get_format("k=int3:bchannel:asym:hadamard:nuq,v=int3:g32:sym:hadamard,block=16")
-    assert PagedKVCache(PagedKVLayout(nuq, 2, 32, 16, 4, 1), 2).layout.fmt == nuq
+    cache = PagedKVCache(PagedKVLayout(fmt, 2, 32, 16, 5, 1), 3)
+    assert cache.tensors["k_outlier_index"].shape == (3, 5, 2, 4) and cache.tensors["k_outlier_index"].dtype == torch.int16
+    assert cache.tensors["k_outlier_value"].shape == (3, 5, 2, 4) and "v_outlier_index" not in cache.tensors
+    assert cache.pool(1, "k").outlier_index.data_ptr() == cache.tensors["k_outlier_index"][1].data_ptr()
+    assert cache.pool(1, "v").outlier_index is None
+    pre = get_format("k=int3:bchannel:asym:prerope:hadamard,v=int3:g32:sym:hadamard,block=4")
+    cache = PagedKVCache(PagedKVLayout(pre, 2, 32, 4, 5, 1), 1)
+    rows = torch.randn(1, 1, 4, 2, 32, dtype=torch.float16)
+    with pytest.raises(TrtkvError, match="RoPE table") as e:
+        cache.write_new_rows(StepBatch.make([[1, 2, 3, 4]], [0], [[3]], [0]), StepOutput(None, rows, rows))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("spec", [
+    "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g8:sym:hadamard:nuq,block=4,sink=1",
+    "k=int2:bchannel:asym:prerope:hadamard:out3,v=int2:token:sym:hadamard:nuq:out2,block=4",
+    "k=int4:bchannel:asym:nuq,v=int4:g8:sym:out3,block=4,sink=1",
+])
+def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, spec):
+    """Codebooks, outlier lists and keys stored before RoPE through the torch engine's torch ops (block-aligned
+    prefill chunks, then decodes; the runtime pool seals with the reference quantizer: RoPE undone with the table the
+    engine handed it, outlier lists stored) give the eval cache's teacher-forced logits for the same tokens."""
+    from trtkv.artifacts import LayerParams
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.evaluate import model_logits
+    from trtkv.formats import fit_formats
+    from trtkv.models import load_model, model_info
+    from trtkv.runtime.kv_pool import PagedKVCache
+    from trtkv.runtime.torch_engine import TorchEngine
+    from trtkv.runtime.verify import StaticBatch
+
+    d, _ = tiny_models("llama", num_hidden_layers=2)
+    info = model_info(str(d))
+    model = load_model(str(d), device="cpu", dtype="float32").model
+    [fmt], _ = fit_formats([spec], info.head_dim)
+    g = torch.Generator().manual_seed(37)
+    heads, hd = info.num_kv_heads, info.head_dim
+
+    def tensor(tf):
+        book = torch.sort(torch.randn(heads, tf.codebook_levels, generator=g) * 1.5, -1).values
+        return TensorParams(smooth=torch.rand(heads, hd, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
+
+    params = [LayerParams(k=tensor(fmt.k), v=tensor(fmt.v)) for _ in range(info.num_layers)]
+    prompts = [list(range(3, 22)), list(range(40, 53))]
+    cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, 4, 40, 2), info.num_layers, params)
+    engine = TorchEngine(model, attention="torch", device="cpu")
+    sb = StaticBatch(cache, len(prompts))
+    steps = [sb.prefill(engine, prompts)]
+    for _ in range(7):
+        nxt = steps[-1].argmax(-1)
+        steps.append(sb.step(engine, {i: [int(nxt[i])] for i in range(len(prompts))}))
+    got = torch.stack(steps, 1)
+    if fmt.k.outliers:  # the seals stored outlier lists
+        assert cache.tensors["k_outlier_value"].abs().sum() > 0
+    ids = torch.tensor([p + got[i, :-1].argmax(-1).tolist() + [0] * (len(prompts[0]) - len(p)) for i, p in enumerate(prompts)])
+    with torch.inference_mode():
+        want = model_logits(model, ids, fmt, params)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(got[i], want[i, len(p) - 1 : len(p) + 7], rtol=0, atol=5e-4)
+    with torch.inference_mode():
+        grid = model_logits(model, ids, get_format("fp16"))
+    assert max((got[i] - grid[i, len(p) - 1 : len(p) + 7]).abs().max() for i, p in enumerate(prompts)) > 5e-3  # really quantized
 
 
 # --------------------------------------------------------------------------- query-aware smoothing (qsmooth)
@@ -893,3 +962,26 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_prerope_keys(tiny_mo
         post = model_logits(model, ids, get_format("k=int3:bchannel:asym:qsmooth:hadamard:out2,v=int3:g8:sym:hadamard,block=4,sink=1"), params)
     torch.testing.assert_close(steps, teacher, rtol=0, atol=1e-4)
     assert (teacher - post).abs().max() > 5e-4  # quantizing before RoPE really is another cache
+
+
+def test_calibrate_fits_codebooks_per_head_or_once_per_layer(tiny_models, tmp_path):
+    """``trtkv calibrate --codebooks layer`` fits one table per layer (every head's row the same), ``head`` (the
+    default) one per KV head; another word is a one-line error before the model is read."""
+    from trtkv.artifacts import load_calibration
+    from trtkv.calibration.run import run_calibration
+
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       num_hidden_layers=2)
+    spec = "k=int3:bchannel:asym:hadamard,v=int3:g8:sym:hadamard:nuq,block=8"
+    books = {}
+    for scope in ("head", "layer"):
+        art = run_calibration(str(d), "builtin:pydoc", tmp_path / scope, formats=[spec], samples=2, seq_len=64, device="cpu",
+                              dtype="float32", progress=False, codebooks=scope)
+        [params] = load_calibration(art).params.values()
+        books[scope] = torch.stack([p.v.codebook for p in params])  # [L, H, levels]
+    assert books["head"].shape == books["layer"].shape == (2, 2, 8)
+    assert torch.equal(books["layer"][:, 0], books["layer"][:, 1])
+    assert not torch.equal(books["head"][:, 0], books["head"][:, 1])
+    with pytest.raises(TrtkvError, match="--codebooks") as e:
+        run_calibration("no-such-model", "builtin:pydoc", tmp_path / "bad", formats=[spec], codebooks="channel", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()

@@ -34,7 +34,8 @@ def model(small_llama):
 
 
 def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256, **config) -> LLMEngine:
-    """An LLMEngine over the torch reference engine; static formats get a fixed scale, smoothing formats unit factors."""
+    """An LLMEngine over the torch reference engine; static formats get a fixed scale, smoothing formats unit factors,
+    codebook formats their dtype's uniform levels."""
     from trtkv.artifacts import LayerParams
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.quant import TensorParams
@@ -52,7 +53,8 @@ def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, 
     )
 
     def params(t):
-        return TensorParams(scale=None if t.is_dynamic else torch.tensor(0.05), smooth=torch.ones(H, D))
+        levels = (torch.arange(t.codebook_levels) - t.codebook_levels // 2).float().expand(H, -1).clone() if t.codebook else None
+        return TensorParams(scale=None if t.is_dynamic else torch.tensor(0.05), smooth=torch.ones(H, D), codebook=levels)
 
     layout = PagedKVLayout(fmt, H, D, BS, num_blocks, num_slots)
     cache = PagedKVCache(layout, cfg.num_hidden_layers, [LayerParams(params(fmt.k), params(fmt.v)) for _ in range(cfg.num_hidden_layers)])

@@ -293,7 +293,7 @@ def seal_blocks(
     tf = layout.tensor_format(which)
     cs = None
     if tf.pre_rope and rope is not None and first_positions is not None:
-        cs = _block_rope(rope, first_positions, layout.block_size)
+        cs = block_rope(rope, first_positions, layout.block_size)
     qt = quantize_block(rows, tf, params, head_axis=-3, rope=cs)
     store_blocks(pool.data, pool.scale, pool.zero, blocks, qt.codes, qt.scale, qt.zero)
     if qt.outlier_index is not None:
@@ -303,7 +303,7 @@ def seal_blocks(
         pool.outlier_index[b], pool.outlier_value[b] = qt.outlier_index, qt.outlier_value
 
 
-def _block_rope(rope: "RopeTable", first_positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_rope(rope: "RopeTable", first_positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` [n, 1, block_size, D] of blocks whose first tokens sit at ``first_positions`` [n]."""
     pos = first_positions.long().reshape(-1, 1) + torch.arange(block_size, device=first_positions.device)
     cos, sin = rope.cos_sin(pos.flatten())
@@ -422,7 +422,7 @@ def gather_paged(
             outlier_value=None if pool.outlier_value is None else pool.outlier_value[b],
         )
         tf = layout.tensor_format(which)
-        cs = _block_rope(rope, torch.arange(sealed) * bs, bs) if tf.pre_rope and rope is not None else None
+        cs = block_rope(rope, torch.arange(sealed) * bs, bs) if tf.pre_rope and rope is not None else None
         x = dequantize(qt, tf, params, head_axis=-3, rope=cs)  # [sealed, H, bs, D]
         x = x.permute(0, 2, 1, 3).reshape(sealed * bs, layout.num_kv_heads, layout.head_dim)
         if sink:

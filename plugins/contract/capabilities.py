@@ -67,7 +67,7 @@ class ExecutionPath:
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
     # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
-    # (eval and the reference paged cache read all of them; of the engines, the CPU kernels read codebooks)
+    # (eval and the reference paged cache read all of them; of the engines, the torch ops read all, the CPU kernels codebooks)
     codebooks: bool = False
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
@@ -87,10 +87,10 @@ class ExecutionPath:
                            "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
         lacks = list(dict.fromkeys(what for f in fmt.layer_formats() for t in (f.k, f.v) for what in self.lacks(t)))
         if lacks:
-            # a torch-engine path that reads all of it (the C kernels read codebooks) is the first way out
+            # the torch-engine paths that read all of it are the first way out
             readers = [p.title for name in TORCH_ENGINE_PATHS if (p := CAPABILITIES[name]) is not self and
                        not any(p.lacks(t) for f in fmt.layer_formats() for t in (f.k, f.v))]
-            hint = f"build it with --backend torch, where the {readers[0]} read it; or {LACKS_HINT}" if readers else LACKS_HINT
+            hint = f"build it with --backend torch, which reads it ({' / '.join(readers)}); or {LACKS_HINT}" if readers else LACKS_HINT
             return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet", hint, "layout")]
         return []
 
@@ -182,7 +182,10 @@ ONNX_PLUGIN = ExecutionPath("plugin", "ONNX step network, plugin attention (trtk
                             softcap=False, attention_op=True, block_sizes=KERNEL_BLOCK_SIZES, head_dims=KERNEL_HEAD_DIMS)
 TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attention only, no plugins)", step_network=True,
                              block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
-TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True)
+# the torch ops dequantize such sealed rows whole (codebook levels, outlier lists written back, RoPE applied to keys
+# stored before it) where they fold the others' scales into the query
+TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True, codebooks=True, outliers=True,
+                          pre_rope=True)
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
 # trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, and a nuq
 # format's codes through the layer's codebook

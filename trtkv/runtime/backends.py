@@ -142,6 +142,10 @@ class TorchReferenceEngine(Engine):
         B, T = batch.input_ids.shape
         H, D = lay.num_kv_heads, lay.head_dim
         dtype = next(self.model.parameters()).dtype
+        if cache.rope is None and any(f.k.pre_rope for f in lay.fmt.layer_formats()):  # keys stored before RoPE
+            from trtkv.rope import RopeTable
+
+            cache.rope = RopeTable.of(self.model)  # read back here and sealed by the pool with the model's own table
         logits = torch.zeros(B, self.model.config.vocab_size)
         new_k = torch.zeros(L, B, T, H, D, dtype=torch.float16)
         new_v = torch.zeros_like(new_k)
@@ -151,7 +155,8 @@ class TorchReferenceEngine(Engine):
             if c:
                 for layer in range(L):
                     kv = [
-                        gather_paged(cache.layout_of(layer), w, cache.pool(layer, w), batch.block_tables[b], c, getattr(cache.params[layer], w), slot=slot)
+                        gather_paged(cache.layout_of(layer), w, cache.pool(layer, w), batch.block_tables[b], c, getattr(cache.params[layer], w), slot=slot,
+                                     rope=cache.rope)
                         for w in ("k", "v")
                     ]
                     dc.update(kv[0].transpose(0, 1)[None].to(dtype), kv[1].transpose(0, 1)[None].to(dtype), layer)

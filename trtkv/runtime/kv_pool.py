@@ -26,16 +26,17 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_open_block, sealing, store_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_blocks, seal_open_block, sealing, store_blocks
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins import cpu_attention
 from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
-from trtkv.quant import check_finite, forward_transform, quantize_block
+from trtkv.quant import check_finite, forward_transform
+from trtkv.rope import RopeTable
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
 
-POOL_TENSORS = ("k_data", "k_scale", "k_zero", "k_tail", "v_data", "v_scale", "v_zero", "v_tail")
+POOL_FIELDS = ("data", "scale", "zero", "outlier_index", "outlier_value")  # a pool's tensors addressed by block (``KVPool``)
 RING = "@ring"  # suffix of the sliding layers' pool tensors in a cache with a WindowRing
 
 
@@ -86,6 +87,9 @@ class PagedKVCache:
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
         self._seal_codecs: dict[tuple[int, str], object] = {}
+        # the model's RoPE table, for keys stored before RoPE (``prerope``): the torch engine hands it over at its first
+        # step over this cache (the pool has no model of its own)
+        self.rope: RopeTable | None = None
         # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
         # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
         self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
@@ -96,7 +100,7 @@ class PagedKVCache:
                 if suffix.endswith(RING):
                     lay = dataclasses.replace(lay, num_blocks=layout.num_slots * ring.ring_blocks)
                 pool = lay.allocate(which, device, layers=len(layers), tail=False)
-                for field in ("data", "scale", "zero"):
+                for field in POOL_FIELDS:
                     if getattr(pool, field) is not None:
                         self.tensors[f"{which}_{field}{suffix}"] = getattr(pool, field)
 
@@ -139,7 +143,7 @@ class PagedKVCache:
         suffix, j = self._where[layer]
         get = lambda f: self.tensors.get(f"{which}_{f}{suffix}")
         sel = lambda t: None if t is None else t[j]
-        return KVPool(data=sel(get("data")), scale=sel(get("scale")), zero=sel(get("zero")), tail=self.tensors[f"{which}_tail"][layer])
+        return KVPool(**{f: sel(get(f)) for f in POOL_FIELDS}, tail=self.tensors[f"{which}_tail"][layer])
 
     def slot_index(self, name: str, slot: int) -> slice | None:
         """The entries of cache tensor ``name`` (second axis) that sequence slot ``slot`` owns: its open block, its ring
@@ -223,6 +227,8 @@ class PagedKVCache:
                 pool, qt = self.pool(layer, which), seals.blocks[(layer, which)]
                 store_blocks(pool.data, pool.scale, pool.zero, targets, *(None if t is None else t.index_select(0, at)
                                                                            for t in (qt.codes, qt.scale, qt.zero)))
+                if qt.outlier_index is not None:
+                    pool.outlier_index[targets], pool.outlier_value[targets] = qt.outlier_index[at], qt.outlier_value[at]
 
     def seal_rows(self, filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
         """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows
@@ -251,9 +257,19 @@ class PagedKVCache:
                 if codec is not None:  # trtkv's C seal: the reference quantizer's bytes, one call
                     check_finite(rows, "K/V input")
                     qt = cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
-                else:
-                    qt = quantize_block(rows, tf, params, head_axis=-3)
-                store_blocks(pool.data, pool.scale, pool.zero, targets, qt.codes, qt.scale, qt.zero)
+                    store_blocks(pool.data, pool.scale, pool.zero, targets, qt.codes, qt.scale, qt.zero)
+                else:  # the reference seal: keys stored before RoPE unrotated at their positions, outlier lists kept
+                    first = torch.tensor([idx * self.block_size for _, _, idx, _, _ in filled])
+                    seal_blocks(lay, which, pool, rows, targets, params, first, self.rope_for(tf))
+
+    def rope_for(self, tf) -> RopeTable | None:
+        """The RoPE table a seal of tensor format ``tf`` needs (None: not ``prerope``); refused when not handed over."""
+        if not tf.pre_rope:
+            return None
+        if self.rope is None:
+            raise TrtkvError(f"keys stored before RoPE ({tf.short()}) are sealed with the model's RoPE table, which this cache was not given",
+                             "step the cache with the torch engine, or set PagedKVCache.rope = trtkv.rope.RopeTable.of(model)")
+        return self.rope
 
     def seal_codec(self, layer: int, which: str):
         """The C seal of ``layer``'s K or V on a CPU pool (``cpu_attention.SealCodec``; made once), or None where the
@@ -278,8 +294,9 @@ class PagedKVCache:
         for layer in range(self.num_layers):
             target = self.seal_target(layer, slot, block, block_index)
             for which in ("k", "v"):
-                pool = self.pool(layer, which)
-                seal_open_block(self.layout_of(layer), which, pool, slot, target, block_index, getattr(self.params[layer], which))
+                pool, lay = self.pool(layer, which), self.layout_of(layer)
+                seal_open_block(lay, which, pool, slot, target, block_index, getattr(self.params[layer], which),
+                                self.rope_for(lay.tensor_format(which)))
 
     def seal_target(self, layer: int, slot: int, block: int, block_index: int) -> int:
         """The block of ``layer``'s pool that a seal of pool block ``block`` (the sequence's ``block_index``) writes."""

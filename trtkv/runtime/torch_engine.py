@@ -44,13 +44,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trtkv.cache_layout import PagedKVLayout, sealing
+from trtkv.cache_layout import PagedKVLayout, block_rope, sealing
 from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
 from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import CAPABILITIES, CPU_KERNELS, KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, check_finite, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
+from trtkv.rope import RopeTable
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.lean import LeanDecoder
@@ -160,6 +161,7 @@ class TorchEngine(Engine):
         self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
         self._checked: PagedKVCache | None = None  # the last cache whose format this engine's attention was asked about
+        self._rope: RopeTable | None = None
         # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
         # ``cuda_graphs=True`` runs the same padded fixed-shape steps eagerly)
         self.cuda_graphs = (self.device.type == "cuda" and self.attention == "kernels") if cuda_graphs is None else cuda_graphs
@@ -198,6 +200,13 @@ class TorchEngine(Engine):
                 return self._graph_decode(batch, cache)
             return self._step(batch, cache)
 
+    @property
+    def rope(self) -> RopeTable:
+        """The model's RoPE table (``trtkv.rope``), for keys stored before RoPE (made once)."""
+        if self._rope is None:
+            self._rope = RopeTable.of(self.model)
+        return self._rope
+
     @contextmanager
     def _paged_attention(self):
         """The model's attention is trtkv's for the step only: the model stays usable by its owner between steps."""
@@ -214,6 +223,8 @@ class TorchEngine(Engine):
         if self._checked is not cache:  # the capability table, for a cache this engine was not built with
             for r in CAPABILITIES[self.attention].layout_reasons(cache.layout.fmt):
                 raise TrtkvError(r, r.hint)
+            if cache.rope is None and any(f.k.pre_rope for f in cache.layout.fmt.layer_formats()):
+                cache.rope = self.rope  # the pool's seal undoes the model's RoPE on keys stored before it
             self._checked = cache
         dev = self.device
         batch = StepBatch(*(t.to(dev) for t in (batch.input_ids, batch.context_lens, batch.new_lens, batch.block_tables, batch.slot_ids)))
@@ -469,7 +480,8 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
     * sealed ``[B, sealed_max, H, block_size, D]`` (block-major as in the pool; None when no sequence has a sealed block): dequantized but left
       in the format's **stored channel space** (smoothed / rotated: ``dequantize(..., transforms=False)``), the
       caller folds the transforms into the query and the output instead of undoing them on every row; positions
-      ``< sink`` from the sink rows (moved into stored space);
+      ``< sink`` from the sink rows (moved into stored space). Keys stored before RoPE (``prerope``, ``unfolded``)
+      come back in model space instead: transforms undone and RoPE applied at each row's position;
     * the rest ``[B, H, open_max + T, D]`` in model space: the open block, then this step's rows ``new_rows``.
 
     Context rows that do not exist are zero (``st.kv_valid`` says which exist)."""
@@ -484,10 +496,15 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
     sealed = None
     if st.sealed_max:
         nb = st.sealed_max
-        x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=False)  # [B * nb, H, bs, D]
+        rope = None
+        if fmt.pre_rope:  # keys stored before RoPE: back in model space, rotated at their positions (no fold)
+            first = st.first_pos[:, None] + torch.arange(nb, device=st.first_pos.device)[None, :] * bs
+            rope = block_rope(st.engine.rope, first.reshape(-1), bs)
+        x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
-            rows = forward_transform(lay.sink_rows(pool.tail)[b.slot_ids].to(dtype), fmt, params, head_axis=-3)
+            rows = lay.sink_rows(pool.tail)[b.slot_ids].to(dtype)
+            rows = rows if fmt.pre_rope else forward_transform(rows, fmt, params, head_axis=-3)
             sealed[:, 0, :, :sink] = _where_sink(st, rows, sealed[:, 0, :, :sink])
         if not st.sealed_all_valid:  # other owners' blocks may hold NaN
             sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
@@ -507,7 +524,8 @@ def sealed_blocks(st: _Step, pool) -> QuantizedTensor:
     """The batch's first ``sealed_max`` blocks of ``pool``, gathered [B * sealed_max, ...] (``index_select``: the
     advanced-index gather is 10-30x slower on CPU). Table entries < 0 read block 0; callers mask them."""
     flat = st.batch.block_tables[:, : st.sealed_max].clamp(min=0).reshape(-1)
-    return QuantizedTensor(*(None if t is None else t.index_select(0, flat) for t in (pool.data, pool.scale, pool.zero)))
+    return QuantizedTensor(*(None if t is None else t.index_select(0, flat)
+                             for t in (pool.data, pool.scale, pool.zero, pool.outlier_index, pool.outlier_value)))
 
 
 def _where_sink(st: _Step, from_sink: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
@@ -521,7 +539,13 @@ def _where_sink(st: _Step, from_sink: torch.Tensor, gathered: torch.Tensor) -> t
 def folds_key_scales(fmt) -> bool:
     """Keys whose integer codes have one scale (+ zero) per channel per sealed block: attention folds the scales
     into the query (``(q * s) . c + q . z``) instead of dequantizing every key (the int4 / int8 presets)."""
-    return fmt.is_quantized and fmt.is_block_wise and fmt.traits.is_int and len(fmt.traits.planes) <= 1
+    return fmt.is_quantized and fmt.is_block_wise and fmt.traits.is_int and len(fmt.traits.planes) <= 1 and not unfolded(fmt)
+
+
+def unfolded(fmt) -> bool:
+    """A format whose sealed rows are dequantized whole (``context_kv``), not folded into the query or probabilities:
+    codes through a codebook, outlier lists written over the codes, keys stored before RoPE."""
+    return bool(fmt.codebook or fmt.outliers or fmt.pre_rope)
 
 
 def _shift(fmt, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor | None:
@@ -565,7 +589,8 @@ def _folded_key_scores(st: _Step, layer: int, qs: torch.Tensor) -> torch.Tensor:
 def folds_value_scales(fmt) -> bool:
     """Values whose integer codes have a scale (+ zero) per token (group): attention folds the scales into the
     probabilities (``sum_t p_t s_t c_t``) instead of dequantizing every value (the int4 / int8 presets)."""
-    return fmt.is_quantized and fmt.traits.is_int and not fmt.is_static and not fmt.is_block_wise and len(fmt.traits.planes) <= 1
+    return (fmt.is_quantized and fmt.traits.is_int and not fmt.is_static and not fmt.is_block_wise and len(fmt.traits.planes) <= 1
+            and not unfolded(fmt))
 
 
 def _folded_value_output(st: _Step, layer: int, ps: torch.Tensor, params: TensorParams) -> torch.Tensor:
@@ -645,7 +670,7 @@ def _torch_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window:
             sealed[:, 0, :, :, : lay.sink_tokens] = _where_sink(st, qg @ sink.transpose(-1, -2), sealed[:, 0, :, :, : lay.sink_tokens])
     else:
         ks, kr = context_kv(st, layer, "k", k16)
-        sealed = None if ks is None else _fold_query(qg, kfmt, kp)[:, None] @ ks.transpose(-1, -2)
+        sealed = None if ks is None else (qg if kfmt.pre_rope else _fold_query(qg, kfmt, kp))[:, None] @ ks.transpose(-1, -2)
     vfmt = lay.tensor_format("v")
     fold_v = bool(st.sealed_max) and folds_value_scales(vfmt)
     vs, vr = (None, _open_rows(st, layer, "v", v16)) if fold_v else context_kv(st, layer, "v", v16)
