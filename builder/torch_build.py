@@ -59,7 +59,7 @@ def smoke_step(loaded, layout1, params) -> None:
     configs = {id(c): c for c in (loaded.model.config, loaded.model.config.get_text_config(decoder=True))}.values()
     before = [c._attn_implementation for c in configs]
     try:  # the engine takes over the model's attention; give it back to the caller afterwards
-        out = TorchEngine(loaded.model).step(StepBatch.make([[1, 2]], [bs], [[0, 1]], [0]), cache)
+        out = TorchEngine(loaded.model, kv_format=layout1.fmt).step(StepBatch.make([[1, 2]], [bs], [[0, 1]], [0]), cache)
     finally:
         for c, impl in zip(configs, before):
             c._attn_implementation = impl

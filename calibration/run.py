@@ -274,14 +274,11 @@ def run_calibration(
     path = save_calibration(out, recipe, params, stats.to_tensors(), files)
 
     console.print(f"{stats.count:,} tokens in {stats.seconds:.1f} s ({tokens_per_s:,.0f} tokens/s); scale search {search_s:.1f} s")
+    mean = lambda xs: f"{sum(xs) / len(xs):.3g}" if xs else "n/a"  # none: keys before RoPE (no positions in the reservoir)
     for name, err in errors.items():
-        k = sum(err["k"]) / max(len(err["k"]), 1)
-        v = sum(err["v"]) / max(len(err["v"]), 1)
-        line = f"  {name:<14} K MSE {k:.3g}  V MSE {v:.3g}"
+        line = f"  {name:<14} K MSE {mean(err['k'])}  V MSE {mean(err['v'])}"
         if "k_max" in err:
-            kb = sum(err["k_max"]) / max(len(err["k_max"]), 1)
-            vb = sum(err["v_max"]) / max(len(err["v_max"]), 1)
-            line += f"  (max calibration: {kb:.3g} / {vb:.3g})"
+            line += f"  (max calibration: {mean(err['k_max'])} / {mean(err['v_max'])})"
         console.print(line)
     skipped = [f.name for f in fmts if f.name not in params]
     if skipped:

@@ -964,19 +964,22 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_prerope_keys(tiny_mo
     assert (teacher - post).abs().max() > 5e-4  # quantizing before RoPE really is another cache
 
 
-def test_calibrate_fits_codebooks_per_head_or_once_per_layer(tiny_models, tmp_path):
+def test_calibrate_fits_codebooks_per_head_or_once_per_layer(tiny_models, tmp_path, capsys):
     """``trtkv calibrate --codebooks layer`` fits one table per layer (every head's row the same), ``head`` (the
-    default) one per KV head; another word is a one-line error before the model is read."""
+    default) one per KV head; another word is a one-line error before the model is read. Keys before RoPE have no
+    reservoir error to report: the summary says n/a, not 0."""
     from trtkv.artifacts import load_calibration
     from trtkv.calibration.run import run_calibration
 
     d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                        num_hidden_layers=2)
-    spec = "k=int3:bchannel:asym:hadamard,v=int3:g8:sym:hadamard:nuq,block=8"
+    spec = "k=int3:bchannel:asym:prerope:hadamard,v=int3:g8:sym:hadamard:nuq,block=8"
     books = {}
     for scope in ("head", "layer"):
         art = run_calibration(str(d), "builtin:pydoc", tmp_path / scope, formats=[spec], samples=2, seq_len=64, device="cpu",
-                              dtype="float32", progress=False, codebooks=scope)
+                              dtype="float32", progress=True, codebooks=scope)
+        err = capsys.readouterr().err
+        assert "K MSE n/a" in err and "V MSE n/a" not in err
         [params] = load_calibration(art).params.values()
         books[scope] = torch.stack([p.v.codebook for p in params])  # [L, H, levels]
     assert books["head"].shape == books["layer"].shape == (2, 2, 8)
@@ -985,3 +988,25 @@ def test_calibrate_fits_codebooks_per_head_or_once_per_layer(tiny_models, tmp_pa
     with pytest.raises(TrtkvError, match="--codebooks") as e:
         run_calibration("no-such-model", "builtin:pydoc", tmp_path / "bad", formats=[spec], codebooks="channel", progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
+
+
+def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_torch_ops(tiny_models, tmp_path):
+    """build-engine --backend torch for a format only the torch ops read: the build's smoke step and the built engine's
+    ``auto`` attention take the torch ops (not the C kernels, which refuse it), and the engine steps."""
+    from trtkv.builder.build import build_engine
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.models import load_model
+    from trtkv.runtime.backends import open_engine
+    from trtkv.runtime.kv_pool import PagedKVCache
+    from trtkv.runtime.step import StepBatch
+
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    spec = "k=int3:bchannel:asym:prerope:hadamard:out4,v=int3:g8:sym:hadamard,block=8,sink=1"
+    out = build_engine(str(d), kv=spec, out=tmp_path / "engine", backend="torch", max_batch=2, max_seq_len=64,
+                       loaded=load_model(str(d), device="cpu", dtype="float32"))
+    engine = open_engine(out)
+    assert engine.attention == "torch"
+    m = engine.manifest
+    cache = PagedKVCache(PagedKVLayout(m.kv_format, m.model.num_kv_heads, m.model.head_dim, 8, 4, 1), m.model.num_layers)
+    logits = engine.step(StepBatch.make([list(range(3, 11))], [0], [[2, 0]], [0]), cache).logits
+    assert logits.shape[0] == 1 and torch.isfinite(logits).all() and cache.rope is not None

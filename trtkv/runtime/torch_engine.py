@@ -127,7 +127,7 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model, manifest: EngineManifest | None = None, *, attention: str = "auto", device=None,
-                 cuda_graphs: bool | None = None, lean: bool = True):
+                 cuda_graphs: bool | None = None, lean: bool = True, kv_format=None):
         if attention not in ATTENTION_MODES:
             raise TrtkvError(f"unknown torch-engine attention {attention!r}", f"use one of {', '.join(ATTENTION_MODES)}")
         self.model = model.eval()
@@ -137,8 +137,9 @@ class TorchEngine(Engine):
             # on CPU trtkv's C kernels when this machine compiles them
             if self.device.type == "cuda":
                 attention = "torch" if kernels_lack(model.config, manifest) else "kernels"
-            else:
-                attention = "torch" if cpu_attention.unavailable() or cpu_kernels_lack(manifest) else "cpu"
+            else:  # (without a manifest, ``kv_format``: the format of the caches it will step, when the caller knows it)
+                lacks = cpu_kernels_lack(manifest) or (kv_format is not None and CPU_KERNELS.layout_reasons(kv_format))
+                attention = "torch" if cpu_attention.unavailable() or lacks else "cpu"
         if attention == "cpu":
             if self.device.type != "cpu":
                 raise TrtkvError(f"--attention cpu runs on the CPU, not on {self.device}", "use --attention kernels or torch on a GPU")
