@@ -93,7 +93,7 @@ ISSUE27_COMBOS = [
     ("int3-qsm-kout-vnuq", f"k={K3Q}:out32,v=int3:g64:sym:hadamard:nuq{S}", "query smoothing + 32 key outliers + value codebooks (V g64)", {}),
     ("int3-prerope-qsm", f"k={K3PQ},v={V3}{S}", "keys before RoPE, query-aware smoothing, rotated", {}),
     ("int3-prerope-vnuq", f"k={K3P},v={V3}:nuq{S}", "keys before RoPE + value codebooks", {}),
-    ("int3-prerope-qsm-vnuq", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks (the int3-nuq preset)", {}),
+    ("int3-prerope-qsm-vnuq", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks (the int3-nuq preset until round 3)", {}),
     ("int3-prerope-kout-vnuq", f"k={K3P}:out32,v=int3:g64:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
     ("int3-prerope-qsm-kout-vnuq", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four", {}),
     ("int2-qsm-vnuq", f"k={K2Q},v={V2}:nuq{S}", "query-aware smoothing + value codebooks", {}),
@@ -102,7 +102,7 @@ ISSUE27_COMBOS = [
     ("int2-prerope-vnuq", f"k={K2P},v={V2}:nuq{S}", "keys before RoPE + value codebooks", {}),
     ("int2-prerope-qsm-vnuq", f"k={K2PQ},v={V2}:nuq{S}", "keys before RoPE, query smoothing + value codebooks", {}),
     ("int2-prerope-kout-vnuq", f"k={K2P}:out32,v=int2:token:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
-    ("int2-prerope-qsm-kout-vnuq", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four (the int2-nuq preset)", {}),
+    ("int2-prerope-qsm-kout-vnuq", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four (the int2-nuq preset until round 3)", {}),
 ]
 # screen 3 (round 2): around the best int3 row (pre-RoPE keys, query smoothing, value codebooks): one codebook per layer
 # instead of per head (the per-layer table beat per-head ones in screen 1), values asymmetric per token through the
@@ -127,6 +127,8 @@ ISSUE27_ROUND3 = [
      "all four at block 128: 64 key outliers, values symmetric per token (2.375 bits)", {"codebook_per_head": False}),
     ("int2-b128-kout64-vtnuq-layer", f"k={K2PQ}:out64,v=int2:token:asym:hadamard:nuq,block=128,sink=4",
      "all four at block 128: 64 key outliers, values asymmetric per token", {"codebook_per_head": False}),
+    ("int2-b128-kout64-vnuq", f"k={K2PQ}:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+     "all four at block 128: 64 key outliers, values symmetric per token, a codebook per head", {}),
 ]
 ROWS: list[Row] = [
     # presets
@@ -201,6 +203,7 @@ GROUPS = {
     "issue27-round2": ["int3", "int2", "int3-prerope-qsm-vnuq", "int2-prerope-qsm-kout-vnuq", *[name for name, *_ in ISSUE27_ROUND2]],
     "issue27-round3": ["int3", "int3-prerope-qsm-kout-vnuq-layer", "int3-b128-kout64-vnuq-layer", "int3-b128-kout32-vnuq-layer"],
     "issue27-round3b": ["int2-prerope-qsm-kout-vnuq-layer", "int3-b128-kout32-vnuq", "int2-b128-kout64-vnuq-layer", "int2-b128-kout64-vtnuq-layer"],
+    "issue27-round3c": ["int2-b128-kout64-vnuq"],
     "all": [r.name for r in ROWS],
 }
 
