@@ -69,6 +69,22 @@ def build_tiny_tokenizer(vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
 
 
+def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key_books_per_layer: bool = False) -> list:
+    """Calibration constants a test can make up for ``fmt`` (a ``KVFormat``): smoothing factors in [0.5, 1.5) where a side
+    smooths, sorted random levels where it decodes through a codebook (per KV head; the keys' one per layer with
+    ``key_books_per_layer``); one ``LayerParams`` per layer."""
+    from trtkv.artifacts import LayerParams
+    from trtkv.quant import TensorParams
+
+    g = torch.Generator().manual_seed(seed)
+
+    def tensor(tf, per_layer: bool):
+        book = torch.sort(torch.randn(tf.codebook_levels if per_layer else (heads, tf.codebook_levels), generator=g) * 1.5, -1).values
+        return TensorParams(smooth=torch.rand(heads, head_dim, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
+
+    return [LayerParams(k=tensor(fmt.k, key_books_per_layer), v=tensor(fmt.v, False)) for _ in range(layers)]
+
+
 def build_tiny_model(
     directory: Path, arch: str = "mistral", *, with_tokenizer: bool = False, seed: int = 0, **overrides
 ):

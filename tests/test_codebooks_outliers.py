@@ -766,7 +766,8 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
     """Codebooks, outlier lists and keys stored before RoPE through the torch engine's torch ops (block-aligned
     prefill chunks, then decodes; the runtime pool seals with the reference quantizer: RoPE undone with the table the
     engine handed it, outlier lists stored) give the eval cache's teacher-forced logits for the same tokens."""
-    from trtkv.artifacts import LayerParams
+    from conftest import random_kv_params
+
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.evaluate import model_logits
     from trtkv.formats import fit_formats
@@ -779,14 +780,8 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
     info = model_info(str(d))
     model = load_model(str(d), device="cpu", dtype="float32").model
     [fmt], _ = fit_formats([spec], info.head_dim)
-    g = torch.Generator().manual_seed(37)
     heads, hd = info.num_kv_heads, info.head_dim
-
-    def tensor(tf):
-        book = torch.sort(torch.randn(heads, tf.codebook_levels, generator=g) * 1.5, -1).values
-        return TensorParams(smooth=torch.rand(heads, hd, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
-
-    params = [LayerParams(k=tensor(fmt.k), v=tensor(fmt.v)) for _ in range(info.num_layers)]
+    params = random_kv_params(fmt, heads, hd, info.num_layers, seed=37)
     prompts = [list(range(3, 22)), list(range(40, 53))]
     cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, 4, 40, 2), info.num_layers, params)
     engine = TorchEngine(model, attention="torch", device="cpu")

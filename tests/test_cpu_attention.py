@@ -307,21 +307,16 @@ def test_engine_serves_codebook_formats_like_the_eval_cache(tiny_models, spec):
     """A nuq format through the torch engine's C kernels (prefill chunks, then decodes; the pool's seal snaps to the
     nearest level with the reference quantizer) gives the eval cache's teacher-forced logits for the same tokens, and
     so do the torch ops (they dequantize the sealed rows through the codebook)."""
-    from trtkv.artifacts import LayerParams
+    from conftest import random_kv_params
+
     from trtkv.evaluate import model_logits
 
     d, _ = tiny_models("llama", num_hidden_layers=2)
     info = model_info(str(d))
     model = load_model(str(d), device="cpu", dtype="float32").model
     [fmt], _ = fit_formats([spec], info.head_dim)
-    g = torch.Generator().manual_seed(31)
     H, hd = info.num_kv_heads, info.head_dim
-
-    def tensor(tf, which):
-        book = torch.sort(torch.randn(tf.codebook_levels if which == "k" else (H, tf.codebook_levels), generator=g) * 1.5, -1).values
-        return TensorParams(smooth=torch.rand(H, hd, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
-
-    params = [LayerParams(k=tensor(fmt.k, "k"), v=tensor(fmt.v, "v")) for _ in range(info.num_layers)]
+    params = random_kv_params(fmt, H, hd, info.num_layers, seed=31, key_books_per_layer=True)
     prompts = [list(range(3, 22)), list(range(40, 59))]
     lay = PagedKVLayout(fmt, H, hd, 4, 40, 2)
     got = _logits(TorchEngine(model, attention="cpu", device="cpu"), PagedKVCache(lay, info.num_layers, params), prompts, 7)
