@@ -36,9 +36,13 @@ def dir_bytes(p: Path) -> int:
 
 
 def fill_random(cache, seed: int = 0) -> None:
+    """Random codes, scales and rows in every cache tensor (throughput does not depend on the values); outlier lists get
+    positions inside their block."""
     g = torch.Generator().manual_seed(seed)
     for name, t in cache.tensors.items():
-        if t.dtype in (torch.int8, torch.uint8):
+        if "outlier_index" in name:
+            t.copy_(torch.randint(0, cache.block_size * cache.layout.head_dim, t.shape, generator=g).to(t.dtype))
+        elif t.dtype in (torch.int8, torch.uint8):
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.int32).to(torch.uint8))
         elif name.endswith("scale"):
             t.copy_((torch.rand(t.shape, generator=g) * 0.02 + 0.001).half())

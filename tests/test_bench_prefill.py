@@ -34,3 +34,22 @@ def test_the_prefill_bench_reports_stored_and_resealed_writes(tiny_models, tmp_p
             assert x["vs_first"] == pytest.approx(statistics.median((s + w) / (bs + bw) for (s, w), (bs, bw) in zip(x["rounds_ms"], base)))
     assert data["results"]["fp16"]["stored"]["vs_first"] == 1.0
     assert all(f"`{f}`" in report.with_suffix(".md").read_text() for f in formats)
+
+
+def test_random_pools_for_throughput_keep_outlier_positions_inside_their_blocks():
+    """bench/build_engine.fill_random: an outN pool's random outlier lists point inside their blocks (a decode over
+    them must not index out of range), and the codes are random bytes."""
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from build_engine import fill_random
+
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.formats import get_format
+    from trtkv.runtime.kv_pool import PagedKVCache
+
+    fmt = get_format("k=int3:bchannel:asym:hadamard:out7,v=int3:g8:sym:hadamard,block=8")
+    cache = PagedKVCache(PagedKVLayout(fmt, 2, 16, 8, 5, 1), 3)
+    fill_random(cache, seed=3)
+    index = cache.tensors["k_outlier_index"]
+    assert index.min() >= 0 and index.max() < 8 * 16 and index.unique().numel() > 8
+    assert cache.tensors["k_data"].unique().numel() > 16
