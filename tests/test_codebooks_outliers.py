@@ -738,7 +738,7 @@ def test_the_step_network_and_build_engine_refuse_each_new_feature(spec, words, 
 def test_the_runtime_pool_keeps_outlier_lists_and_seals_prerope_keys_only_with_the_models_rope():
     """The runtime pool holds an outN format's outlier lists beside its codes (one stacked tensor per field, so a swap
     or a copy of the cache moves them too); a prerope format's seal needs the model's RoPE table, which the torch
-    engine hands over: without it, one line naming the fix."""
+    engine hands over (``use_model_rope``): without it, one line naming the fix."""
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.runtime.kv_pool import PagedKVCache
     from trtkv.runtime.step import StepBatch, StepOutput

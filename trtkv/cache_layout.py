@@ -294,11 +294,16 @@ def seal_blocks(
     cs = None
     if tf.pre_rope and rope is not None and first_positions is not None:
         cs = block_rope(rope, first_positions, layout.block_size)
-    qt = quantize_block(rows, tf, params, head_axis=-3, rope=cs)
+    store_quantized(pool, blocks, quantize_block(rows, tf, params, head_axis=-3, rope=cs), tf)
+
+
+def store_quantized(pool: KVPool, blocks: torch.Tensor, qt: QuantizedTensor, tf: TensorFormat) -> None:
+    """Store sealed blocks ``qt`` of tensor format ``tf`` -- codes, scales, zero-points and an ``outN`` format's outlier
+    lists -- into pool blocks ``blocks`` [n], in place (``store_blocks`` for the first three)."""
     store_blocks(pool.data, pool.scale, pool.zero, blocks, qt.codes, qt.scale, qt.zero)
     if qt.outlier_index is not None:
         if pool.outlier_index is None or pool.outlier_value is None:
-            raise ValueError(f"format {layout.tensor_format(which).short()} keeps outliers and this pool has no outlier lists")
+            raise ValueError(f"format {tf.short()} keeps outliers and this pool has no outlier lists")
         b = blocks.long()
         pool.outlier_index[b], pool.outlier_value[b] = qt.outlier_index, qt.outlier_value
 

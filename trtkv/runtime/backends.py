@@ -142,10 +142,7 @@ class TorchReferenceEngine(Engine):
         B, T = batch.input_ids.shape
         H, D = lay.num_kv_heads, lay.head_dim
         dtype = next(self.model.parameters()).dtype
-        if cache.rope is None and any(f.k.pre_rope for f in lay.fmt.layer_formats()):  # keys stored before RoPE
-            from trtkv.rope import RopeTable
-
-            cache.rope = RopeTable.of(self.model)  # read back here and sealed by the pool with the model's own table
+        cache.use_model_rope(self.model)  # keys stored before RoPE: read back here and sealed with the model's table
         logits = torch.zeros(B, self.model.config.vocab_size)
         new_k = torch.zeros(L, B, T, H, D, dtype=torch.float16)
         new_v = torch.zeros_like(new_k)

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, seal_blocks, seal_open_block, sealing, store_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, block_rope, seal_open_block, sealing, store_quantized
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins import cpu_attention
 from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
-from trtkv.quant import check_finite, forward_transform
+from trtkv.quant import QuantizedTensor, check_finite, forward_transform, quantize_block
 from trtkv.rope import RopeTable
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
@@ -224,11 +224,10 @@ class PagedKVCache:
         for layer in range(self.num_layers):
             targets = torch.tensor([self.seal_target(layer, s, blk, idx) for s, blk, idx, _ in stored])
             for which in ("k", "v"):
-                pool, qt = self.pool(layer, which), seals.blocks[(layer, which)]
-                store_blocks(pool.data, pool.scale, pool.zero, targets, *(None if t is None else t.index_select(0, at)
-                                                                           for t in (qt.codes, qt.scale, qt.zero)))
-                if qt.outlier_index is not None:
-                    pool.outlier_index[targets], pool.outlier_value[targets] = qt.outlier_index[at], qt.outlier_value[at]
+                qt = seals.blocks[(layer, which)]
+                picked = QuantizedTensor(**{f.name: None if (t := getattr(qt, f.name)) is None else t.index_select(0, at)
+                                            for f in dataclasses.fields(qt)})
+                store_quantized(self.pool(layer, which), targets, picked, self.layout_of(layer).tensor_format(which))
 
     def seal_rows(self, filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
         """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows
@@ -252,15 +251,27 @@ class PagedKVCache:
                     if sink_rows is not None:
                         lay.sink_rows(pool.tail[s]).copy_(sink_rows)
                         rows[i] = quantized
-                tf, params = lay.tensor_format(which), getattr(self.params[layer], which)
-                codec = self.seal_codec(layer, which)
-                if codec is not None:  # trtkv's C seal: the reference quantizer's bytes, one call
-                    check_finite(rows, "K/V input")
-                    qt = cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
-                    store_blocks(pool.data, pool.scale, pool.zero, targets, qt.codes, qt.scale, qt.zero)
-                else:  # the reference seal: keys stored before RoPE unrotated at their positions, outlier lists kept
-                    first = torch.tensor([idx * self.block_size for _, _, idx, _, _ in filled])
-                    seal_blocks(lay, which, pool, rows, targets, params, first, self.rope_for(tf))
+                first = torch.tensor([idx * self.block_size for _, _, idx, _, _ in filled])
+                store_quantized(pool, targets, self.quantize_blocks(layer, which, rows, first), lay.tensor_format(which))
+
+    def quantize_blocks(self, layer: int, which: str, rows: torch.Tensor, first_positions: torch.Tensor) -> QuantizedTensor:
+        """The pool's own quantization of full blocks ``rows`` [n, H, block_size, D] float32 (sink rows already taken
+        out, ``cache_layout.sealing``) of ``layer``'s K or V, whose first tokens sit at ``first_positions`` [n]: trtkv's
+        C seal where it takes the format (the reference quantizer's bytes, one call), else the reference quantizer (keys
+        stored before RoPE unrotated at their positions, outlier lists kept)."""
+        tf, params = self.layout_of(layer).tensor_format(which), getattr(self.params[layer], which)
+        codec = self.seal_codec(layer, which)
+        if codec is not None:
+            check_finite(rows, "K/V input")
+            return cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
+        rope = block_rope(self.rope_for(tf), first_positions, self.block_size) if tf.pre_rope else None
+        return quantize_block(rows, tf, params, head_axis=-3, rope=rope)
+
+    def use_model_rope(self, model) -> None:
+        """Take ``model``'s RoPE table (``trtkv.rope.RopeTable``) where the format keeps keys before RoPE and none was
+        given yet: the engine stepping this cache hands it over, for its reads and the pool's seals."""
+        if self.rope is None and any(f.k.pre_rope for f in self.layout.fmt.layer_formats()):
+            self.rope = RopeTable.of(model)
 
     def rope_for(self, tf) -> RopeTable | None:
         """The RoPE table a seal of tensor format ``tf`` needs (None: not ``prerope``); refused when not handed over."""
@@ -268,7 +279,7 @@ class PagedKVCache:
             return None
         if self.rope is None:
             raise TrtkvError(f"keys stored before RoPE ({tf.short()}) are sealed with the model's RoPE table, which this cache was not given",
-                             "step the cache with the torch engine, or set PagedKVCache.rope = trtkv.rope.RopeTable.of(model)")
+                             "step the cache with the torch engine, or call PagedKVCache.use_model_rope(model)")
         return self.rope
 
     def seal_codec(self, layer: int, which: str):

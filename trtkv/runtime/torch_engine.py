@@ -50,8 +50,7 @@ from trtkv.manifest import EngineManifest, load_manifest
 from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
 from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import CAPABILITIES, CPU_KERNELS, KERNEL_ATTENTION
-from trtkv.quant import QuantizedTensor, TensorParams, check_finite, dequantize, forward_transform, hadamard_matrix, inverse_transform, quantize_block
-from trtkv.rope import RopeTable
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 from trtkv.runtime.engine import Engine
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.lean import LeanDecoder
@@ -162,7 +161,6 @@ class TorchEngine(Engine):
         self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
         self._params: dict[int, list[TensorParams]] = {}
         self._checked: PagedKVCache | None = None  # the last cache whose format this engine's attention was asked about
-        self._rope: RopeTable | None = None
         # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
         # ``cuda_graphs=True`` runs the same padded fixed-shape steps eagerly)
         self.cuda_graphs = (self.device.type == "cuda" and self.attention == "kernels") if cuda_graphs is None else cuda_graphs
@@ -201,13 +199,6 @@ class TorchEngine(Engine):
                 return self._graph_decode(batch, cache)
             return self._step(batch, cache)
 
-    @property
-    def rope(self) -> RopeTable:
-        """The model's RoPE table (``trtkv.rope``), for keys stored before RoPE (made once)."""
-        if self._rope is None:
-            self._rope = RopeTable.of(self.model)
-        return self._rope
-
     @contextmanager
     def _paged_attention(self):
         """The model's attention is trtkv's for the step only: the model stays usable by its owner between steps."""
@@ -224,8 +215,7 @@ class TorchEngine(Engine):
         if self._checked is not cache:  # the capability table, for a cache this engine was not built with
             for r in CAPABILITIES[self.attention].layout_reasons(cache.layout.fmt):
                 raise TrtkvError(r, r.hint)
-            if cache.rope is None and any(f.k.pre_rope for f in cache.layout.fmt.layer_formats()):
-                cache.rope = self.rope  # the pool's seal undoes the model's RoPE on keys stored before it
+            cache.use_model_rope(self.model)  # keys stored before RoPE: read and sealed with the model's table
             self._checked = cache
         dev = self.device
         batch = StepBatch(*(t.to(dev) for t in (batch.input_ids, batch.context_lens, batch.new_lens, batch.block_tables, batch.slot_ids)))
@@ -500,7 +490,7 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
         rope = None
         if fmt.pre_rope:  # keys stored before RoPE: back in model space, rotated at their positions (no fold)
             first = st.first_pos[:, None] + torch.arange(nb, device=st.first_pos.device)[None, :] * bs
-            rope = block_rope(st.engine.rope, first.reshape(-1), bs)
+            rope = block_rope(cache.rope, first.reshape(-1), bs)
         x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
@@ -759,12 +749,8 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
         blocks = blocks.view(B, n, H, bs, D).clone()
         blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
         blocks = blocks.view(B * n, H, bs, D)
-    codec = st.cache.seal_codec(layer, which)  # the pool's own seal: the C kernel where it takes the format
-    if codec is not None:
-        check_finite(blocks, "K/V input")
-        qt = cpu_attention.seal(codec, forward_transform(blocks, fmt, params, head_axis=-3))
-    else:
-        qt = quantize_block(blocks, fmt, params, head_axis=-3)
+    first = (st.batch.context_lens // bs)[:, None] + torch.arange(n, device=blocks.device)[None, :]  # [B, n] block indices
+    qt = st.cache.quantize_blocks(layer, which, blocks, first.reshape(-1) * bs)  # the pool's own seal
     st.in_step_codes[(layer, which)] = qt
     x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
