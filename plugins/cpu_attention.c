@@ -72,6 +72,10 @@ typedef struct {
        table per layer (codebook_heads 1) or per KV head (codebook_heads H); NULL: a code is its own value */
     const float *codebook;
     int64_t levels, codebook_heads;
+    /* outN formats: a sealed block keeps ``outliers`` elements per KV head aside (Ctx.oidx / oval), written over the
+       decoded codes; pre_rope: keys stored before RoPE, which a read brings back to model space (the transforms undone,
+       RoPE at each row's position: Ctx.rope_*) */
+    int64_t outliers, pre_rope;
 } Fmt;
 
 typedef struct {
@@ -84,6 +88,11 @@ typedef struct {
     const float *sink;          /* [B, H, sink_tokens, D] or NULL */
     const uint8_t *sink_ok;     /* [B] or NULL */
     int64_t sink_tokens;
+    const int16_t *oidx;        /* [NB, H, outliers] positions token * D + channel in the block (outN formats) */
+    const half *oval;           /* [NB, H, outliers] their values (stored space) */
+    const float *rope_cos, *rope_sin; /* [rope_rows, D] the model's RoPE at positions 0 .. rope_rows - 1 (pre_rope) */
+    int64_t rope_rows;
+    const int64_t *first_pos;   /* [B] position of sealed column 0, row 0 (pre_rope) */
 } Ctx;
 
 /* One bit plane's lookups: byte j of the plane gives channels j * PER .. j * PER + PER - 1 (a fixed PER per
@@ -286,7 +295,65 @@ static inline void channel_scales(const Fmt *f, const Ctx *c, int64_t bh, int64_
     memset(zf, 0, (size_t)D * sizeof(float));
 }
 
-/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D], the sink rows in place. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The 8-point Sylvester transform of one vector (butterflies of strides 1, 2 and 4: (a + b, a - b) by a lane permute
+   and a sign). */
+static inline v8f hadamard8(v8f x) {
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    __m256 v = (__m256)x;
+    v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
+    v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
+    v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
+    return (v8f)v;
+}
+#define HAVE_HADAMARD8 1
+#else
+#define HAVE_HADAMARD8 0
+static inline v8f hadamard8(v8f x) { return x; }
+#endif
+
+/* x <- x @ H unnormalized, for one row: H the block-diagonal Sylvester matrix of trtkv.quant.hadamard_matrix (blocks
+   of hb, the largest power of two dividing D; symmetric, so this is also x @ H^T), by butterflies -- D log hb adds
+   instead of the D * D of a product with the matrix. The caller multiplies by 1 / sqrt(hb). */
+static inline void hadamard_row(float *restrict x, int64_t D) {
+    const int64_t hb = D & -D;
+    int64_t s = 1;
+    if (HAVE_HADAMARD8 && hb >= 8) {
+        for (int64_t d = 0; d < D; d += 8) store8(x + d, hadamard8(load8(x + d)));
+        s = 8;
+    }
+    for (; s < hb; s <<= 1)
+        for (int64_t i = 0; i < D; i += 2 * s)  /* groups of 2s never straddle a block: 2s <= hb divides D */
+            for (int64_t k = i; k < i + s; k++) {
+                const float a = x[k], b = x[k + s];
+                x[k] = a + b, x[k + s] = a - b;
+            }
+}
+
+/* Keys stored before RoPE (pre_rope): the decoded rows of column j of sequence b [bs, D] (stored space) back in model
+   space -- trtkv.quant.inverse_transform: the rotation undone (x @ H^T), times the smoothing factors, then RoPE at each
+   row's position (rotate-half layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin). */
+static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, half_d = D / 2;
+    float m[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
+    const float norm = f->rot ? 1.0f / sqrtf((float)(D & -D)) : 1.0f;
+    for (int64_t d = 0; d < D; d++) m[d] = (f->smooth ? f->smooth[h * D + d] : 1.0f) * norm;
+    const int64_t p0 = c->first_pos[b] + j * bs;
+    for (int64_t t = 0; t < bs; t++) {
+        float *restrict r = out + t * D;
+        if (f->rot) hadamard_row(r, D);
+        for (int64_t d = 0; d < D; d++) x[d] = r[d] * m[d];
+        const float *restrict cs = c->rope_cos + (p0 + t) * D, *restrict sn = c->rope_sin + (p0 + t) * D;
+        for (int64_t d = 0; d < half_d; d++) r[d] = x[d] * cs[d] - x[d + half_d] * sn[d];
+        for (int64_t d = half_d; d < D; d++) r[d] = x[d] * cs[d] + x[d - half_d] * sn[d];
+    }
+}
+
+/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D] -- stored space, or model space for keys
+   stored before RoPE -- the block's outliers written over the codes' values, the sink rows in place (in the rows'
+   space). */
 static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
     decode_codes(f, c, b, h, j, out);
@@ -313,13 +380,32 @@ static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h
             }
         }
     }
+    if (f->outliers) {
+        const int16_t *ix = c->oidx + bh * f->outliers;
+        const half *ov = c->oval + bh * f->outliers;
+        for (int64_t k = 0; k < f->outliers; k++)
+            if (ix[k] >= 0 && ix[k] < bs * D) out[ix[k]] = (float)ov[k];  /* a position outside the block is never written */
+    }
+    if (f->pre_rope) rows_to_model_space(f, c, b, h, j, out);
     if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
 }
 
+/* Whether what format f's reads need is there: outlier lists, and a RoPE table covering every position read. */
+static int reads_ok(const Fmt *f, const Ctx *c) {
+    if (f->outliers && (!c->oidx || !c->oval)) return 0;
+    if (!f->pre_rope) return 1;
+    if (!c->rope_cos || !c->rope_sin || !c->first_pos || (f->head_dim & 1)) return 0;
+    for (int64_t b = 0; b < c->batch; b++) {
+        const int64_t held = c->held[b] < c->nb ? c->held[b] : c->nb;
+        if (held > 0 && (c->first_pos[b] < 0 || c->first_pos[b] + held * f->block_size > c->rope_rows)) return 0;
+    }
+    return 1;
+}
+
 int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows) {
     const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb;
-    if (D > MAX_HEAD_DIM || out_rows < nb * bs) return -1;
+    if (D > MAX_HEAD_DIM || out_rows < nb * bs || !reads_ok(f, c)) return -1;
     for (int64_t b = 0; b < c->batch; b++)
         for (int64_t h = 0; h < H; h++) {
             float *o = out + (b * H + h) * out_rows * D;
@@ -449,8 +535,8 @@ static void unfold_values(const Fmt *f, int64_t h, const float *restrict y, int6
 static inline void key_scores(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, const float *restrict qf, int64_t n,
                        Scratch *w, float *restrict s, int64_t ss) {
     const int64_t D = f->head_dim, bs = f->block_size, bh = c->tables[b * c->cols + j] * f->num_heads + h;
-    if (f->kind == KIND_FP16 || c->sink || (f->gran != GRAN_BLOCK_CHANNEL && f->gran != GRAN_STATIC)) {
-        decode_block(f, c, b, h, j, w->blk);
+    if (f->kind == KIND_FP16 || c->sink || f->outliers || f->pre_rope || (f->gran != GRAN_BLOCK_CHANNEL && f->gran != GRAN_STATIC)) {
+        decode_block(f, c, b, h, j, w->blk);  /* pre_rope: model-space rows, and qf is the model-space query */
         dots(s, ss, qf, w->blk, bs, n, D);
         return;
     }
@@ -476,7 +562,7 @@ static inline void key_scores(const Fmt *f, const Ctx *c, int64_t b, int64_t h, 
 static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, int64_t skip, const float *restrict p,
                              int64_t ps, int64_t n, Scratch *w, float *restrict out) {
     const int64_t D = f->head_dim, bs = f->block_size, m = bs - skip, bh = c->tables[b * c->cols + j] * f->num_heads + h;
-    if (f->kind == KIND_FP16 || c->sink || f->gran == GRAN_NONE) {
+    if (f->kind == KIND_FP16 || c->sink || f->gran == GRAN_NONE || f->outliers) {
         decode_block(f, c, b, h, j, w->blk);
         accumulate(out, p + skip, ps, w->blk + skip * D, m, n, D);
         return;
@@ -528,8 +614,10 @@ static __attribute__((noinline)) int64_t decode_pairs(const Fmt *kf, const Fmt *
         const int64_t S = held * bs, R = S + ol;  /* scores: sealed 0..S-1, open S..R-1, the new row R */
         /* keys at positions <= qp - window are outside the window: which sealed / open rows that is */
         const int64_t lo = a->window ? qp - a->window + 1 : INT64_MIN;
-        const float *q = a->q + bh * n * D, *qf = a->model_space ? w.qf : a->qf + bh * n * D;
-        if (a->model_space) fold_query(kf, h, q, n, w.qf);
+        /* the sealed keys' query: folded by their transforms -- or the model-space query for keys stored before RoPE,
+           which are read back in model space */
+        const float *q = a->q + bh * n * D, *qf = kf->pre_rope ? q : a->model_space ? w.qf : a->qf + bh * n * D;
+        if (a->model_space && !kf->pre_rope) fold_query(kf, h, q, n, w.qf);
         const half *kt = a->k_tail + (a->slot[b] * H + h) * tr * D;
         const half *vt = a->v_tail + (a->slot[b] * H + h) * tr * D;
         const int64_t sink = held && a->sink_tokens && (!a->sink_ok || a->sink_ok[b]) ? a->sink_tokens : 0;
@@ -599,7 +687,7 @@ typedef struct {
 
 int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, pairs = kc->batch * H;
-    if (D > MAX_HEAD_DIM || vf->head_dim != D) return -1;
+    if (D > MAX_HEAD_DIM || vf->head_dim != D || !reads_ok(kf, kc) || !reads_ok(vf, vc) || vf->pre_rope) return -1;
     int64_t T = a->threads < 1 ? 1 : a->threads > MAX_THREADS ? MAX_THREADS : a->threads;
     if (T > pairs) T = pairs;
     if (T <= 1) return decode_pairs(kf, vf, kc, vc, a, 0, pairs);

@@ -54,12 +54,13 @@ class _Fmt(ctypes.Structure):
                 ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
                 ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
                 ("gran", _i64), ("groups", _i64), ("static_scale", _ptr), ("smooth", _ptr), ("rot", _ptr),
-                ("codebook", _ptr), ("levels", _i64), ("codebook_heads", _i64)]
+                ("codebook", _ptr), ("levels", _i64), ("codebook_heads", _i64), ("outliers", _i64), ("pre_rope", _i64)]
 
 
 class _Ctx(ctypes.Structure):
     _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("tables", _ptr), ("cols", _i64), ("held", _ptr),
-                ("batch", _i64), ("nb", _i64), ("sink", _ptr), ("sink_ok", _ptr), ("sink_tokens", _i64)]
+                ("batch", _i64), ("nb", _i64), ("sink", _ptr), ("sink_ok", _ptr), ("sink_tokens", _i64), ("oidx", _ptr), ("oval", _ptr),
+             ("rope_cos", _ptr), ("rope_sin", _ptr), ("rope_rows", _i64), ("first_pos", _ptr)]
 
 
 class _Decode(ctypes.Structure):
@@ -192,7 +193,11 @@ class RowCodec:
                 book = codebook(tf, params, num_heads)
                 keep.append(book)
                 f.codebook, f.levels, f.codebook_heads = book.data_ptr(), tf.codebook_levels, book.shape[0]
-        if tf.smooth:  # the transforms, for decode_model_space (the other calls work in stored space)
+        f.outliers, f.pre_rope = tf.outliers or 0, int(tf.pre_rope)
+        if tf.smooth:  # the transforms, for decode_model_space and keys stored before RoPE (else reads stay in stored space)
+            if params is None or params.smooth is None:
+                raise TrtkvError(f"{tf.short()} smooths its channels but no smoothing factors were given",
+                                 "pass the calibration made with this format (`trtkv calibrate --kv ...`)")
             smooth = per_channel(params.smooth, num_heads, head_dim, "smoothing factors")
             keep.append(smooth)
             f.smooth = smooth.data_ptr()
@@ -227,17 +232,46 @@ def _p(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None) -> tuple[_Ctx, tuple]:
-    for name, t in (("data", pool.data), ("scale", pool.scale), ("zero", pool.zero)):
+def _rope(rope) -> tuple:
+    """A RoPE table ``(cos, sin)`` [P, D] as the kernels read it (float32, contiguous), or (None, None)."""
+    if rope is None:
+        return None, None
+    return tuple(t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in rope)
+
+
+def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None,
+         first_pos: torch.Tensor | None = None, rope=None) -> tuple[_Ctx, tuple]:
+    for name, t in (("data", pool.data), ("scale", pool.scale), ("zero", pool.zero), ("outlier_index", pool.outlier_index),
+                    ("outlier_value", pool.outlier_value)):
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
             raise TrtkvError(f"the CPU kernels read contiguous CPU pools; pool {name} is not", "allocate the cache with PagedKVLayout.allocate")
     tables = tables.to(torch.int64).contiguous()
     held = held.to(torch.int64).contiguous()
     sink = None if sink is None else sink.float().contiguous()
     sink_ok = None if sink_ok is None else sink_ok.to(torch.uint8).contiguous()
+    first_pos = None if first_pos is None else first_pos.to(torch.int64).contiguous()
+    cos, sin = _rope(rope)
     c = _Ctx(data=_p(pool.data), scale=_p(pool.scale), zero=_p(pool.zero), tables=_p(tables), cols=tables.shape[1], held=_p(held),
-             batch=tables.shape[0], nb=nb, sink=_p(sink), sink_ok=_p(sink_ok), sink_tokens=0 if sink is None else sink.shape[2])
-    return c, (tables, held, sink, sink_ok)
+             batch=tables.shape[0], nb=nb, sink=_p(sink), sink_ok=_p(sink_ok), sink_tokens=0 if sink is None else sink.shape[2],
+             oidx=_p(pool.outlier_index), oval=_p(pool.outlier_value), rope_cos=_p(cos), rope_sin=_p(sin),
+             rope_rows=0 if cos is None else cos.shape[0], first_pos=_p(first_pos))
+    return c, (tables, held, sink, sink_ok, first_pos, cos, sin)
+
+
+def _need_rope(codec: RowCodec, ctx: _Ctx) -> None:
+    """Keys stored before RoPE read the model's table at every sealed row's position: one line when it is not there."""
+    f = codec.fmt
+    if not f.pre_rope:
+        return
+    if not ctx.rope_cos or not ctx.first_pos:
+        raise TrtkvError("keys stored before RoPE (prerope) need the model's RoPE table and the blocks' positions",
+                         "pass rope=RopeTable.upto(...) and first_pos (the torch engine does)")
+    first = (ctypes.c_int64 * ctx.batch).from_address(ctx.first_pos)
+    held = (ctypes.c_int64 * ctx.batch).from_address(ctx.held)
+    last = max((first[b] + min(held[b], ctx.nb) * f.block_size for b in range(ctx.batch) if held[b] > 0), default=0)
+    if last > ctx.rope_rows:
+        raise TrtkvError(f"the RoPE table covers positions below {ctx.rope_rows}, the sealed keys reach {last - 1}",
+                         "pass a table of every position read (RopeTable.upto)")
 
 
 def _check(rc: int) -> None:
@@ -245,13 +279,18 @@ def _check(rc: int) -> None:
         raise TrtkvError("trtkv's CPU attention kernel refused its arguments", "report this as a bug")
 
 
-def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None, rows: int | None = None) -> torch.Tensor:
+def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None, rows: int | None = None, first_pos=None,
+            rope=None) -> torch.Tensor:
     """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, rows, D]`` in stored space: rows ``0 .. nb * bs - 1``
-    (zeros past ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill."""
+    (zeros past ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill. Keys stored before
+    RoPE come back in model space instead (the transforms undone, RoPE applied): ``first_pos`` [B] is the position of
+    each sequence's column 0, row 0 and ``rope`` the model's ``(cos, sin)`` [P, D] of positions ``0 .. P - 1`` covering
+    every row read (``trtkv.rope.RopeTable.upto``); ``sink`` rows are then in model space too."""
     f = codec.fmt
-    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok)
+    c, keep = _ctx(pool, tables, held, nb, sink, sink_ok, first_pos, rope)
     rows = nb * f.block_size if rows is None else rows
     out = torch.empty(c.batch, f.num_heads, rows, f.head_dim, dtype=torch.float32)
+    _need_rope(codec, c)
     _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr(), rows))
     return out
 
@@ -263,14 +302,15 @@ class DecodeStep:
     argument structs, so that a layer's call only sets its own pointers (the Python side of a call was most of its
     time)."""
 
-    def __init__(self, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None):
+    def __init__(self, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None, rope=None):
         i64 = lambda t: t.to(torch.int64).contiguous()
         self.tensors = (i64(tables), i64(held), i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
-                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
-        tables, held, slot, open_len, q_pos, first_pos, open_pos, sink_ok = self.tensors
+                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous(), *_rope(rope))
+        tables, held, slot, open_len, q_pos, first_pos, open_pos, sink_ok, cos, sin = self.tensors
         self.batch = tables.shape[0]
-        self.kc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
-        self.vc = _Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb)
+        # keys stored before RoPE read ``rope`` (the model's (cos, sin) [P, D], positions 0 .. P - 1) at their positions
+        self.kc, self.vc = (_Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb, first_pos=_p(first_pos),
+                                 rope_cos=_p(cos), rope_sin=_p(sin), rope_rows=0 if cos is None else cos.shape[0]) for _ in range(2))
         self.args = _Decode(slot=_p(slot), open_len=_p(open_len), q_pos=_p(q_pos), first_pos=_p(first_pos), open_pos=_p(open_pos),
                             sink_ok=_p(sink_ok))
         self.refs = tuple(ctypes.byref(x) for x in (self.kc, self.vc, self.args))
@@ -303,13 +343,14 @@ def _decode(kcodec, vcodec, kpool, vpool, step, q, qf, new_k, new_v, scaling, wi
     qf = q if model_space else qf if qf.dtype == torch.float32 and qf.is_contiguous() else qf.float().contiguous()
     out = torch.empty(2, B, H, n, D, dtype=torch.float32)
     kc, vc, a = step.kc, step.vc, step.args
-    kc.data, kc.scale, kc.zero = kpool.data.data_ptr(), _p(kpool.scale), _p(kpool.zero)
-    vc.data, vc.scale, vc.zero = vpool.data.data_ptr(), _p(vpool.scale), _p(vpool.zero)
+    kc.data, kc.scale, kc.zero, kc.oidx, kc.oval = kpool.data.data_ptr(), _p(kpool.scale), _p(kpool.zero), _p(kpool.outlier_index), _p(kpool.outlier_value)
+    vc.data, vc.scale, vc.zero, vc.oidx, vc.oval = vpool.data.data_ptr(), _p(vpool.scale), _p(vpool.zero), _p(vpool.outlier_index), _p(vpool.outlier_value)
     a.n, a.q, a.qf, a.new_k, a.new_v = n, q.data_ptr(), qf.data_ptr(), new_k.data_ptr(), new_v.data_ptr()
     a.k_tail, a.v_tail, a.tail_rows = kpool.tail.data_ptr(), vpool.tail.data_ptr(), kpool.tail.shape[-2]
     a.sink_tokens, a.window, a.scaling, a.softcap = sink_tokens, int(window or 0), scaling, softcap or 0.0
     a.out_sealed, a.out_rest, a.model_space = out.data_ptr(), out[1].data_ptr(), int(model_space)
     a.threads = torch.get_num_threads()  # the step's threads (the engine sets them per step): [B, H] pairs split over them
+    _need_rope(kcodec, kc)
     _check(library().trtkv_decode(kcodec.ref, vcodec.ref, *step.refs))
     return out[0], out[1]
 

@@ -593,8 +593,8 @@ NEW_FEATURES = [
 READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
 
-# the paths that read a feature (the torch ops read them all, the C decode kernels codebooks); others: none
-READERS = {"codebooks (nuq)": {"cpu", "torch"}, "outlier lists (outN)": {"torch"}, "keys before RoPE (prerope)": {"torch"}}
+# the paths that read a feature (the torch ops and the C decode kernels read them all); others: none
+READERS = {"codebooks (nuq)": {"cpu", "torch"}, "outlier lists (outN)": {"cpu", "torch"}, "keys before RoPE (prerope)": {"cpu", "torch"}}
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -668,21 +668,27 @@ def test_the_triton_launchers_refuse_each_new_feature(spec, words, side):
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
-def test_the_cpu_c_kernels_refuse_each_new_feature(spec, words, side):
-    """trtkv's C kernels: the decode codec refuses the tensor format in one line; the C seal says why it leaves it to the
-    reference quantizer."""
+def test_the_cpu_c_kernels_read_each_new_feature_and_the_c_seal_leaves_it_to_the_reference(spec, words, side):
+    """trtkv's C kernels: the decode codec takes every new feature (a codebook format refuses in one line when no
+    codebook was calibrated); the C seal says why it leaves the format to the reference quantizer."""
     from trtkv.plugins import cpu_attention
 
     fmt = get_format(spec)
     tf, other = (fmt.k, fmt.v) if side == "k" else (fmt.v, fmt.k)
-    if "cpu" in READERS.get(words, ()):  # the decode reads codebooks: a missing one is the refusal, a calibrated one is taken
+    assert "cpu" in READERS[words]
+    if tf.codebook_levels:
         with pytest.raises(TrtkvError, match="none was given") as e:
             cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
-        cpu_attention.RowCodec.of(tf, TensorParams(codebook=torch.linspace(-4, 3, tf.codebook_levels)), 3, 64, 64)
-    else:
-        with pytest.raises(TrtkvError, match=re.escape(words)) as e:
+        assert "\n" not in str(e.value)
+        codec = cpu_attention.RowCodec.of(tf, TensorParams(codebook=torch.linspace(-4, 3, tf.codebook_levels)), 3, 64, 64)
+    elif tf.smooth:  # keys before RoPE are smoothed: missing factors are the refusal, calibrated ones are taken
+        with pytest.raises(TrtkvError, match="no smoothing factors were given") as e:
             cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
-    assert "\n" not in str(e.value)
+        assert "\n" not in str(e.value)
+        codec = cpu_attention.RowCodec.of(tf, TensorParams(smooth=torch.rand(3, 64) + 0.5), 3, 64, 64)
+    else:
+        codec = cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
+    assert codec.fmt.outliers == tf.outliers and codec.fmt.pre_rope == int(tf.pre_rope)
     assert words.split(" (")[0] in cpu_attention.SealCodec.reason(tf) and cpu_attention.SealCodec.of(tf, None, 3, 64, 64) is None
     assert cpu_attention.SealCodec.reason(other) is None  # the control: the other side is a plain dynamic int format
     cpu_attention.RowCodec.of(other, None, 3, 64, 64)
@@ -762,10 +768,12 @@ def test_the_runtime_pool_keeps_outlier_lists_and_seals_prerope_keys_only_with_t
     "k=int2:bchannel:asym:prerope:hadamard:out3,v=int2:token:sym:hadamard:nuq:out2,block=4",
     "k=int4:bchannel:asym:nuq,v=int4:g8:sym:out3,block=4,sink=1",
 ])
-def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, spec):
-    """Codebooks, outlier lists and keys stored before RoPE through the torch engine's torch ops (block-aligned
-    prefill chunks, then decodes; the runtime pool seals with the reference quantizer: RoPE undone with the table the
-    engine handed it, outlier lists stored) give the eval cache's teacher-forced logits for the same tokens."""
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
+def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, spec, attention):
+    """Codebooks, outlier lists and keys stored before RoPE through the torch engine -- its torch ops (block-aligned
+    prefill chunks) and its C kernels (a prefill across blocks, sealing them in the step) -- then decodes; the runtime
+    pool seals with the reference quantizer: RoPE undone with the table the engine handed it, outlier lists stored)
+    give the eval cache's teacher-forced logits for the same tokens."""
     from conftest import random_kv_params
 
     from trtkv.cache_layout import PagedKVLayout
@@ -784,7 +792,7 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
     params = random_kv_params(fmt, heads, hd, info.num_layers, seed=37)
     prompts = [list(range(3, 22)), list(range(40, 53))]
     cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, 4, 40, 2), info.num_layers, params)
-    engine = TorchEngine(model, attention="torch", device="cpu")
+    engine = TorchEngine(model, attention=attention, device="cpu")
     sb = StaticBatch(cache, len(prompts))
     steps = [sb.prefill(engine, prompts)]
     for _ in range(7):
@@ -985,9 +993,9 @@ def test_calibrate_fits_codebooks_per_head_or_once_per_layer(tiny_models, tmp_pa
     assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
 
 
-def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_torch_ops(tiny_models, tmp_path):
-    """build-engine --backend torch for a format only the torch ops read: the build's smoke step and the built engine's
-    ``auto`` attention take the torch ops (not the C kernels, which refuse it), and the engine steps."""
+def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_c_kernels(tiny_models, tmp_path):
+    """build-engine --backend torch for a format with outlier lists and keys before RoPE: the build's smoke step and the
+    built engine's ``auto`` attention take the C kernels on CPU (they read both), and the engine steps."""
     from trtkv.builder.build import build_engine
     from trtkv.cache_layout import PagedKVLayout
     from trtkv.models import load_model
@@ -1000,7 +1008,7 @@ def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_t
     out = build_engine(str(d), kv=spec, out=tmp_path / "engine", backend="torch", max_batch=2, max_seq_len=64,
                        loaded=load_model(str(d), device="cpu", dtype="float32"))
     engine = open_engine(out)
-    assert engine.attention == "torch"
+    assert engine.attention == "cpu"
     m = engine.manifest
     cache = PagedKVCache(PagedKVLayout(m.kv_format, m.model.num_kv_heads, m.model.head_dim, 8, 4, 1), m.model.num_layers)
     logits = engine.step(StepBatch.make([list(range(3, 11))], [0], [[2, 0]], [0]), cache).logits

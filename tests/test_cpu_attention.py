@@ -268,6 +268,133 @@ def test_decode_in_model_space_applies_the_formats_transforms(spec):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------ outlier lists and keys stored before RoPE
+
+# (spec, head_dim): the butterflies of the rotation in blocks of 8 with an AVX2 register (24 = 3 x 8), of 64 (the
+# loops of strides >= 8) and of 4 (20: the scalar loop only); outliers on both sides, codebooks on the values
+FEATURE_CASES = [
+    ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out4,v=int3:g8:sym:hadamard:nuq:out3,block=5,sink=2", 24),
+    ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out7,v=int3:g32:sym:hadamard:nuq,block=5", 64),
+    ("k=int2:bchannel:asym:prerope:smooth:hadamard:out3,v=int2:token:sym:hadamard:nuq,block=5", 20),
+    ("k=int2:bchannel:asym:prerope:out3,v=int4:g8:sym:out2,block=5", 24),  # prerope without transforms
+    ("k=int4:bchannel:asym:out6,v=int8:bchannel:asym:out2,block=5,sink=2", 24),  # outliers only
+]
+
+
+def _rope_table(P, d, g):
+    """A RoPE table (cos, sin) [P, d] in the rotate-half layout with an attention scaling of 1.1 (the kernels must take
+    the table's values as they are)."""
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    return (ang.cos() * 1.1).float(), (ang.sin() * 1.1).float()
+
+
+def _feature_params(tf, g, d):
+    book = torch.sort(torch.randn(H, tf.codebook_levels, generator=g) * tf.codebook_levels / 3, -1).values if tf.codebook else None
+    return TensorParams(smooth=torch.rand(H, d, generator=g) + 0.5 if tf.smooth else None, codebook=book)
+
+
+def _feature_pool(lay, which, params, g, block_pos, rope):
+    """A pool of random blocks sealed as the runtime seals them (outlier lists, keys before RoPE at each block's first
+    position ``block_pos`` [NB]), NaN scales in unowned blocks, and every block dequantized in float64 in model space
+    (its rows rotated at their positions) and in stored space: (pool, model [NB, H, BS, d], stored [NB, H, BS, d])."""
+    from trtkv.cache_layout import store_quantized
+
+    tf = lay.tensor_format(which)
+    d = lay.head_dim
+    pool = lay.allocate(which)
+    x = torch.randn(NB, H, BS, d, generator=g) * 2
+    x[:, :, 1, 3] += 9.0  # an element an outlier list keeps
+    pos = block_pos[:, None] + torch.arange(BS)
+    cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]
+    qt = quantize_block(x, tf, params, head_axis=-3, rope=(cos, sin) if tf.pre_rope else None)
+    store_quantized(pool, torch.arange(NB), qt, tf)
+    p64 = TensorParams(smooth=None if params.smooth is None else params.smooth.double(),
+                       codebook=None if params.codebook is None else params.codebook.double())
+    model = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, rope=(cos.double(), sin.double()) if tf.pre_rope else None)
+    stored = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, transforms=False)
+    pool.tail.copy_(torch.randn(pool.tail.shape, generator=g).half())
+    return pool, model, stored
+
+
+def _feature_setup(spec, d, g, ring):
+    [fmt], _ = fit_formats([spec], d)
+    lay = PagedKVLayout(fmt.with_block_size(BS), H, d, BS, NB, 3)
+    tables, held, owned = _tables(g)
+    first = torch.tensor([3, 0, 1]) if ring else torch.zeros(3, dtype=torch.long)  # a ring view's first sealed block
+    block_pos = torch.zeros(NB, dtype=torch.long)
+    for b in range(3):
+        for j in range(int(held[b])):
+            block_pos[tables[b, j]] = (first[b] + j) * BS
+    rope = _rope_table(int(block_pos.max()) + 4 * BS, d, g)
+    params = {w: _feature_params(lay.tensor_format(w), g, d) for w in "kv"}
+    pools = {w: _feature_pool(lay, w, params[w], g, block_pos, rope) for w in "kv"}
+    for w in "kv":
+        free = [blk for blk in range(NB) if blk not in owned]
+        pools[w][0].scale[free] = float("nan")  # a read of a block nobody owns fails the test
+    return lay, tables, held, first, rope, params, pools
+
+
+@pytest.mark.parametrize("spec, d", FEATURE_CASES)
+def test_dequant_reads_outliers_and_keys_before_rope(spec, d, monkeypatch):
+    """``dequant`` of outN / prerope formats against float64 ``dequantize``: outliers written over the codes, keys stored
+    before RoPE back in model space at their sequences' positions (a ring view's too), sink rows taken as given after
+    that; a missing or short RoPE table is refused in one line."""
+    monkeypatch.setitem(globals(), "D", d)
+    g = torch.Generator().manual_seed(23)
+    lay, tables, held, first, rope, params, pools = _feature_setup(spec, d, g, ring=True)
+    nb = int(held.max())
+    sink = torch.randn(3, H, 2, d, generator=g)
+    for w in "kv":
+        tf = lay.tensor_format(w)
+        pool, model, stored = pools[w]
+        ref = model if tf.pre_rope else stored
+        want = torch.zeros(3, H, nb * BS, d, dtype=torch.float64)
+        for b in range(3):
+            for j in range(int(held[b])):
+                want[b, :, j * BS : (j + 1) * BS] = ref[tables[b, j]]
+        codec = ca.RowCodec.of(tf, params[w], H, d, BS)
+        got = ca.dequant(codec, pool, tables, held, nb, first_pos=first * BS, rope=rope)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        with_sink = ca.dequant(codec, pool, tables, held, nb, sink, torch.ones(3, dtype=torch.bool), first_pos=first * BS, rope=rope)
+        assert torch.equal(with_sink[0, :, :2], sink[0]) and torch.equal(with_sink[0, :, 2:], got[0, :, 2:])
+        if tf.pre_rope:
+            with pytest.raises(TrtkvError, match="RoPE table") as e:
+                ca.dequant(codec, pool, tables, held, nb)
+            assert "\n" not in str(e.value)
+            short = tuple(t[: int((first * BS + held * BS).max()) - 1] for t in rope)
+            with pytest.raises(TrtkvError, match="covers positions below"):
+                ca.dequant(codec, pool, tables, held, nb, first_pos=first * BS, rope=short)
+
+
+@pytest.mark.parametrize("spec, d", FEATURE_CASES)
+@pytest.mark.parametrize("ring", [False, True])
+def test_decode_reads_outliers_and_keys_before_rope(spec, d, ring, monkeypatch):
+    """``decode_model_space`` of outN / prerope formats against a naive float64 attention over the float64 model-space
+    rows (keys rotated at their positions, outliers restored), with sink rows, a window and a ring view's positions."""
+    monkeypatch.setitem(globals(), "D", d)
+    g = torch.Generator().manual_seed(29)
+    lay, tables, held, first, rope, params, pools = _feature_setup(spec, d, g, ring)
+    (kpool, kmodel, _), (vpool, vmodel, _) = pools["k"], pools["v"]
+    kc, vc = (ca.RowCodec.of(lay.tensor_format(w), params[w], H, d, BS) for w in "kv")
+    slots, open_len = torch.tensor([2, 0, 1]), torch.tensor([2, 4, 0])
+    q_pos = (first + held) * BS + open_len
+    sink_ok = first == 0
+    step = ca.DecodeStep(tables, held, int(held.max()), slots, open_len, q_pos, first * BS, (q_pos // BS) * BS, sink_ok, rope)
+    q = torch.randn(3, H, 3, d, generator=g)
+    nk, nv = torch.randn(3, H, d, generator=g), torch.randn(3, H, d, generator=g)
+    window = 9 if ring else 0
+    got = ca.decode_model_space(kc, vc, kpool, vpool, step, q, nk, nv, 0.3, window or None, None, lay.sink_tokens)
+    want_s, want_r = _naive_decode(kmodel, vmodel, kpool, vpool, lay, tables, held, slots, open_len, q_pos, first * BS, q, q, nk, nv,
+                                   0.3, window, 0.0, lay.sink_tokens, sink_ok)
+    torch.testing.assert_close(got.double(), want_s + want_r, rtol=1e-4, atol=1e-5)
+    if lay.tensor_format("k").pre_rope:
+        with pytest.raises(TrtkvError, match="RoPE table"):
+            bare = ca.DecodeStep(tables, held, int(held.max()), slots, open_len, q_pos, first * BS, (q_pos // BS) * BS, sink_ok)
+            ca.decode_model_space(kc, vc, kpool, vpool, bare, q, nk, nv, 0.3)
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 

@@ -69,7 +69,9 @@ def _fill(engine, cache, prompts, pre, tables, cross: bool):
 
 
 @needs_c
-@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "k=int4:g8:asym,v=int8:g16:asym", "fp8"])
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "k=int4:g8:asym,v=int8:g16:asym", "fp8",
+                                # keys stored before RoPE with outlier lists, values through a codebook (issue 27)
+                                "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g8:sym:hadamard:nuq:out2,block=8,sink=4"])
 @pytest.mark.parametrize("bs", [5, 8])
 def test_a_step_across_blocks_gives_the_block_by_block_logits_and_cache(llama, kv, bs):
     info, model = llama
@@ -85,6 +87,10 @@ def test_a_step_across_blocks_gives_the_block_by_block_logits_and_cache(llama, k
     for cross in (False, True):
         lay = PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 40, 4)
         cache = PagedKVCache(lay, info.num_layers)
+        if fmt.k.smooth or fmt.v.codebook:
+            from conftest import random_kv_params
+
+            cache = PagedKVCache(lay, info.num_layers, random_kv_params(fmt, info.num_kv_heads, info.head_dim, info.num_layers, seed=5))
         if fmt.k.is_static or fmt.v.is_static:
             from trtkv.artifacts import LayerParams
             from trtkv.quant import TensorParams
@@ -315,6 +321,9 @@ def _llm(model, tokenizer, fmt, *, cross: bool, prefix: bool = False, num_blocks
     return LLMEngine(engine, manifest, cache, tokenizer, RuntimeConfig(max_seqs=4, max_batched_tokens=48, enable_prefix_caching=prefix), budget)
 
 
+NEAR_TIE = 0.01  # nats: a top-2 margin a one-code difference in a sealed block can flip on this tiny random model
+
+
 @needs_c
 @pytest.mark.parametrize("kv", ["fp16", "int4"])
 def test_the_runtime_gives_the_same_texts_in_fewer_steps(small_llama, tokenizer, kv):
@@ -327,9 +336,20 @@ def test_the_runtime_gives_the_same_texts_in_fewer_steps(small_llama, tokenizer,
         assert llm.scheduler.cross_blocks is cross
         outs = llm.generate(prompts, params)
         got[cross] = ([o.new_token_ids for o in outs], [o.new_logprobs for o in outs], llm.stats()["steps"])
-    assert got[True][0] == got[False][0]
-    for a, b in zip(got[True][1], got[False][1]):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+    # The two runs chunk the prefill differently, so a sealed block's values differ in the last bits and a code at a
+    # rounding edge can flip: the texts must agree up to the first near-tie of the float32 model (top-2 margin under
+    # NEAR_TIE nats), where either token is right; most tokens sit before one.
+    compared = 0
+    for prompt, a, b, la, lb in zip(prompts, got[True][0], got[False][0], got[True][1], got[False][1]):
+        with torch.no_grad():
+            logp = small_llama(torch.tensor([prompt + b])).logits[0, len(prompt) - 1:-1].double().log_softmax(-1)
+        top2 = logp.topk(2, -1).values
+        decided = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < NEAR_TIE), len(b))
+        assert a[:decided] == b[:decided], (a, b, decided)
+        compared += decided
+        if a == b:
+            torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+    assert compared >= 2 * sum(len(b) for b in got[False][0]) // 3, "too few decided tokens to compare: pick other prompts"
     assert got[True][2] < got[False][2]
 
 

@@ -10,7 +10,7 @@ model's ``rotary_emb``, so every rope type transformers implements (linear, dyna
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class RopeTable:
 
     rotary: torch.nn.Module
     head_dim: int
+    _table: tuple | None = field(default=None, repr=False, compare=False)  # ``upto``'s cached (cos, sin)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RopeTable":
@@ -57,6 +58,14 @@ class RopeTable:
         p = positions.reshape(1, -1).long()
         cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=p.device), p)
         return cos[0].float(), sin[0].float()
+
+    def upto(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` [P, D] float32, contiguous, of positions ``0 .. P - 1`` with ``P >= n`` (the CPU kernels' table):
+        computed once and grown by doubling, so a step asks for it at no cost."""
+        if self._table is None or self._table[0].shape[0] < n:
+            size = 1 << max(int(n) - 1, 255).bit_length()  # at least 256 rows
+            self._table = tuple(t.contiguous() for t in self.rows(0, size))
+        return self._table
 
     def rows(self, start: int, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` [n, D] of positions ``start .. start + n - 1``."""

@@ -67,7 +67,7 @@ class ExecutionPath:
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
     # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
-    # (eval and the reference paged cache read all of them; of the engines, the torch ops read all, the CPU kernels codebooks)
+    # (eval and the reference paged cache read all of them; of the engines, the torch ops and the CPU kernels read all)
     codebooks: bool = False
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
@@ -187,10 +187,11 @@ TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attent
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True, codebooks=True, outliers=True,
                           pre_rope=True)
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
-# trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, and a nuq
-# format's codes through the layer's codebook
+# trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, a nuq
+# format's codes through the layer's codebook, write a block's outlier list over its codes and bring keys stored before
+# RoPE back to model space (the rotation undone by butterflies, RoPE from the model's table)
 CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024,
-                            codebooks=True)
+                            codebooks=True, outliers=True, pre_rope=True)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
 # the C seal (the pool's seal on CPU): a nuq format's nearest-level codes are the reference quantizer's
 CPU_SEAL = ExecutionPath("cpu-seal", "trtkv's C seal kernel (the pool's seal on CPU)", per_layer=True, window_ring=True, head_dim_max=1024)

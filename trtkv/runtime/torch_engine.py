@@ -705,7 +705,7 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
     kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
     keys = _stored_context(st, layer, lay, "k", k16, kfmt, kp, kc)
     values = _stored_context(st, layer, lay, "v", v16, vfmt, vp, vc)
-    qf = _fold_query(qg, kfmt, kp)
+    qf = qg if kfmt.pre_rope else _fold_query(qg, kfmt, kp)  # keys stored before RoPE are read in model space
     bias = _mask_bias(st, window, G, qg.dtype)
     if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
         scores = torch.tanh(qf @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
@@ -716,18 +716,20 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
 
 
 def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, fmt, params, codec) -> torch.Tensor:
-    """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space, in the step mask's key order: the sealed rows
-    (the kernels; sink rows and stale rows as ``context_kv`` has them), the open block, this step's rows."""
+    """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space (keys stored before RoPE: model space, as
+    ``context_kv`` reads them), in the step mask's key order: the sealed rows (the kernels; sink rows and stale rows as
+    ``context_kv`` has them), the open block, this step's rows."""
     pool = st.cache.pool(layer, which)
     model_rows = _open_rows(st, layer, which, new_rows)
-    rest = forward_transform(model_rows, fmt, params, head_axis=-3)
+    rest = model_rows if fmt.pre_rope else forward_transform(model_rows, fmt, params, head_axis=-3)
     if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
         rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params, new_rows.dtype)], 2)
     if not st.sealed_max:
         return rest.contiguous()
     S = st.sealed_max * st.cache.block_size
+    rope = st.cache.rope.upto(int((st.first_pos + S).max())) if fmt.pre_rope else None
     out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool, fmt, params),
-                                rows=S + rest.shape[2])
+                                rows=S + rest.shape[2], first_pos=st.first_pos, rope=rope)
     out[:, :, S:] = rest
     return out
 
@@ -737,7 +739,7 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
     """``[B, H, in_step * bs, D]`` in ``dtype``: the blocks a step across blocks seals, from its open blocks' and new
     rows ``model_rows`` [B, H, open_max + T, D] (fp16 values; a bfloat16 model's are exact in fp16), quantized in
     float32 as ``PagedKVCache.seal_rows`` quantizes them (``cache_layout.sealing``: a first block without its sink rows)
-    and dequantized, in the stored channel space. The codes go to the pool with the step's output (``StepSeals``):
+    and dequantized, in the stored channel space (keys stored before RoPE: in model space). The codes go to the pool with the step's output (``StepSeals``):
     the pool stores them instead of quantizing the rows again."""
     B, H, _, D = model_rows.shape
     n, bs = st.in_step, lay.block_size
@@ -752,7 +754,8 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
     first = (st.batch.context_lens // bs)[:, None] + torch.arange(n, device=blocks.device)[None, :]  # [B, n] block indices
     qt = st.cache.quantize_blocks(layer, which, blocks, first.reshape(-1) * bs)  # the pool's own seal
     st.in_step_codes[(layer, which)] = qt
-    x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=False)
+    rope = block_rope(st.cache.rope, first.reshape(-1) * bs, bs) if fmt.pre_rope else None
+    x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
     return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
 
 
@@ -761,8 +764,9 @@ def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc,
     b, bs = st.batch, st.cache.block_size
     if st.cpu_decode is None:
         sealed = b.context_lens // bs
+        rope = None if st.cache.rope is None else st.cache.rope.upto(int(b.context_lens.max()) + 1)  # keys stored before RoPE
         st.cpu_decode = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
-                                                     b.context_lens, st.first_pos, sealed * bs, st.sink_ok)
+                                                     b.context_lens, st.first_pos, sealed * bs, st.sink_ok, rope)
     kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
     # the formats' transforms run inside the kernel (the codecs carry them): no torch op per layer around the call
     return cpu_attention.decode_model_space(kc, vc, kpool, vpool, st.cpu_decode, qg, k16[:, :, 0], v16[:, :, 0], scaling, window,
@@ -770,10 +774,12 @@ def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc,
 
 
 def _cpu_sink(st: _Step, lay: PagedKVLayout, pool, fmt, params) -> tuple:
-    """(sink rows in stored space [B, H, sink, D], which sequences read them) for the CPU kernels; (None, None) without."""
+    """(sink rows in stored space [B, H, sink, D] -- model space for keys stored before RoPE, which the kernels read
+    back in model space -- which sequences read them) for the CPU kernels; (None, None) without."""
     if not lay.sink_tokens:
         return None, None
-    rows = forward_transform(lay.sink_rows(pool.tail)[st.batch.slot_ids].float(), fmt, params, head_axis=-3)
+    rows = lay.sink_rows(pool.tail)[st.batch.slot_ids].float()
+    rows = rows if fmt.pre_rope else forward_transform(rows, fmt, params, head_axis=-3)
     return rows, st.sink_ok
 
 
