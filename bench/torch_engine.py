@@ -33,7 +33,7 @@ from report import write_report
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(engine_dir: str, batch: int, ctx: int, steps: int) -> None:
+def worker(engine_dir: str, batch: int, ctx: int, steps: int, attention: str = "auto") -> None:
     """One engine alone in this process (as it is served): print its decode tokens/s as JSON."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from trtkv.manifest import load_manifest
@@ -41,7 +41,7 @@ def worker(engine_dir: str, batch: int, ctx: int, steps: int) -> None:
     from trtkv.runtime.kv_pool import PagedKVCache
 
     m = load_manifest(engine_dir)
-    engine = open_engine(engine_dir, manifest=m)
+    engine = open_engine(engine_dir, manifest=m, **({"attention": attention} if m.backend == "torch" else {}))
     cache = PagedKVCache.for_engine(m, engine_dir, num_blocks=batch * (ctx // m.limits.block_size + 1), num_slots=batch)
     fill_random(cache)
     print(json.dumps({"tok_s": decode_tps(engine, cache, batch, ctx, steps, m.model.vocab_size)}), flush=True)
@@ -62,10 +62,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="alternated torch / ONNX Runtime measurements per format (median)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--attention", default="auto", help="the torch engine's attention in a --worker run (auto / cpu / torch)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.batch, args.context, args.steps)
+        return worker(args.worker, args.batch, args.context, args.steps, args.attention)
 
     from trtkv.builder.build import build_engine
     from trtkv.models import load_model

@@ -33,7 +33,18 @@ typedef float v8f __attribute__((vector_size(32)));  /* 8 floats: one AVX regist
 
 static inline v8f load8(const float *p) { v8f v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8f v) { __builtin_memcpy(p, &v, sizeof v); }
+#if defined(__AVX__)
+#include <immintrin.h>
+/* ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)) by three adds of halves (the lane-by-lane form compiled to seven
+   extracts and scalar adds: most of a dot product's time at head_dim 64) */
+static inline float hsum8(v8f v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
+}
+#else
 static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+#endif
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -179,6 +190,62 @@ __attribute__((constructor)) static void fill_fields(void) {
     }
 }
 
+/* Planes of 2- and 1-bit fields (int3, int2: the 2-bit plane the low one), ``rows`` rows of D a multiple of 32 into
+   out [rows, D]: 32 channels per pass, every plane's fields spread to one byte per channel in a register -- a byte of
+   2-bit fields copied to its 4 channels and masked to its own field (folded to the low bits by shifts of the whole
+   register: one field per byte is set), a byte of 1-bit fields to its 8 channels by a compare with each channel's bit
+   -- then 8 channels at a time to floats minus the offset, or to a codebook's levels (at most 8) by one register
+   permute. A block's rows in one call: the constants are set once (the compiler made gathers of small_fields' tables,
+   which cost more than the rest of a row's decode). 0: not this layout. */
+static inline int small_fields_rows(const Fmt *f, const uint8_t *restrict data, int64_t rows, int64_t D, const float *restrict cb,
+                                    float *restrict out) {
+    if ((D & 31) || f->signed_bytes || (cb && f->levels > 8)) return 0;
+    for (int64_t p = 0; p < f->n_planes; p++)
+        if (!(f->per[p] == 8 || (f->per[p] == 4 && f->low[p] == 0))) return 0;  /* int3, int2: the 2-bit plane is the low one */
+    const __m256i spread2 = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    const __m256i field2 = _mm256_set1_epi32((int)0xC0300C03u);  /* bytes 3, 12, 48, 192: channel i of a byte's 4 */
+    const __m256i spread1 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit1 = _mm256_set1_epi64x((long long)0x8040201008040201ull), three = _mm256_set1_epi8(3);
+    __m256 levels = _mm256_setzero_ps();
+    if (cb) {
+        float book[8] = {0};
+        memcpy(book, cb, (size_t)f->levels * sizeof(float));
+        levels = _mm256_loadu_ps(book);
+    }
+    const __m256 off = _mm256_set1_ps(f->offset);
+    for (int64_t t = 0; t < rows; t++) {
+        const uint8_t *restrict row = data + t * f->row_bytes;
+        float *restrict x = out + t * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            __m256i code = _mm256_setzero_si256();
+            for (int64_t p = 0; p < f->n_planes; p++) {
+                const uint8_t *restrict bytes = row + f->byte_off[p];
+                if (f->per[p] == 4) {  /* 8 bytes: channels d .. d + 31 */
+                    int64_t eight;
+                    memcpy(&eight, bytes + d / 4, 8);
+                    const __m256i src = _mm256_set1_epi64x(eight);  /* bytes 0-7 in both lanes */
+                    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(src, spread2), field2);
+                    v = _mm256_or_si256(_mm256_or_si256(v, _mm256_srli_epi16(v, 2)), _mm256_or_si256(_mm256_srli_epi16(v, 4), _mm256_srli_epi16(v, 6)));
+                    v = _mm256_and_si256(v, three);
+                    code = _mm256_or_si256(code, v);
+                } else {  /* 4 bytes: channels d .. d + 31 */
+                    int32_t four;
+                    memcpy(&four, bytes + d / 8, 4);
+                    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread1);
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit1), bit1);
+                    code = _mm256_or_si256(code, _mm256_and_si256(set, _mm256_set1_epi8((char)(1 << f->low[p]))));
+                }
+            }
+            const __m128i lo = _mm256_castsi256_si128(code), hi = _mm256_extracti128_si256(code, 1);
+            const __m256i c8[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), _mm256_cvtepu8_epi32(hi),
+                                   _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_ps(x + d + 8 * k, cb ? _mm256_permutevar8x32_ps(levels, c8[k]) : _mm256_sub_ps(_mm256_cvtepi32_ps(c8[k]), off));
+        }
+    }
+    return 1;
+}
+
 /* Planes of 2- and 1-bit fields (int2, int3): every plane's fields gathered into one code byte per channel by table
    (planes after the first shifted to their bit, or-ed in), then 8 channels per pass to float minus the offset -- or,
    for a codebook of at most 8 levels, straight to its levels by one register permute. 0: not this layout (or D not a
@@ -220,6 +287,8 @@ static inline int small_fields(const Fmt *f, const uint8_t *restrict row, int64_
 #else
 static inline int nibbles(const uint8_t *restrict bytes, float offset, int64_t D, float *restrict x) { return 0; }
 static inline int small_fields(const Fmt *f, const uint8_t *restrict row, int64_t D, const float *restrict cb, float *restrict x) { return 0; }
+static inline int small_fields_rows(const Fmt *f, const uint8_t *restrict data, int64_t rows, int64_t D, const float *restrict cb,
+                                    float *restrict out) { return 0; }
 #define NIBBLES(f) 0
 #endif
 
@@ -255,6 +324,7 @@ static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h
     const float *restrict cb = f->codebook ? f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0) : 0;
     int looked_up = 0;  /* the codebook applied by the row decoder */
     const int small = f->linear && !NIBBLES(f);  /* int4's nibbles keep their own path (lin_row) */
+    if (small && small_fields_rows(f, data, bs, D, cb, out)) return;  /* the codebook applied too */
     for (int64_t t = 0; t < bs; t++) {
         if (f->linear) {
             if (small && small_fields(f, data + t * f->row_bytes, D, cb, out + t * D)) {
@@ -332,15 +402,80 @@ static inline void hadamard_row(float *restrict x, int64_t D) {
             }
 }
 
-/* Keys stored before RoPE (pre_rope): the decoded rows of column j of sequence b [bs, D] (stored space) back in model
-   space -- trtkv.quant.inverse_transform: the rotation undone (x @ H^T), times the smoothing factors, then RoPE at each
-   row's position (rotate-half layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin). */
+/* Keys stored before RoPE (pre_rope), one row in vectors x[0 .. V) (D = 8 V, V even) from stored to model space in
+   place -- trtkv.quant.inverse_transform: the rotation undone (x @ H^T, butterflies of strides >= 8 between vectors),
+   times m (the smoothing factors and the rotation's 1 / sqrt(hb)), then RoPE at the row's position (rotate-half
+   layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin; cs / sn that position's table rows). */
+static inline __attribute__((always_inline)) void model_space_vectors(const Fmt *f, v8f *restrict x, const v8f *restrict m, int64_t V, const float *restrict cs,
+                                       const float *restrict sn) {
+    const int64_t hv = V / 2, hbv = (8 * V & -(8 * V)) / 8;
+    if (f->rot) {
+#pragma GCC unroll 32
+        for (int64_t v = 0; v < V; v++) x[v] = hadamard8(x[v]);
+#pragma GCC unroll 8
+        for (int64_t s = 1; s < hbv; s <<= 1)
+#pragma GCC unroll 32
+            for (int64_t i = 0; i < V; i += 2 * s)
+#pragma GCC unroll 32
+                for (int64_t k = i; k < i + s; k++) {
+                    const v8f a = x[k], e = x[k + s];
+                    x[k] = a + e, x[k + s] = a - e;
+                }
+    }
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < hv; v++) {
+        const v8f lo = x[v] * m[v], hi = x[v + hv] * m[v + hv];
+        x[v] = lo * load8(cs + 8 * v) - hi * load8(sn + 8 * v);
+        x[v + hv] = hi * load8(cs + 8 * (v + hv)) + lo * load8(sn + 8 * (v + hv));
+    }
+}
+
+/* Whether model_space_vectors serves format f: whole vectors in each half of a row, and (rotated) blocks of 8 or more
+   for the in-vector butterflies. */
+static inline int vector_model_space(const Fmt *f) {
+    const int64_t D = f->head_dim;
+    return D % 16 == 0 && (!f->rot || (HAVE_HADAMARD8 && (D & -D) >= 8));
+}
+
+/* m of model_space_vectors for head h: the smoothing factors times the rotation's 1 / sqrt(hb). */
+static inline __attribute__((always_inline)) void model_space_factors(const Fmt *f, int64_t h, v8f *restrict m) {
+    const int64_t D = f->head_dim;
+    const float norm = f->rot ? 1.0f / sqrtf((float)(D & -D)) : 1.0f;
+    for (int64_t v = 0; v < D / 8; v++) {
+        m[v] = (v8f){0} + norm;
+        if (f->smooth) m[v] *= load8(f->smooth + h * D + 8 * v);
+    }
+}
+
+/* rows_to_model_space's vector path: V = D / 8, a constant where inlined (the row stays in registers). */
+static inline __attribute__((always_inline)) void model_space_rows(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j,
+                                                                   float *restrict out, const int64_t V) {
+    const int64_t D = 8 * V, bs = f->block_size, p0 = c->first_pos[b] + j * bs;
+    v8f m[MAX_HEAD_DIM / 8], x[MAX_HEAD_DIM / 8];
+    model_space_factors(f, h, m);
+    for (int64_t t = 0; t < bs; t++) {
+        float *restrict r = out + t * D;
+        for (int64_t v = 0; v < V; v++) x[v] = load8(r + 8 * v);
+        model_space_vectors(f, x, m, V, c->rope_cos + (p0 + t) * D, c->rope_sin + (p0 + t) * D);
+        for (int64_t v = 0; v < V; v++) store8(r + 8 * v, x[v]);
+    }
+}
+
+/* The decoded rows of column j of sequence b [bs, D] (stored space) back in model space (keys stored before RoPE). */
 static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, bs = f->block_size, half_d = D / 2;
+    const int64_t p0 = c->first_pos[b] + j * bs;
+    if (vector_model_space(f)) {
+        switch (D) {  /* the common head sizes as constants */
+        case 64: model_space_rows(f, c, b, h, j, out, 8); break;
+        case 128: model_space_rows(f, c, b, h, j, out, 16); break;
+        default: model_space_rows(f, c, b, h, j, out, D / 8);
+        }
+        return;
+    }
     float m[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
     const float norm = f->rot ? 1.0f / sqrtf((float)(D & -D)) : 1.0f;
     for (int64_t d = 0; d < D; d++) m[d] = (f->smooth ? f->smooth[h * D + d] : 1.0f) * norm;
-    const int64_t p0 = c->first_pos[b] + j * bs;
     for (int64_t t = 0; t < bs; t++) {
         float *restrict r = out + t * D;
         if (f->rot) hadamard_row(r, D);
@@ -351,10 +486,9 @@ static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h
     }
 }
 
-/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D] -- stored space, or model space for keys
-   stored before RoPE -- the block's outliers written over the codes' values, the sink rows in place (in the rows'
-   space). */
-static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+/* Column j of sequence b (held[b] > j): its bs rows' values in stored space into out [bs, D] -- the codes decoded and
+   scaled, the block's outliers written over them. */
+static inline void stored_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
     decode_codes(f, c, b, h, j, out);
     if (f->kind != KIND_FP16) {
@@ -386,6 +520,14 @@ static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         for (int64_t k = 0; k < f->outliers; k++)
             if (ix[k] >= 0 && ix[k] < bs * D) out[ix[k]] = (float)ov[k];  /* a position outside the block is never written */
     }
+}
+
+/* Column j of sequence b (held[b] > j): its bs rows decoded into out [bs, D] -- stored space, or model space for keys
+   stored before RoPE -- the block's outliers written over the codes' values, the sink rows in place (in the rows'
+   space). */
+static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, H = f->num_heads;
+    stored_block(f, c, b, h, j, out);
     if (f->pre_rope) rows_to_model_space(f, c, b, h, j, out);
     if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
@@ -450,10 +592,36 @@ static inline void accumulate(float *restrict out, const float *restrict p, int6
     accumulate_cols(out, D, p, ps, rows, D, m, n, D);
 }
 
-/* s[i * ss + t] = q[i, :] . rows[t, :] for m rows, n queries. */
+#if defined(__AVX__)
+/* The 8 sums of a[0 .. 8) as one vector, by a tree of horizontal adds (a per-row hsum8 was most of a dot's time). */
+static inline v8f sums8(const v8f *restrict a) {
+    const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#define HAVE_SUMS8 1
+#else
+#define HAVE_SUMS8 0
+static inline v8f sums8(const v8f *restrict a) { return a[0]; }
+#endif
+
+/* s[i * ss + t] = q[i, :] . rows[t, :] for m rows, n queries: 8 rows at a time per query, their sums reduced together. */
 static inline void dots(float *restrict s, int64_t ss, const float *restrict q, const float *restrict rows, int64_t m, int64_t n, int64_t D) {
     const int64_t D8 = D & ~(int64_t)7;
-    for (int64_t t = 0; t < m; t++) {
+    int64_t t = 0;
+    if (HAVE_SUMS8 && D8 == D)
+        for (; t + 8 <= m; t += 8)
+            for (int64_t i = 0; i < n; i++) {
+                const float *restrict qi = q + i * D;
+                v8f acc[8] = {{0}};
+                for (int64_t d = 0; d < D; d += 8) {
+                    const v8f qv = load8(qi + d);
+                    for (int64_t k = 0; k < 8; k++) acc[k] += qv * load8(rows + (t + k) * D + d);
+                }
+                store8(s + i * ss + t, sums8(acc));
+            }
+    for (; t < m; t++) {
         const float *restrict r = rows + t * D;
         for (int64_t i = 0; i < n; i++) {
             const float *restrict qi = q + i * D;
@@ -493,6 +661,7 @@ typedef struct {
     float *qs;    /* [n, D] the query times the block's key scales */
     float *acc;   /* [n, D] one block's unscaled value sums */
     float *ps;    /* [n, bs] the probabilities times one value group's scales */
+    float *gs;    /* [2, bs * groups] one block's per-token group scales and zero-points as floats */
     float *bias;  /* [n] the query times the block's key zero-points */
     float *qf;    /* [n, D] the query folded by the keys' transforms (model_space) */
 } Scratch;
@@ -571,13 +740,15 @@ static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64
     const float *rows = w->blk + skip * D;
     if (f->gran == GRAN_TOKEN) {
         const int64_t G = f->groups, g = D / G;
+        float *restrict gs = w->gs, *restrict gz = w->gs + bs * G;  /* the rows' scales / zeros [m, G], converted once */
+        half_to_float(c->scale + (bh * bs + skip) * G, gs, m * G);
+        if (c->zero) half_to_float(c->zero + (bh * bs + skip) * G, gz, m * G);
         for (int64_t k = 0; k < G; k++) {
             for (int64_t i = 0; i < n; i++) {
                 float zsum = 0.0f;
                 for (int64_t t = 0; t < m; t++) {
-                    const int64_t at = (bh * bs + skip + t) * G + k;
-                    w->ps[i * bs + t] = p[i * ps + skip + t] * (float)c->scale[at];
-                    if (c->zero) zsum += p[i * ps + skip + t] * (float)c->zero[at];
+                    w->ps[i * bs + t] = p[i * ps + skip + t] * gs[t * G + k];
+                    if (c->zero) zsum += p[i * ps + skip + t] * gz[t * G + k];
                 }
                 if (c->zero)
                     for (int64_t d = 0; d < g; d++) out[i * D + k * g + d] += zsum;
@@ -603,10 +774,10 @@ static __attribute__((noinline)) int64_t decode_pairs(const Fmt *kf, const Fmt *
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, nb = kc->nb, n = a->n, tr = a->tail_rows;
     const int64_t C = nb * bs + tr + 1;
     const int64_t rows = bs > tr ? bs : tr;
-    float *sc = malloc((size_t)(n * C + rows * D + 3 * n * D + n * bs + n) * sizeof(float));
+    float *sc = malloc((size_t)(n * C + rows * D + 3 * n * D + n * bs + n + 2 * bs * D) * sizeof(float));
     if (!sc) return -2;
     Scratch w = {.blk = sc + n * C};
-    w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs, w.qf = w.bias + n;
+    w.qs = w.blk + rows * D, w.acc = w.qs + n * D, w.ps = w.acc + n * D, w.bias = w.ps + n * bs, w.qf = w.bias + n, w.gs = w.qf + n * D;
     float *blk = w.blk;  /* one block of decoded rows [bs, D] */
     for (int64_t pair = first; pair < last; pair++) {
         const int64_t b = pair / H, h = pair % H, bh = pair;

@@ -236,6 +236,16 @@ def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
 
 
 
+@pytest.mark.parametrize("spec", ["int3", "int2", "k=int3:bchannel:asym:nuq,v=int2:g16:sym:nuq,block=13", "k=int2:token:asym,v=int3:g32:asym"])
+def test_long_blocks_take_the_batched_dots_and_the_32_channel_decoders(spec, monkeypatch):
+    """Blocks of 13 rows at a head dim of 64: the score dots in batches of 8 rows and a remainder, the 2- and 1-bit
+    planes spread 32 channels at a time (codebooks too), against float64 in the dequant and the decode."""
+    monkeypatch.setitem(globals(), "D", 64)
+    monkeypatch.setitem(globals(), "BS", 13)
+    test_dequant_matches_float64(spec)
+    test_decode_matches_a_naive_float64_attention(spec, 0, 0.0, False)
+
+
 @pytest.mark.parametrize("spec", ["k=int4:bchannel:asym:smooth:hadamard,v=int4:g8:sym:smooth:hadamard,block=5,sink=2",
                                   "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=5", "fp16",
                                   "k=int3:bchannel:asym:smooth:hadamard:nuq,v=int3:g8:sym:hadamard:nuq,block=5,sink=2"])
@@ -278,6 +288,10 @@ FEATURE_CASES = [
     ("k=int2:bchannel:asym:prerope:smooth:hadamard:out3,v=int2:token:sym:hadamard:nuq,block=5", 20),
     ("k=int2:bchannel:asym:prerope:out3,v=int4:g8:sym:out2,block=5", 24),  # prerope without transforms
     ("k=int4:bchannel:asym:out6,v=int8:bchannel:asym:out2,block=5,sink=2", 24),  # outliers only
+    # the vector path (head_dim a multiple of 16): rows of 6 vectors, Hadamard blocks of 16; no rotation; head_dim 128
+    ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g16:sym:hadamard,block=5,sink=2", 48),
+    ("k=int2:bchannel:asym:prerope:smooth:out2,v=int4:g16:sym,block=5", 32),
+    ("k=int4:bchannel:asym:prerope:hadamard:out3,v=int4:g32:sym:hadamard,block=3", 128),
 ]
 
 
