@@ -35,19 +35,31 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, QUERIES, BLOCK = 3, 64, 3, 64  # SmolLM2-135M: 3 KV heads of 64 channels, 3 query heads each
 
 
+def rope_table(positions: int, base: float = 100000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotate-half RoPE table (cos, sin) [positions, HEAD_DIM] with SmolLM2's base, for keys stored before RoPE."""
+    inv_freq = base ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat([angles, angles], -1)
+    return emb.cos(), emb.sin()
+
+
 def decode_call(spec: str, batch: int, context: int, seed: int):
     """A ready decode call of ``spec`` over random pools: a zero-argument function."""
     g = torch.Generator().manual_seed(seed)
-    fmt = get_format(spec).with_block_size(BLOCK)
-    nb = context // BLOCK
-    lay = PagedKVLayout(fmt, HEADS, HEAD_DIM, BLOCK, batch * nb, batch)
+    fmt = get_format(spec)
+    block = fmt.block_size or BLOCK  # a format's own sealed blocks (the int3-nuq / int2-nuq presets: 128)
+    fmt = fmt.with_block_size(block)
+    nb = context // block
+    lay = PagedKVLayout(fmt, HEADS, HEAD_DIM, block, batch * nb, batch)
     pools, codecs = [], []
     for which in "kv":
         tf = lay.tensor_format(which)
         params = TensorParams(smooth=torch.rand(HEADS, HEAD_DIM, generator=g) + 0.5 if tf.smooth else None,  # nuq: random levels
                               codebook=torch.sort(torch.randn(tf.codebook_levels, generator=g), -1).values if tf.codebook else None)
         pool = lay.allocate(which)
-        for t in (pool.data, pool.scale, pool.zero, pool.tail):
+        if pool.outlier_index is not None:  # outN: positions inside the block, fp16 values
+            pool.outlier_index.copy_(torch.randint(0, block * HEAD_DIM, pool.outlier_index.shape, generator=g).to(pool.outlier_index.dtype))
+        for t in (pool.data, pool.scale, pool.zero, pool.tail, pool.outlier_value):
             if t is None:
                 continue
             if t.dtype == torch.uint8 or t.dtype == torch.int8:
@@ -55,10 +67,12 @@ def decode_call(spec: str, batch: int, context: int, seed: int):
             else:
                 t.copy_(torch.rand(t.shape, generator=g) * 0.1)
         pools.append(pool)
-        codecs.append(ca.RowCodec.of(tf, params, HEADS, HEAD_DIM, BLOCK))
+        codecs.append(ca.RowCodec.of(tf, params, HEADS, HEAD_DIM, block))
     tables = torch.arange(batch * nb).view(batch, nb)
     ctx = torch.full((batch,), context)
-    step = ca.DecodeStep(tables, torch.full((batch,), nb), nb, torch.arange(batch), torch.zeros(batch), ctx, torch.zeros(batch), ctx)
+    rope = rope_table(context + 1) if fmt.k.pre_rope else None  # keys stored before RoPE read it
+    step = ca.DecodeStep(tables, torch.full((batch,), nb), nb, torch.arange(batch), torch.zeros(batch), ctx, torch.zeros(batch), ctx,
+                         rope=rope)
     q = torch.randn(batch, HEADS, QUERIES, HEAD_DIM, generator=g)
     nk, nv = torch.randn(batch, HEADS, HEAD_DIM, generator=g), torch.randn(batch, HEADS, HEAD_DIM, generator=g)
     return lambda: ca.decode_model_space(codecs[0], codecs[1], pools[0], pools[1], step, q, nk, nv, 0.125, None, None, lay.sink_tokens)

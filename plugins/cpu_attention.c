@@ -18,7 +18,11 @@
    byte value v adds ``table[p][v * per[p] + i]`` to channel ``j * per[p] + i`` (the first plane's table already
    subtracts the symmetric offset); integer dtypes whose tables are plain bit fields (every one today: Python checks)
    decode by shifts instead, which vectorize. fp16 rows are converted directly. Then the scale (and zero-point) of the format's
-   granularity: x = value * scale + zero. ``trtkv_decode`` splits its [B, H] pairs over ``threads`` OpenMP threads (the
+   granularity: x = value * scale + zero. A ``nuq`` format's codes are indices into the layer's calibrated levels
+   (``codebook``), an ``outN`` block's listed elements are written over its decoded rows (``oidx`` / ``oval``), and
+   keys stored before RoPE (``pre_rope``) are taken back to model space -- inverse rotation, smoothing, RoPE at each
+   row's position from the model's table (``rope_cos`` / ``rope_sin``, ``first_pos``) -- both entry points then read
+   them in model space. ``trtkv_decode`` splits its [B, H] pairs over ``threads`` OpenMP threads (the
    engine passes torch's thread count of the step; the library links the libgomp torch has loaded, so they are torch's
    own warm pool: a fresh thread per call waits for an idle core to wake, milliseconds on a VM), in ranges of about
    equal rows read; the rest is single-threaded (a prefill's matmuls use torch's threads). */

@@ -10,6 +10,10 @@ and the format's scale granularity:
 * ``dequant``: the sealed rows as float32 ``[B, H, rows, D]`` (stored channel space), with room after them for the
   rows the caller adds, for one fused torch attention (prefill steps).
 
+Every issue-27 feature is read: codebooks (``nuq``), outlier lists (``outN``: the pools' ``outlier_index`` /
+``outlier_value``) and keys stored before RoPE (``prerope``: brought back to model space with the model's RoPE table,
+which ``DecodeStep`` / ``dequant`` take as ``rope``; the decode then scores them with the model-space query).
+
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
 12+ or clang 15+) for this CPU (``-march=native``) and cached under ``~/.cache/trtkv/cpu-kernels`` by a hash of the
 source, the flags, the compiler and the CPU; ``unavailable()`` says why it cannot be used (then the torch ops run).
