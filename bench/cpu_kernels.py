@@ -119,7 +119,7 @@ def main() -> int:
     lines = [f"# trtkv CPU decode kernel, {date.today()}", "", f"Command: `{data['command']}`  ",
              f"Machine: {data['machine']}  ",
              f"One layer's decode call (`decode_model_space`), batch {args.batch}, {args.context} sealed tokens per sequence, "
-             f"{HEADS} KV heads x {HEAD_DIM} channels, {QUERIES} queries per KV head, block {BLOCK}; median of "
+             f"{HEADS} KV heads x {HEAD_DIM} channels, {QUERIES} queries per KV head, block {BLOCK} (a format with its own: that one, 128 for the -nuq presets); median of "
              f"{args.reps} alternated rounds (every format at every thread count) of the best of {args.iters} calls.", "",
              f"| format | threads | ms per layer | ns per (row, head) | vs {specs[0]} | speedup vs {threads[0]} thread(s) |",
              "|---|---:|---:|---:|---:|---:|"]
