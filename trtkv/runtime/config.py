@@ -31,11 +31,6 @@ class RuntimeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     CPU_KV_MEMORY_GIB: ClassVar[float] = 1.0  # the KV budget on CPU when kv_memory_gib is unset
-    # a CPU step with this many new tokens or more runs on every core when cpu_threads is unset: its matrix products
-    # are large enough to gain from a second core (measured on 2 cores: a 64-token chunk 1.2x, 512 tokens 1.5x), a
-    # decode step's are not (1.0x, and slower while the server's request path wants a core)
-    PREFILL_STEP_TOKENS: ClassVar[int] = 64
-
     kv_memory_gib: float | None = Field(
         None, gt=0, description="KV cache budget in GiB (pool blocks + open blocks of every slot)",
         json_schema_extra=_flag("--kv-memory", f"{CPU_KV_MEMORY_GIB:g} GiB on CPU, --kv-fraction of free GPU memory"))
@@ -56,9 +51,9 @@ class RuntimeConfig(BaseModel):
         True, description="share the sealed KV blocks of common prompt prefixes between requests (runtime/prefix_cache.py; "
         "a hit gives the same outputs as recomputing)", json_schema_extra=_flag("--prefix-cache/--no-prefix-cache"))
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads of a CPU engine's steps (torch engine on CPU); unset: every core for a step of "
-        f"at least {PREFILL_STEP_TOKENS} new tokens (prefill), one core fewer for the others (decode), which leaves a core to "
-        "the server's request path", json_schema_extra=_flag("--cpu-threads", "all cores for prefill steps, one fewer for decode"))
+        None, ge=1, description="torch threads of a CPU engine's steps (torch engine on CPU); unset: every core the process may "
+        "use, for prefill and decode steps alike (measured on 2 cores: a decode step 1.6-1.7x faster on both than on one, "
+        "the server's request path needs little)", json_schema_extra=_flag("--cpu-threads", "every core"))
     free_window_blocks: bool = Field(
         True, description="sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing; "
         "torch engine only, and no prefix caching for such a model then)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))
@@ -94,11 +89,9 @@ class RuntimeConfig(BaseModel):
         """A validated copy with ``changes`` (``model_copy(update=...)`` would not validate them)."""
         return RuntimeConfig(**{**self.model_dump(), **changes})
 
-    def step_threads(self, new_tokens: int, cores: int) -> int:
-        """torch threads for a CPU step of ``new_tokens`` on a machine with ``cores`` usable cores."""
-        if self.cpu_threads is not None:
-            return self.cpu_threads
-        return cores if new_tokens >= self.PREFILL_STEP_TOKENS else max(1, cores - 1)
+    def step_threads(self, cores: int) -> int:
+        """torch threads for a CPU step on a machine with ``cores`` usable cores."""
+        return self.cpu_threads if self.cpu_threads is not None else cores
 
     def kv_memory(self, *, gpu: bool) -> float | None:
         """The KV budget in GiB: kv_memory_gib, else the CPU default off a GPU; None on a GPU without

@@ -224,7 +224,7 @@ class LLMEngine:
             slot_ids=[c.seq.slot for c in chunks],
         )
         if self.cores is not None:
-            threads = self.config.step_threads(sum(c.length for c in chunks), self.cores)
+            threads = self.config.step_threads(self.cores)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         result = self.engine.step(batch, self.cache)
@@ -347,9 +347,7 @@ class LLMEngine:
         if self.scheduler.cross_blocks:
             parts.append("steps across blocks")
         if self.cores is not None:
-            c = self.config
-            parts.append(f"threads {c.cpu_threads}" if c.cpu_threads else
-                         f"threads {c.step_threads(c.PREFILL_STEP_TOKENS, self.cores)} for prefill steps, {c.step_threads(1, self.cores)} for decode")
+            parts.append(f"threads {self.config.step_threads(self.cores)}")
         return ", ".join(parts)
 
     def stats(self) -> dict:
