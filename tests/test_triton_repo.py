@@ -217,6 +217,29 @@ def test_client_wait_ready_times_out_with_a_clear_error():
         wait_ready(f"http://127.0.0.1:{free_port()}", 1)
 
 
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """free_port draws from FREE_PORTS (not where outgoing connections take source ports), returns a port that binds,
+    passes over one that is taken, and falls back to the kernel's choice when every draw is taken."""
+    import random
+    import socket
+
+    from trtkv.triton_repo import server
+
+    ports = {server.free_port() for _ in range(20)}
+    assert all(p in server.FREE_PORTS for p in ports) and len(ports) > 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        draws = iter([busy, busy])
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(draws, a + 7))
+        assert server.free_port() == server.FREE_PORTS.start + 7  # the taken port skipped
+        calls = []
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: calls.append(a) or busy)
+        fallback = server.free_port()
+        assert fallback != busy and len(calls) == 64  # every draw tried, then the kernel's port
+
+
 def test_serving_defaults_have_one_home():
     """RuntimeConfig's defaults are what RepoOptions and the serve / triton-repo options use (field_option)."""
     import inspect

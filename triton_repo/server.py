@@ -10,6 +10,7 @@ environment (numpy < 2, trtkv). Every server gets its own shared-memory prefix.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -100,8 +101,24 @@ def port_free(host: str, port: int) -> bool:
 HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002  # tritonserver's own defaults
 
 
+FREE_PORTS = range(20000, 32768)  # below Linux's default ephemeral range (32768-60999), where connections take source ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on now, for a server started next. Drawn at random from ``FREE_PORTS``, not the kernel's
+    ephemeral range (``bind(0)``): a port from there can be taken, before the server binds it, as the source port of
+    any outgoing connection on the machine (a parallel test run's clients did: tritonserver then fails with 'Address
+    already in use'). The system's random source: processes seeded alike (test workers) draw different ports."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(FREE_PORTS.start, FREE_PORTS.stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every draw taken: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 
