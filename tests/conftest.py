@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,24 @@ import torch
 # (each over a minute on 2 cores) are handed out first; the order inside a module is kept.
 LONG_MODULES_FIRST = ("test_gpu_engine_dry_run.py", "test_serve.py", "test_serve_faults.py", "test_build_engine.py", "test_openai.py",
                       "test_torch_engine.py", "test_models.py")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _workers_share_the_cores():
+    """`make test`'s workers split the machine: the runtime runs a CPU step on every core the process may use
+    (``llm_engine.usable_cores``), and two workers doing that on 2 cores ran 4 threads on 2 (a greedy decode test went from under 12 s to 60 s),
+    so each in-process runtime is told its share. Servers and CLI runs in subprocesses keep every core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        yield
+        return
+    from trtkv.runtime import llm_engine
+
+    share = max(1, llm_engine.usable_cores() // workers)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(llm_engine, "usable_cores", lambda: share)
+    yield
+    patch.undo()
 
 
 def pytest_collection_modifyitems(items):

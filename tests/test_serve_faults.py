@@ -274,14 +274,15 @@ def test_a_hand_corrupted_runtime_config_fails_the_load_with_one_line_naming_fil
 
 @pytest.mark.slow
 def test_small_pool_preemption_changes_no_output(engine, tmp_path):
-    """4 slots and 8 int4 blocks of 16 tokens for 8 concurrent 40-token greedy streams: the runtime
-    preempts, and every output (text and log-probabilities) equals the same request served alone."""
+    """4 slots and 5 int4 blocks of 16 tokens for 8 concurrent 40-token greedy streams (3 sealed blocks each: any two
+    running together overflow the pool, however the requests' arrivals interleave): the runtime preempts, and every
+    output (text and log-probabilities) equals the same request served alone."""
     import threading
 
     from trtkv.manifest import load_manifest
 
     m = load_manifest(engine)
-    budget = (4 * m.tail_bytes_per_slot + 8.5 * m.bytes_per_block) / 1024**3
+    budget = (4 * m.tail_bytes_per_slot + 5.5 * m.bytes_per_block) / 1024**3
     # the prompts share a prefix: without the prefix cache every request needs its own blocks, and the pool preempts
     s = start(engine, tmp_path, kv_memory_gib=budget, max_seqs=4, enable_prefix_caching=False)
     try:
