@@ -14,7 +14,6 @@ before the C kernels read these formats). Results: bench/results/low-bit-decode-
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -27,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_engine import machine
 from report import write_report
+from torch_engine import measure
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "torch_engine.py"
 CALIBRATED = ("int3-nuq", "int2-nuq")  # presets whose codebooks / smoothing factors come from `trtkv calibrate`
 
 
@@ -46,14 +45,6 @@ def build(preset: str, out: Path, samples: int, max_seq_len: int) -> Path:
         cmd += ["--calibration", str(cal)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return engine
-
-
-def measure(engine: Path, attention: str, args) -> float:
-    """Decode tokens/s of ``engine`` alone in a fresh process (``bench/torch_engine.py --worker``)."""
-    cmd = [sys.executable, str(WORKER), "--worker", str(engine), "--attention", attention, "--batch", str(args.batch),
-           "--context", str(args.context), "--steps", str(args.steps)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["tok_s"]
 
 
 def main() -> None:
@@ -78,7 +69,7 @@ def main() -> None:
         tok_s: dict = {key: [] for key in runs}
         for _ in range(args.reps):  # rounds alternate the engines: a slow moment of the machine hits each alike
             for key in runs:
-                tok_s[key].append(measure(engines[key[0]], key[1], args))
+                tok_s[key].append(measure(engines[key[0]], args, key[1]))
                 print(key, round(tok_s[key][-1], 2), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

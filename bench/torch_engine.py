@@ -47,9 +47,10 @@ def worker(engine_dir: str, batch: int, ctx: int, steps: int, attention: str = "
     print(json.dumps({"tok_s": decode_tps(engine, cache, batch, ctx, steps, m.model.vocab_size)}), flush=True)
 
 
-def measure(engine_dir: Path, args) -> float:
+def measure(engine_dir: Path, args, attention: str = "auto") -> float:
+    """Decode tokens/s of ``engine_dir`` alone in a fresh process (``--worker``), with the torch engine's ``attention``."""
     cmd = [sys.executable, __file__, "--worker", str(engine_dir), "--batch", str(args.batch), "--context", str(args.context),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), "--attention", attention]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["tok_s"]
 

@@ -441,10 +441,13 @@ static inline int vector_model_space(const Fmt *f) {
     return D % 16 == 0 && (!f->rot || (HAVE_HADAMARD8 && (D & -D) >= 8));
 }
 
+/* The butterflies' normalization: 1 / sqrt(hb) of a rotated format (blocks of hb = D & -D), else 1. */
+static inline float rotation_norm(const Fmt *f) { return f->rot ? 1.0f / sqrtf((float)(f->head_dim & -f->head_dim)) : 1.0f; }
+
 /* m of model_space_vectors for head h: the smoothing factors times the rotation's 1 / sqrt(hb). */
 static inline __attribute__((always_inline)) void model_space_factors(const Fmt *f, int64_t h, v8f *restrict m) {
     const int64_t D = f->head_dim;
-    const float norm = f->rot ? 1.0f / sqrtf((float)(D & -D)) : 1.0f;
+    const float norm = rotation_norm(f);
     for (int64_t v = 0; v < D / 8; v++) {
         m[v] = (v8f){0} + norm;
         if (f->smooth) m[v] *= load8(f->smooth + h * D + 8 * v);
@@ -468,7 +471,6 @@ static inline __attribute__((always_inline)) void model_space_rows(const Fmt *f,
 /* The decoded rows of column j of sequence b [bs, D] (stored space) back in model space (keys stored before RoPE). */
 static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, bs = f->block_size, half_d = D / 2;
-    const int64_t p0 = c->first_pos[b] + j * bs;
     if (vector_model_space(f)) {
         switch (D) {  /* the common head sizes as constants */
         case 64: model_space_rows(f, c, b, h, j, out, 8); break;
@@ -478,7 +480,8 @@ static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         return;
     }
     float m[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
-    const float norm = f->rot ? 1.0f / sqrtf((float)(D & -D)) : 1.0f;
+    const float norm = rotation_norm(f);
+    const int64_t p0 = c->first_pos[b] + j * bs;
     for (int64_t d = 0; d < D; d++) m[d] = (f->smooth ? f->smooth[h * D + d] : 1.0f) * norm;
     for (int64_t t = 0; t < bs; t++) {
         float *restrict r = out + t * D;
