@@ -5,12 +5,13 @@
 
      trtkv_decode   one new token per sequence: the whole attention (sealed blocks, sink rows, open block, the new row;
                     window, soft-cap, softmax), the sealed part of the output in stored space, the rest in model space
-     trtkv_dequant  sealed rows -> float32 out [B, H, out_rows, D] (rows 0 .. nb * bs - 1, stored channel space), for one
-                    fused torch attention over them and the rows the caller puts after them (prefill)
+     trtkv_dequant  sealed rows -> float32 out [B, H, out_rows, D] (rows 0 .. nb * bs - 1) in model space (the
+                    format's transforms undone by butterflies in registers), for one fused torch attention over
+                    them and the rows the caller puts after them (prefill)
 
    Sequence b reads columns 0 .. held[b]-1 of its block table (held[b] * bs rows); rows past them are written as zeros
    or skipped, so blocks of other owners are never read. ``trtkv_dequant`` takes rows below ``sink_tokens`` of column 0
-   from ``sink`` [B, H, sink_tokens, D] (float32, stored space) where ``sink_ok`` (NULL: every b) says so;
+   from ``sink`` [B, H, sink_tokens, D] (float32, model space) where ``sink_ok`` (NULL: every b) says so;
    ``trtkv_decode`` reads them from the tails (model space).
 
    A row is decoded by lookup tables, the storage dtype's own codec (trtkv.formats.DtypeTraits.plane_tables /
@@ -25,7 +26,7 @@
    them in model space. ``trtkv_decode`` splits its [B, H] pairs over ``threads`` OpenMP threads (the
    engine passes torch's thread count of the step; the library links the libgomp torch has loaded, so they are torch's
    own warm pool: a fresh thread per call waits for an idle core to wake, milliseconds on a VM), in ranges of about
-   equal rows read; the rest is single-threaded (a prefill's matmuls use torch's threads). */
+   equal rows read; ``trtkv_dequant`` its [B, H] pairs and the seal (below) its (block, head) slabs, in equal shares. */
 
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +34,7 @@
 #include <string.h>
 
 typedef _Float16 half;
+#define MAX_THREADS 64  /* OpenMP threads per call at most */
 typedef float v8f __attribute__((vector_size(32)));  /* 8 floats: one AVX register where there is one */
 
 static inline v8f load8(const float *p) { v8f v; __builtin_memcpy(&v, p, sizeof v); return v; }
@@ -406,10 +408,10 @@ static inline void hadamard_row(float *restrict x, int64_t D) {
             }
 }
 
-/* Keys stored before RoPE (pre_rope), one row in vectors x[0 .. V) (D = 8 V, V even) from stored to model space in
-   place -- trtkv.quant.inverse_transform: the rotation undone (x @ H^T, butterflies of strides >= 8 between vectors),
-   times m (the smoothing factors and the rotation's 1 / sqrt(hb)), then RoPE at the row's position (rotate-half
-   layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin; cs / sn that position's table rows). */
+/* One row in vectors x[0 .. V) (D = 8 V, V even) from stored to model space in place -- trtkv.quant.inverse_transform:
+   the rotation undone (x @ H^T, butterflies of strides >= 8 between vectors), times m (the smoothing factors and the
+   rotation's 1 / sqrt(hb)), then for keys stored before RoPE (cs / sn: that position's table rows; NULL: none) RoPE
+   at the row's position (rotate-half layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin). */
 static inline __attribute__((always_inline)) void model_space_vectors(const Fmt *f, v8f *restrict x, const v8f *restrict m, int64_t V, const float *restrict cs,
                                        const float *restrict sn) {
     const int64_t hv = V / 2, hbv = (8 * V & -(8 * V)) / 8;
@@ -425,6 +427,11 @@ static inline __attribute__((always_inline)) void model_space_vectors(const Fmt 
                     const v8f a = x[k], e = x[k + s];
                     x[k] = a + e, x[k + s] = a - e;
                 }
+    }
+    if (!cs) {
+#pragma GCC unroll 32
+        for (int64_t v = 0; v < V; v++) x[v] *= m[v];
+        return;
     }
 #pragma GCC unroll 16
     for (int64_t v = 0; v < hv; v++) {
@@ -457,18 +464,20 @@ static inline __attribute__((always_inline)) void model_space_factors(const Fmt 
 /* rows_to_model_space's vector path: V = D / 8, a constant where inlined (the row stays in registers). */
 static inline __attribute__((always_inline)) void model_space_rows(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j,
                                                                    float *restrict out, const int64_t V) {
-    const int64_t D = 8 * V, bs = f->block_size, p0 = c->first_pos[b] + j * bs;
+    const int64_t D = 8 * V, bs = f->block_size, p0 = f->pre_rope ? c->first_pos[b] + j * bs : 0;
     v8f m[MAX_HEAD_DIM / 8], x[MAX_HEAD_DIM / 8];
     model_space_factors(f, h, m);
     for (int64_t t = 0; t < bs; t++) {
         float *restrict r = out + t * D;
         for (int64_t v = 0; v < V; v++) x[v] = load8(r + 8 * v);
-        model_space_vectors(f, x, m, V, c->rope_cos + (p0 + t) * D, c->rope_sin + (p0 + t) * D);
+        if (f->pre_rope) model_space_vectors(f, x, m, V, c->rope_cos + (p0 + t) * D, c->rope_sin + (p0 + t) * D);
+        else model_space_vectors(f, x, m, V, 0, 0);
         for (int64_t v = 0; v < V; v++) store8(r + 8 * v, x[v]);
     }
 }
 
-/* The decoded rows of column j of sequence b [bs, D] (stored space) back in model space (keys stored before RoPE). */
+/* The decoded rows of column j of sequence b [bs, D] (stored space) back in model space: the rotation and smoothing
+   undone, and keys stored before RoPE rotated at their positions. */
 static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, bs = f->block_size, half_d = D / 2;
     if (vector_model_space(f)) {
@@ -481,11 +490,15 @@ static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h
     }
     float m[MAX_HEAD_DIM], x[MAX_HEAD_DIM];
     const float norm = rotation_norm(f);
-    const int64_t p0 = c->first_pos[b] + j * bs;
+    const int64_t p0 = f->pre_rope ? c->first_pos[b] + j * bs : 0;
     for (int64_t d = 0; d < D; d++) m[d] = (f->smooth ? f->smooth[h * D + d] : 1.0f) * norm;
     for (int64_t t = 0; t < bs; t++) {
         float *restrict r = out + t * D;
         if (f->rot) hadamard_row(r, D);
+        if (!f->pre_rope) {
+            for (int64_t d = 0; d < D; d++) r[d] *= m[d];
+            continue;
+        }
         for (int64_t d = 0; d < D; d++) x[d] = r[d] * m[d];
         const float *restrict cs = c->rope_cos + (p0 + t) * D, *restrict sn = c->rope_sin + (p0 + t) * D;
         for (int64_t d = 0; d < half_d; d++) r[d] = x[d] * cs[d] - x[d + half_d] * sn[d];
@@ -540,6 +553,16 @@ static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
 }
 
+/* Column j of sequence b (held[b] > j) in model space [bs, D] (trtkv_dequant): decode_block's rows with every
+   transform undone, the sink rows (model space) in place. */
+static inline void model_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, H = f->num_heads;
+    stored_block(f, c, b, h, j, out);
+    if (f->pre_rope || f->rot || f->smooth) rows_to_model_space(f, c, b, h, j, out);
+    if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
+        memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
+}
+
 /* Whether what format f's reads need is there: outlier lists, and a RoPE table covering every position read. */
 static int reads_ok(const Fmt *f, const Ctx *c) {
     if (f->outliers && (!c->oidx || !c->oval)) return 0;
@@ -552,17 +575,21 @@ static int reads_ok(const Fmt *f, const Ctx *c) {
     return 1;
 }
 
-int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows) {
-    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb;
+int64_t trtkv_dequant(const Fmt *f, const Ctx *c, float *out, int64_t out_rows, int64_t threads) {
+    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, nb = c->nb, pairs = c->batch * H;
     if (D > MAX_HEAD_DIM || out_rows < nb * bs || !reads_ok(f, c)) return -1;
-    for (int64_t b = 0; b < c->batch; b++)
-        for (int64_t h = 0; h < H; h++) {
-            float *o = out + (b * H + h) * out_rows * D;
-            for (int64_t j = 0; j < nb; j++) {
-                if (j < c->held[b]) decode_block(f, c, b, h, j, o + j * bs * D);
-                else memset(o + j * bs * D, 0, (size_t)(bs * D) * sizeof(float));
-            }
+    int64_t T = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (T > pairs) T = pairs < 1 ? 1 : pairs;
+    /* [B, H] pairs over torch's OpenMP pool (each writes its own rows) */
+    #pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t b = p / H, h = p % H;
+        float *o = out + p * out_rows * D;
+        for (int64_t j = 0; j < nb; j++) {
+            if (j < c->held[b]) model_block(f, c, b, h, j, o + j * bs * D);
+            else memset(o + j * bs * D, 0, (size_t)(bs * D) * sizeof(float));
         }
+    }
     return 0;
 }
 
@@ -861,8 +888,6 @@ typedef struct {
     int64_t first, last, rc;
 } Share;
 
-#define MAX_THREADS 64
-
 int64_t trtkv_decode(const Fmt *kf, const Fmt *vf, const Ctx *kc, const Ctx *vc, const Decode *a) {
     const int64_t H = kf->num_heads, D = kf->head_dim, bs = kf->block_size, pairs = kc->batch * H;
     if (D > MAX_HEAD_DIM || vf->head_dim != D || !reads_ok(kf, kc) || !reads_ok(vf, vc) || vf->pre_rope) return -1;
@@ -907,6 +932,9 @@ typedef struct {
     const float *clip;  /* [H] range multipliers, or NULL (1) */
 } SealFmt;
 
+/* A slice's scale, zero-point and their inverse from its range, in their own function without contraction (the only
+   place the arithmetic could contract: lo + rng * ...); the loops around it (ranges, codes: a min / max, a subtract
+   and a multiply per element, nothing to contract or reorder) are outside, where the compiler vectorizes them. */
 #if defined(__clang__)
 #define NO_FP_REWRITE _Pragma("clang fp contract(off) reassociate(off)")
 #else
@@ -920,94 +948,140 @@ static inline float to_fp16(float v) {
     return (float)(half)v;
 }
 
-/* scale (and zero) of the values x[i * stride], i < m, and their codes into q[i * stride] (stored values, offset added) */
-static void quant_slice(const SealFmt *f, const float *x, int64_t m, int64_t stride, float clip, int *q, float *scale, float *zero) {
+/* symmetric: hi is the slice's largest magnitude (lo unused), zero 0; asymmetric: lo .. hi its range */
+static __attribute__((noinline)) void slice_params(const SealFmt *f, float lo, float hi, float clip, float *s, float *z, float *inv) {
     NO_FP_REWRITE
     if (f->symmetric) {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            const float a = fabsf(x[i * stride]);
-            amax = a > amax ? a : amax;
-        }
-        const float s = to_fp16(amax * clip / f->sym_max);
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            float c = rintf(x[i * stride] * inv);
-            c = c < f->sym_min ? f->sym_min : (c > f->sym_max ? f->sym_max : c);
-            q[i * stride] = (int)c + (int)f->offset;
-        }
-        *scale = s;
-        return;
+        *s = to_fp16(hi * clip / f->sym_max);
+        *z = 0.0f;
+    } else {
+        const float rng = hi - lo;
+        *z = to_fp16(lo + rng * (1.0f - clip) / 2.0f);
+        *s = to_fp16(rng * clip / f->asym_max);
     }
-    float mn = x[0], mx = x[0];
-    for (int64_t i = 1; i < m; i++) {
-        const float v = x[i * stride];
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
-    }
-    const float rng = mx - mn;
-    const float z = to_fp16(mn + rng * (1.0f - clip) / 2.0f);
-    const float s = to_fp16(rng * clip / f->asym_max);
-    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-    for (int64_t i = 0; i < m; i++) {
-        float c = rintf((x[i * stride] - z) * inv);
-        c = c < 0.0f ? 0.0f : (c > f->asym_max ? f->asym_max : c);
-        q[i * stride] = (int)c;
-    }
-    *scale = s;
-    *zero = z;
-}
-
-int64_t trtkv_seal(const SealFmt *f, const float *x, int64_t n, uint8_t *codes, half *scale, half *zero) {
-    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, G = f->groups;
-    if (D > MAX_HEAD_DIM || (!f->block_wise && (G < 1 || D % G))) return -1;
-    int *q = malloc((size_t)(bs * D) * sizeof(int));
-    if (!q) return -2;
-    for (int64_t nb = 0; nb < n; nb++)
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t bh = nb * H + h;
-            const float *xb = x + bh * bs * D;
-            const float clip = f->clip ? f->clip[h] : 1.0f;
-            if (f->block_wise) {
-                for (int64_t d = 0; d < D; d++) {
-                    float s, z = 0.0f;
-                    quant_slice(f, xb + d, bs, D, clip, q + d, &s, &z);
-                    scale[bh * D + d] = (half)s;
-                    if (zero) zero[bh * D + d] = (half)z;
-                }
-            } else {
-                const int64_t g = D / G;
-                for (int64_t t = 0; t < bs; t++)
-                    for (int64_t k = 0; k < G; k++) {
-                        float s, z = 0.0f;
-                        quant_slice(f, xb + t * D + k * g, g, 1, clip, q + t * D + k * g, &s, &z);
-                        scale[(bh * bs + t) * G + k] = (half)s;
-                        if (zero) zero[(bh * bs + t) * G + k] = (half)z;
-                    }
-            }
-            /* pack each row plane after plane (trtkv.formats.DtypeTraits._pack) */
-            uint8_t *out = codes + bh * bs * f->row_bytes;
-            for (int64_t t = 0; t < bs; t++) {
-                const int *qr = q + t * D;
-                uint8_t *row = out + t * f->row_bytes;
-                if (f->signed_bytes) {
-                    for (int64_t d = 0; d < D; d++) row[d] = (uint8_t)(int8_t)qr[d];
-                    continue;
-                }
-                for (int64_t p = 0; p < f->n_planes; p++) {
-                    const int64_t w = f->width[p], per = 8 / w, mask = (1 << w) - 1;
-                    for (int64_t j = 0; j < D / per; j++) {
-                        int byte = 0;
-                        for (int64_t i = 0; i < per; i++) byte |= ((qr[j * per + i] >> f->low[p]) & mask) << (i * w);
-                        row[f->byte_off[p] + j] = (uint8_t)byte;
-                    }
-                }
-            }
-        }
-    free(q);
-    return 0;
+    *inv = *s > 0.0f ? 1.0f / *s : 0.0f;
 }
 
 #if !defined(__clang__)
 #pragma GCC pop_options
 #endif
+
+/* codes of one value (finite: the caller checked, so the clamps are min / max), stored as the pool stores them */
+static inline int code_of(const SealFmt *f, float x, float z, float inv) {
+    const float lo = f->symmetric ? f->sym_min : 0.0f, hi = f->symmetric ? f->sym_max : f->asym_max;
+    float c = rintf(f->symmetric ? x * inv : (x - z) * inv);
+    c = c < lo ? lo : (c > hi ? hi : c);
+    return (int)c + (f->symmetric ? (int)f->offset : 0);
+}
+
+/* scale (and zero) of the values x[i], i < m, and their codes into q[i] */
+static void quant_slice(const SealFmt *f, const float *restrict x, int64_t m, float clip, int *restrict q, float *scale, float *zero) {
+    float lo = x[0], hi = f->symmetric ? 0.0f : x[0], s, z, inv;
+    for (int64_t i = 0; i < m; i++) {
+        const float v = f->symmetric ? fabsf(x[i]) : x[i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    slice_params(f, lo, hi, clip, &s, &z, &inv);
+    for (int64_t i = 0; i < m; i++) q[i] = code_of(f, x[i], z, inv);
+    *scale = s;
+    *zero = z;
+}
+
+/* quant_slice of each channel of a block xb [bs, D] over its rows, channels side by side (rows read in order: the
+   loops over d vectorize) */
+static void quant_block_channels(const SealFmt *f, const float *restrict xb, float clip, int *restrict q, half *scale, half *zero) {
+    const int64_t D = f->head_dim, bs = f->block_size;
+    float z[MAX_HEAD_DIM], inv[MAX_HEAD_DIM], lo[MAX_HEAD_DIM], hi[MAX_HEAD_DIM];
+    const int sym = (int)f->symmetric;
+    for (int64_t d = 0; d < D; d++) lo[d] = hi[d] = sym ? 0.0f : xb[d];
+    for (int64_t t = 0; t < bs; t++)
+        for (int64_t d = 0; d < D; d++) {
+            const float v = sym ? fabsf(xb[t * D + d]) : xb[t * D + d];
+            lo[d] = v < lo[d] ? v : lo[d];
+            hi[d] = v > hi[d] ? v : hi[d];
+        }
+    for (int64_t d = 0; d < D; d++) {
+        float s;
+        slice_params(f, lo[d], hi[d], clip, &s, &z[d], &inv[d]);
+        scale[d] = (half)s;
+        if (zero) zero[d] = (half)z[d];
+    }
+    for (int64_t t = 0; t < bs; t++)
+        for (int64_t d = 0; d < D; d++) q[t * D + d] = code_of(f, xb[t * D + d], z[d], inv[d]);
+}
+
+/* one bit plane of a row: byte j holds bits low .. low + w - 1 of the codes j * 8 / w + i, i < 8 / w, at bit i * w
+   (trtkv.formats.DtypeTraits._pack) */
+static inline __attribute__((always_inline)) void pack_plane(const int *restrict qr, uint8_t *restrict row, int64_t n, const int w,
+                                                             const int64_t low) {
+    const int per = 8 / w, mask = (1 << w) - 1;
+    for (int64_t j = 0; j < n; j++) {
+        int byte = 0;
+        for (int i = 0; i < per; i++) byte |= ((qr[j * per + i] >> low) & mask) << (i * w);
+        row[j] = (uint8_t)byte;
+    }
+}
+
+/* slabs [first, last) of the n * H (block, head) slabs, with q: bs * D ints of scratch; -3 at a NaN or inf */
+static int64_t seal_slabs(const SealFmt *f, const float *x, int64_t first, int64_t last, uint8_t *codes, half *scale, half *zero, int *q) {
+    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, G = f->groups;
+    for (int64_t bh = first; bh < last; bh++) {
+        const int64_t h = bh % H;
+        const float *xb = x + bh * bs * D;
+        int finite = 1;
+        for (int64_t i = 0; i < bs * D; i++) finite &= isfinite(xb[i]) != 0;
+        if (!finite) return -3;
+        const float clip = f->clip ? f->clip[h] : 1.0f;
+        if (f->block_wise) {
+            quant_block_channels(f, xb, clip, q, scale + bh * D, zero ? zero + bh * D : 0);
+        } else {
+            const int64_t g = D / G;
+            for (int64_t t = 0; t < bs; t++)
+                for (int64_t k = 0; k < G; k++) {
+                    float s, z;
+                    quant_slice(f, xb + t * D + k * g, g, clip, q + t * D + k * g, &s, &z);
+                    scale[(bh * bs + t) * G + k] = (half)s;
+                    if (zero) zero[(bh * bs + t) * G + k] = (half)z;
+                }
+        }
+        /* pack each row plane after plane (trtkv.formats.DtypeTraits._pack) */
+        uint8_t *out = codes + bh * bs * f->row_bytes;
+        for (int64_t t = 0; t < bs; t++) {
+            const int *qr = q + t * D;
+            uint8_t *row = out + t * f->row_bytes;
+            if (f->signed_bytes) {
+                for (int64_t d = 0; d < D; d++) row[d] = (uint8_t)(int8_t)qr[d];
+                continue;
+            }
+            for (int64_t p = 0; p < f->n_planes; p++) {
+                const int64_t w = f->width[p], low = f->low[p], n = D / (8 / w);
+                uint8_t *dst = row + f->byte_off[p];
+                if (w == 4) pack_plane(qr, dst, n, 4, low);  /* constant widths: the per-byte loop unrolls and vectorizes */
+                else if (w == 2) pack_plane(qr, dst, n, 2, low);
+                else if (w == 1) pack_plane(qr, dst, n, 1, low);
+                else pack_plane(qr, dst, n, 8, low);
+            }
+        }
+    }
+    return 0;
+}
+
+/* n blocks, their (block, head) slabs split over ``threads`` OpenMP threads (torch's pool, as the decode's); -3 where
+   x holds a NaN or inf (nothing to quantize: the caller's one-line error) */
+int64_t trtkv_seal(const SealFmt *f, const float *x, int64_t n, uint8_t *codes, half *scale, half *zero, int64_t threads) {
+    const int64_t H = f->num_heads, D = f->head_dim, bs = f->block_size, G = f->groups, slabs = n * H;
+    if (D > MAX_HEAD_DIM || (!f->block_wise && (G < 1 || D % G))) return -1;
+    if (slabs < 1) return 0;
+    int64_t T = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (T > slabs) T = slabs;
+    int *q = malloc((size_t)(T * bs * D) * sizeof(int));
+    if (!q) return -2;
+    int64_t rc[MAX_THREADS];
+    #pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) rc[t] = seal_slabs(f, x, slabs * t / T, slabs * (t + 1) / T, codes, scale, zero, q + t * bs * D);
+    free(q);
+    for (int64_t t = 0; t < T; t++)
+        if (rc[t]) return rc[t];
+    return 0;
+}

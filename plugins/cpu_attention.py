@@ -32,12 +32,13 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
-from trtkv.quant import QuantizedTensor, codebook_of, hadamard_matrix, per_channel
+from trtkv.quant import QuantizedTensor, codebook_of, hadamard_matrix, non_finite, per_channel
 
 from .contract.capabilities import CPU_KERNELS, CPU_SEAL, LACKS_HINT
 
@@ -127,9 +128,9 @@ def _library() -> ctypes.CDLL | str:
     lib = ctypes.CDLL(str(out))
     lib.trtkv_decode.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), ctypes.POINTER(_Ctx), ctypes.POINTER(_Decode)]
     lib.trtkv_decode.restype = _i64
-    lib.trtkv_dequant.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), _ptr, _i64]
+    lib.trtkv_dequant.argtypes = [ctypes.POINTER(_Fmt), ctypes.POINTER(_Ctx), _ptr, _i64, _i64]
     lib.trtkv_dequant.restype = _i64
-    lib.trtkv_seal.argtypes = [ctypes.POINTER(_SealFmt), _ptr, _i64, _ptr, _ptr, _ptr]
+    lib.trtkv_seal.argtypes = [ctypes.POINTER(_SealFmt), _ptr, _i64, _ptr, _ptr, _ptr, _i64]
     lib.trtkv_seal.restype = _i64
     return lib
 
@@ -285,18 +286,29 @@ def _check(rc: int) -> None:
 
 def dequant(codec: RowCodec, pool, tables, held, nb: int, sink=None, sink_ok=None, rows: int | None = None, first_pos=None,
             rope=None) -> torch.Tensor:
-    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, rows, D]`` in stored space: rows ``0 .. nb * bs - 1``
-    (zeros past ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill. Keys stored before
-    RoPE come back in model space instead (the transforms undone, RoPE applied): ``first_pos`` [B] is the position of
-    each sequence's column 0, row 0 and ``rope`` the model's ``(cos, sin)`` [P, D] of positions ``0 .. P - 1`` covering
-    every row read (``trtkv.rope.RopeTable.upto``); ``sink`` rows are then in model space too."""
+    """Sealed rows of columns ``0 .. nb - 1`` as float32 ``[B, H, rows, D]`` in model space (the format's transforms
+    undone; ``sink`` rows, given in model space, in place where ``sink_ok`` says): rows ``0 .. nb * bs - 1`` (zeros past
+    ``held``), the rest (``rows`` defaults to ``nb * bs``) left for the caller to fill. Keys stored before RoPE are
+    rotated at their positions: ``first_pos`` [B] is the position of each sequence's column 0, row 0 and ``rope`` the
+    model's ``(cos, sin)`` [P, D] of positions ``0 .. P - 1`` covering every row read (``trtkv.rope.RopeTable.upto``)."""
     f = codec.fmt
     c, keep = _ctx(pool, tables, held, nb, sink, sink_ok, first_pos, rope)
     rows = nb * f.block_size if rows is None else rows
     out = torch.empty(c.batch, f.num_heads, rows, f.head_dim, dtype=torch.float32)
     _need_rope(codec, c)
-    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr(), rows))
+    _check(library().trtkv_dequant(ctypes.byref(f), ctypes.byref(c), out.data_ptr(), rows, torch.get_num_threads()))
     return out
+
+
+def dequant_blocks(codec: RowCodec, qt: QuantizedTensor, batch: int, first_pos=None, rope=None) -> torch.Tensor:
+    """Blocks ``qt`` [batch * n, H, bs, ...] as a seal made them (``seal``, ``trtkv.quant.quantize_block``), sequence b's
+    n blocks one after the other, dequantized like ``dequant`` reads them from a pool: float32 [batch, H, n * bs, D] in
+    model space (keys stored before RoPE: ``first_pos`` [batch] the position of each one's first row)."""
+    n = qt.codes.shape[0] // batch
+    blocks = SimpleNamespace(**{name: None if t is None else t.contiguous() for name, t in (
+        ("data", qt.codes), ("scale", qt.scale), ("zero", qt.zero), ("outlier_index", qt.outlier_index), ("outlier_value", qt.outlier_value))})
+    tables = torch.arange(batch * n, dtype=torch.int64).view(batch, n)
+    return dequant(codec, blocks, tables, torch.full((batch,), n, dtype=torch.int64), n, first_pos=first_pos, rope=rope)
 
 
 class DecodeStep:
@@ -406,7 +418,7 @@ class SealCodec:
 
 def seal(codec: SealCodec, x: torch.Tensor) -> QuantizedTensor:
     """Blocks ``x`` [N, H, bs, D] (float32, stored space) quantized as the pool stores them: ``trtkv.quant.quantize_block``'s
-    codes, scales and zero-points, byte for byte."""
+    codes, scales and zero-points, byte for byte; a NaN or inf in ``x`` is ``trtkv.quant.check_finite``'s error."""
     f = codec.fmt
     x = x.float().contiguous()
     N = x.shape[0]
@@ -414,5 +426,8 @@ def seal(codec: SealCodec, x: torch.Tensor) -> QuantizedTensor:
     shape = (N, f.num_heads, f.head_dim) if f.block_wise else (N, f.num_heads, f.block_size, f.groups)
     scale = torch.empty(shape, dtype=torch.float16)
     zero = None if f.symmetric else torch.empty(shape, dtype=torch.float16)
-    _check(library().trtkv_seal(ctypes.byref(f), x.data_ptr(), N, codes.data_ptr(), scale.data_ptr(), _p(zero)))
+    rc = library().trtkv_seal(ctypes.byref(f), x.data_ptr(), N, codes.data_ptr(), scale.data_ptr(), _p(zero), torch.get_num_threads())
+    if rc == -3:
+        raise non_finite("K/V input")
+    _check(rc)
     return QuantizedTensor(codes=codes.view(codec.storage), scale=scale, zero=zero)

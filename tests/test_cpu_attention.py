@@ -40,6 +40,7 @@ SPECS = [
     "k=fp8_e4m3:head,v=fp8_e4m3:channel",
     # nuq: codes index the layer's codebook (per layer for K, per KV head for V; see _params)
     "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5", "k=int2:token:asym:nuq,v=int3:bchannel:sym:nuq,block=5",
+    "k=int4:bchannel:asym:smooth,v=int8:token:sym:smooth,block=5",  # smoothing without a rotation (factors per channel)
 ]
 
 
@@ -50,15 +51,17 @@ def _format(spec: str):
 
 def _params(tf, g, which="k"):
     """A static format's random scales; a nuq format's random ascending codebook in code units, one per layer for keys
-    ([levels]) and one per KV head for values ([H, levels]); else None."""
+    ([levels]) and one per KV head for values ([H, levels]); a smoothed format's random factors [H, D]; None without any."""
+    got = {}
+    if tf.smooth:
+        got["smooth"] = torch.rand(H, D, generator=g) + 0.5
     if tf.codebook:
         n = tf.codebook_levels
-        book = torch.sort(torch.randn(n if which == "k" else (H, n), generator=g) * n / 3, -1).values
-        return TensorParams(codebook=book)
-    if not tf.is_static:
-        return None
-    shape = {"per_tensor": (), "per_head": (H,), "per_channel": (H, D)}[tf.granularity]
-    return TensorParams(scale=torch.rand(shape, generator=g) * 0.05 + 0.01)
+        got["codebook"] = torch.sort(torch.randn(n if which == "k" else (H, n), generator=g) * n / 3, -1).values
+    if tf.is_static:
+        shape = {"per_tensor": (), "per_head": (H,), "per_channel": (H, D)}[tf.granularity]
+        got["scale"] = torch.rand(shape, generator=g) * 0.05 + 0.01
+    return TensorParams(**got) if got else None
 
 
 def _filled_pool(lay, which, params, g, owned):
@@ -83,13 +86,14 @@ def _filled_pool(lay, which, params, g, owned):
     return pool
 
 
-def _reference_rows(lay, which, pool, params):
-    """Every pool block dequantized in float64, stored channel space: [NB, H, BS, D]."""
+def _reference_rows(lay, which, pool, params, model_space=False):
+    """Every pool block dequantized in float64, stored channel space (``model_space``: the transforms undone): [NB, H, BS, D]."""
     tf = lay.tensor_format(which)
     qt = QuantizedTensor(pool.data, pool.scale, pool.zero)
     p64 = None if params is None else TensorParams(scale=None if params.scale is None else params.scale.double(),
-                                                   codebook=None if params.codebook is None else params.codebook.double())
-    return dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, transforms=False)
+                                                   codebook=None if params.codebook is None else params.codebook.double(),
+                                                   smooth=None if params.smooth is None else params.smooth.double())
+    return dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, transforms=model_space)
 
 
 def _tables(g, batch=3):
@@ -104,8 +108,18 @@ def _tables(g, batch=3):
     return tables, held, {int(x) for x in tables[tables >= 0]}
 
 
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (the kernels split their work over it), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 4], indirect=True)  # 4 threads: the 9 [B, H] pairs in unequal shares
 @pytest.mark.parametrize("spec", SPECS)
-def test_dequant_matches_float64(spec):
+def test_dequant_matches_float64(spec, threads):
     g = torch.Generator().manual_seed(7)
     fmt = _format(spec)
     lay = PagedKVLayout(fmt, H, D, BS, NB, 3)
@@ -115,7 +129,7 @@ def test_dequant_matches_float64(spec):
         tf = lay.tensor_format(which)
         params = _params(tf, g, which)
         pool = _filled_pool(lay, which, params, g, owned)
-        ref = _reference_rows(lay, which, pool, params)
+        ref = _reference_rows(lay, which, pool, params, model_space=True)  # the kernels undo the rotation
         want = torch.zeros(3, H, nb * BS, D, dtype=torch.float64)
         for b in range(3):
             for j in range(int(held[b])):
@@ -231,7 +245,7 @@ def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
     """A head dim of 72: two 32-channel passes of the vectorized int4 row decoder and a tail of 8 (the module's D of 24
     takes the tail loop only), against float64, in the dequant and in the decode with its folded scales."""
     monkeypatch.setitem(globals(), "D", 72)
-    test_dequant_matches_float64(spec)
+    test_dequant_matches_float64(spec, torch.get_num_threads())
     test_decode_matches_a_naive_float64_attention(spec, 0, 0.0, False)
 
 
@@ -242,7 +256,7 @@ def test_long_blocks_take_the_batched_dots_and_the_32_channel_decoders(spec, mon
     planes spread 32 channels at a time (codebooks too), against float64 in the dequant and the decode."""
     monkeypatch.setitem(globals(), "D", 64)
     monkeypatch.setitem(globals(), "BS", 13)
-    test_dequant_matches_float64(spec)
+    test_dequant_matches_float64(spec, torch.get_num_threads())
     test_decode_matches_a_naive_float64_attention(spec, 0, 0.0, False)
 
 
@@ -362,8 +376,7 @@ def test_dequant_reads_outliers_and_keys_before_rope(spec, d, monkeypatch):
     sink = torch.randn(3, H, 2, d, generator=g)
     for w in "kv":
         tf = lay.tensor_format(w)
-        pool, model, stored = pools[w]
-        ref = model if tf.pre_rope else stored
+        pool, ref, _ = pools[w]  # model space: transforms undone, keys stored before RoPE rotated at their positions
         want = torch.zeros(3, H, nb * BS, d, dtype=torch.float64)
         for b in range(3):
             for j in range(int(held[b])):
@@ -571,9 +584,10 @@ def test_auto_takes_the_cpu_kernels_on_cpu(tiny_models):
 # ---------------------------------------------------------------------------------------------- the seal
 
 
+@pytest.mark.parametrize("threads", [1, 4], indirect=True)  # 4 threads: 18 (block, head) slabs in unequal shares
 @pytest.mark.parametrize("spec", ["int8", "int4", "int3", "int2", "k=int4:g8:asym,v=int8:g12:asym", "k=int8:token:asym,v=int2:token:sym",
                                   "k=int3:bchannel:sym,v=int4:token:asym,block=5"])
-def test_the_c_seal_writes_the_reference_quantizers_bytes(spec):
+def test_the_c_seal_writes_the_reference_quantizers_bytes(spec, threads):
     from trtkv.quant import forward_transform
 
     g = torch.Generator().manual_seed(13)
@@ -594,6 +608,59 @@ def test_the_c_seal_writes_the_reference_quantizers_bytes(spec):
             assert got.codes.dtype == ref.codes.dtype and torch.equal(got.codes, ref.codes), (spec, tf.short(), clip)
             assert torch.equal(got.scale, ref.scale) and (ref.zero is None) == (got.zero is None)
             assert ref.zero is None or torch.equal(got.zero, ref.zero)
+
+
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_the_c_seal_refuses_nan_and_inf_in_one_line(bad, threads):
+    """The C seal checks every element as it reads (the pool no longer runs ``check_finite`` before it): a NaN or inf in
+    any (block, head) slab -- the first, the last -- is the reference quantizer's one-line error, from ``seal`` and from
+    the pool's write, which then stores nothing."""
+    from trtkv.runtime.step import StepBatch, StepOutput
+
+    fmt = _format("int4")
+    codec = ca.SealCodec.of(fmt.k, None, H, D, BS)
+    for slab in [(0, 0), (5, H - 1)]:
+        x = torch.randn(6, H, BS, D)
+        x[slab][BS - 1, D - 1] = bad
+        with pytest.raises(TrtkvError, match="NaN or inf") as e:
+            ca.seal(codec, x)
+        assert "\n" not in str(e.value) and e.value.fix
+    cache = PagedKVCache(PagedKVLayout(fmt, H, D, BS, NB, 1), 1)
+    k = torch.randn(1, 1, BS, H, D).half()
+    k[0, 0, 2, 1, 3] = bad
+    before = {name: t.clone() for name, t in cache.tensors.items() if "tail" not in name}
+    with pytest.raises(TrtkvError, match="NaN or inf"):
+        cache.write_new_rows(StepBatch.make([[0] * BS], [0], [[3, 4]], [0]), StepOutput(None, k, -k.abs()))
+    assert all(torch.equal(t, cache.tensors[name]) for name, t in before.items())
+
+
+@pytest.mark.parametrize("threads", [1, 4], indirect=True)
+@pytest.mark.parametrize("spec", ["int4", "int3", "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5"] + [s for s, d in FEATURE_CASES if d == D])
+def test_dequant_blocks_reads_a_seals_blocks_like_float64(spec, threads):
+    """``dequant_blocks`` (a step across blocks reads back the blocks it seals): the seal's n blocks per sequence, in
+    order, as ``dequantize`` in float64 -- model space, keys stored before RoPE rotated at each sequence's
+    positions (``first_pos``), outliers written over the codes, codebooks looked up."""
+    g = torch.Generator().manual_seed(31)
+    [fmt], _ = fit_formats([spec], D)
+    fmt = fmt.with_block_size(BS)
+    B, n = 3, 2
+    first = torch.tensor([0, 2 * BS, 7 * BS])
+    rope = _rope_table(int(first.max()) + n * BS, D, g)
+    for which in ("k", "v"):
+        tf = fmt.k if which == "k" else fmt.v
+        params = _feature_params(tf, g, D)
+        pos = (first[:, None] + torch.arange(n)[None, :] * BS).reshape(-1)[:, None] + torch.arange(BS)  # [B * n, BS]
+        cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]
+        x = torch.randn(B * n, H, BS, D, generator=g) * 2
+        x[:, :, 1, 3] += 9.0
+        qt = quantize_block(x, tf, params, head_axis=-3, rope=(cos, sin) if tf.pre_rope else None)
+        p64 = TensorParams(smooth=None if params.smooth is None else params.smooth.double(),
+                           codebook=None if params.codebook is None else params.codebook.double())
+        want = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, rope=(cos.double(), sin.double()) if tf.pre_rope else None)
+        want = want.view(B, n, H, BS, D).transpose(1, 2).reshape(B, H, n * BS, D)
+        got = ca.dequant_blocks(ca.RowCodec.of(tf, params, H, D, BS), qt, B, first_pos=first, rope=rope)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec, why", [("fp16", "not an integer"), ("fp8", "not an integer"), ("int8-static", "static"),

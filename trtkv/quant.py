@@ -58,12 +58,15 @@ class QuantizedTensor:
     outlier_value: torch.Tensor | None = None
 
 
+def non_finite(what: str = "tensor") -> TrtkvError:
+    """The error of quantizing ``what`` that holds a NaN or inf (``check_finite``; the C seal's, which checks as it reads)."""
+    return TrtkvError(f"{what} contains NaN or inf values, which cannot be quantized",
+                      "check the model dtype (fp16 overflow?) and the input; run in float32")
+
+
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     if not torch.isfinite(x).all():
-        raise TrtkvError(
-            f"{what} contains NaN or inf values, which cannot be quantized",
-            "check the model dtype (fp16 overflow?) and the input; run in float32",
-        )
+        raise non_finite(what)
 
 
 @functools.lru_cache(maxsize=16)

@@ -31,7 +31,7 @@ from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
 from trtkv.plugins import cpu_attention
 from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
-from trtkv.quant import QuantizedTensor, check_finite, forward_transform, quantize_block
+from trtkv.quant import QuantizedTensor, forward_transform, quantize_block
 from trtkv.rope import RopeTable
 from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
@@ -261,8 +261,7 @@ class PagedKVCache:
         stored before RoPE unrotated at their positions, outlier lists kept)."""
         tf, params = self.layout_of(layer).tensor_format(which), getattr(self.params[layer], which)
         codec = self.seal_codec(layer, which)
-        if codec is not None:
-            check_finite(rows, "K/V input")
+        if codec is not None:  # it refuses a NaN or inf as check_finite does
             return cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
         rope = block_rope(self.rope_for(tf), first_positions, self.block_size) if tf.pre_rope else None
         return quantize_block(rows, tf, params, head_axis=-3, rope=rope)

@@ -689,74 +689,66 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
                    softcap: float | None = None) -> torch.Tensor:
     """The attention of ``_torch_attention`` with the sealed blocks read by trtkv's CPU kernels (``plugins/cpu_attention.c``)
     straight from the pools. A decode step (one token per sequence) is one kernel call per layer (``_cpu_decode``). A
-    prefill chunk runs in the keys' / values' stored channel space: the kernels dequantize the sealed rows into one
-    buffer, the open block and this step's rows follow them there after the format's transforms (orthogonal / diagonal:
-    ``fold(q) . fwd(k) == q . k``), and one fused ``scaled_dot_product_attention`` (the explicit softmax for a
-    soft-capped model) with the step's mask gives the output, transformed back once."""
+    prefill chunk runs in model space: the kernels dequantize the sealed rows into one buffer with the formats'
+    transforms undone (butterflies in registers: no product with the rotation for the query, the output or the open
+    rows), the open block and this step's rows follow them there, and one fused ``scaled_dot_product_attention`` (the
+    explicit softmax for a soft-capped model) with the step's mask gives the output."""
     B, Hq, T, D = q.shape
     H = k16.shape[1]
     G = Hq // H
     lay = st.cache.layout_of(layer)
-    kp, vp = st.engine.layer_params(st.cache, layer)
     kc, vc = st.engine.layer_codecs(st.cache, layer)
     qg = q.reshape(B, H, G * T, D)
     if T == 1:
         return _cpu_decode(st, layer, lay, qg, k16, v16, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
-    kfmt, vfmt = lay.tensor_format("k"), lay.tensor_format("v")
-    keys = _stored_context(st, layer, lay, "k", k16, kfmt, kp, kc)
-    values = _stored_context(st, layer, lay, "v", v16, vfmt, vp, vc)
-    qf = qg if kfmt.pre_rope else _fold_query(qg, kfmt, kp)  # keys stored before RoPE are read in model space
+    keys = _context_rows(st, layer, lay, "k", k16, kc)
+    values = _context_rows(st, layer, lay, "v", v16, vc)
     bias = _mask_bias(st, window, G, qg.dtype)
     if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
-        scores = torch.tanh(qf @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
+        scores = torch.tanh(qg @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
         out = (scores + bias).softmax(-1) @ values
     else:
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias, scale=scaling)
-    return inverse_transform(out, vfmt, vp, head_axis=-3).view(B, Hq, T, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scaling)
+    return out.view(B, Hq, T, D).transpose(1, 2)
 
 
-def _stored_context(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, fmt, params, codec) -> torch.Tensor:
-    """``[B, H, S + open_max + T, D]`` float32 in ``fmt``'s stored space (keys stored before RoPE: model space, as
-    ``context_kv`` reads them), in the step mask's key order: the sealed rows (the kernels; sink rows and stale rows as
-    ``context_kv`` has them), the open block, this step's rows."""
+def _context_rows(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, codec) -> torch.Tensor:
+    """``[B, H, S + open_max + T (+ in_step * bs), D]`` in ``new_rows``' dtype, in model space and the step mask's key
+    order: the sealed rows (the kernels; sink rows and stale rows as ``context_kv`` has them), the open block, this
+    step's rows, then the blocks the step seals as the seal stores them (``_in_step_sealed``)."""
     pool = st.cache.pool(layer, which)
-    model_rows = _open_rows(st, layer, which, new_rows)
-    rest = model_rows if fmt.pre_rope else forward_transform(model_rows, fmt, params, head_axis=-3)
-    if st.in_step:  # the blocks the step seals, as the seal will store them (stored space)
-        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, model_rows, fmt, params, new_rows.dtype)], 2)
+    rest = _open_rows(st, layer, which, new_rows)
+    if st.in_step:
+        rest = torch.cat([rest, _in_step_sealed(st, layer, which, lay, rest, codec).to(rest.dtype)], 2)
     if not st.sealed_max:
-        return rest.contiguous()
+        return rest
     S = st.sealed_max * st.cache.block_size
-    rope = st.cache.rope.upto(int((st.first_pos + S).max())) if fmt.pre_rope else None
-    out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool, fmt, params),
+    rope = st.cache.rope.upto(int((st.first_pos + S).max())) if lay.tensor_format(which).pre_rope else None
+    out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool),
                                 rows=S + rest.shape[2], first_pos=st.first_pos, rope=rope)
     out[:, :, S:] = rest
-    return out
+    return out.to(new_rows.dtype)
 
 
-def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, fmt, params,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, in_step * bs, D]`` in ``dtype``: the blocks a step across blocks seals, from its open blocks' and new
-    rows ``model_rows`` [B, H, open_max + T, D] (fp16 values; a bfloat16 model's are exact in fp16), quantized in
-    float32 as ``PagedKVCache.seal_rows`` quantizes them (``cache_layout.sealing``: a first block without its sink rows)
-    and dequantized, in the stored channel space (keys stored before RoPE: in model space). The codes go to the pool with the step's output (``StepSeals``):
-    the pool stores them instead of quantizing the rows again."""
+def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model_rows: torch.Tensor, codec) -> torch.Tensor:
+    """``[B, H, in_step * bs, D]`` float32 in model space: the blocks a step across blocks seals, from its open blocks'
+    and new rows ``model_rows`` [B, H, open_max + T, D] (fp16 values; a bfloat16 model's are exact in fp16), quantized
+    as ``PagedKVCache.seal_rows`` quantizes them (``cache_layout.sealing``: a first block without its sink rows; the
+    pool's own ``quantize_blocks``) and read back by the kernels (``codec``). The codes go to the pool with the step's
+    output (``StepSeals``): the pool stores them instead of quantizing the rows again."""
     B, H, _, D = model_rows.shape
     n, bs = st.in_step, lay.block_size
-    rows = model_rows.float().gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))
+    rows = model_rows.float().gather(2, st.in_step_rows[:, None, :, None].expand(B, H, n * bs, D))  # a fresh tensor
     blocks = rows.view(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
-    if lay.sink_tokens:
+    if lay.sink_tokens:  # the sequences whose first block the step seals: that block without its sink rows, in place
         firsts = blocks.view(B, n, H, bs, D)[:, 0]
-        sealed_first = sealing(firsts, 0, lay.sink_tokens)[0]
-        blocks = blocks.view(B, n, H, bs, D).clone()
-        blocks[:, 0] = torch.where(st.in_step_first[:, None, None, None], sealed_first, firsts)
-        blocks = blocks.view(B * n, H, bs, D)
-    first = (st.batch.context_lens // bs)[:, None] + torch.arange(n, device=blocks.device)[None, :]  # [B, n] block indices
-    qt = st.cache.quantize_blocks(layer, which, blocks, first.reshape(-1) * bs)  # the pool's own seal
+        firsts.copy_(torch.where(st.in_step_first[:, None, None, None], sealing(firsts, 0, lay.sink_tokens)[0], firsts))
+    first = (st.batch.context_lens // bs) * bs  # [B] the position of each sequence's first in-step block
+    positions = first[:, None] + torch.arange(n, device=blocks.device)[None, :] * bs
+    qt = st.cache.quantize_blocks(layer, which, blocks, positions.reshape(-1))  # the pool's own seal
     st.in_step_codes[(layer, which)] = qt
-    rope = block_rope(st.cache.rope, first.reshape(-1) * bs, bs) if fmt.pre_rope else None
-    x = dequantize(qt, fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
-    return x.view(B, n, H, bs, D).transpose(1, 2).reshape(B, H, n * bs, D)
+    rope = st.cache.rope.upto(int(first.max()) + n * bs) if lay.tensor_format(which).pre_rope else None
+    return cpu_attention.dequant_blocks(codec, qt, B, first_pos=first, rope=rope)
 
 
 def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
@@ -773,14 +765,12 @@ def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc,
                                             softcap, lay.sink_tokens)
 
 
-def _cpu_sink(st: _Step, lay: PagedKVLayout, pool, fmt, params) -> tuple:
-    """(sink rows in stored space [B, H, sink, D] -- model space for keys stored before RoPE, which the kernels read
-    back in model space -- which sequences read them) for the CPU kernels; (None, None) without."""
+def _cpu_sink(st: _Step, lay: PagedKVLayout, pool) -> tuple:
+    """(sink rows [B, H, sink, D] float32, model space as the kernels' reads; which sequences read them) for the CPU
+    kernels' dequant; (None, None) without."""
     if not lay.sink_tokens:
         return None, None
-    rows = lay.sink_rows(pool.tail)[st.batch.slot_ids].float()
-    rows = rows if fmt.pre_rope else forward_transform(rows, fmt, params, head_axis=-3)
-    return rows, st.sink_ok
+    return lay.sink_rows(pool.tail)[st.batch.slot_ids].float(), st.sink_ok
 
 
 def _mask_bias(st: _Step, window: int | None, G: int, dtype) -> torch.Tensor:
