@@ -16,15 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(ca.unavailable() is not None, reason="no C compiler for trtkv's CPU kernels")
-def test_the_prefill_bench_reports_stored_and_resealed_writes(tiny_models, tmp_path):
+@pytest.mark.parametrize("prompts, chunk", [(1, None), (3, 8)])  # one step; the server's pattern: prompts in steps of a block
+def test_the_prefill_bench_reports_stored_and_resealed_writes(tiny_models, tmp_path, prompts, chunk):
     d, _ = tiny_models("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     formats = ["fp16", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=8,sink=2"]
+    shape = ["--prompts", str(prompts)] + (["--chunk", str(chunk)] if chunk else [])
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill.py"), "--model", str(d), "--tokens", "21", "--formats", *formats,
-                          "--block", "8", "--threads", "1", "--reps", "3", "--out", str(tmp_path)], capture_output=True, text=True)
+                          "--block", "8", "--threads", "1", "--reps", "3", *shape, "--out", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     [report] = tmp_path.glob("prefill-*.json")
     data = json.loads(report.read_text())
     assert list(data["results"]) == formats and data["tokens"] == 21
+    assert (data["prompts"], data["chunk"]) == (prompts, chunk or 21) and (chunk is None) == (report.name.startswith("prefill-2"))
     base = data["results"]["fp16"]["stored"]["rounds_ms"]
     for modes in data["results"].values():
         assert list(modes) == ["stored", "resealed"]

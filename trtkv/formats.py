@@ -695,6 +695,12 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(name="int2-qs", k=_t("int2", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
                  v=_t("int2", "per_token", symmetric=False, hadamard=True), block_size=64, sink_tokens=4,
                  description="int2 preset with keys smoothed by the queries before the rotation (2.5 bits at head_dim 64)"),
+        # the int4 preset's layout in blocks of 128: --budget's widest candidate beside int3-nuq / int2-nuq, which seal
+        # blocks of 128 (a search's candidates share block size and sink tokens)
+        KVFormat(name="int4-b128", k=_t("int4", "per_block_channel", symmetric=False, hadamard=True),
+                 v=_t("int4", "per_token_group", group_size=32, hadamard=True), block_size=128, sink_tokens=4,
+                 description="the int4 preset in sealed blocks of 128 (4.375 bits at head_dim 64): the widest --budget "
+                 "candidate beside int3-nuq / int2-nuq (--budget-formats int4-b128,int3-nuq,int2-nuq)"),
         KVFormat(name="int3-nuq",
                  k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
                       outliers=64),
