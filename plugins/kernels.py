@@ -898,8 +898,17 @@ def seal_config(spec, head_dim: int, block_size: int) -> dict:
                            SYM=c["SYM"], GS=_gs(c, head_dim), BCH=c["BCH"], SMOOTH=c["SMOOTH"], HAD=c["HAD"],
                            QMIN=c["QMIN"], QMAX=c["QMAX"], QMAX_ASYM=c["QMAX_ASYM"], CODE_OFFSET=c["CODE_OFFSET"],
                            SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=32),
-        "num_warps": 4,
+        "num_warps": seal_warps(head_dim, block_size),
     }
+
+
+SEAL_ELEMS_PER_WARP = 64 * 128 // 4  # a [64, 128] block on 4 warps compiles without spills on sm_80 / sm_90
+
+
+def seal_warps(head_dim: int, block_size: int) -> int:
+    """Warps of one seal program: the block's elements per warp held at ``SEAL_ELEMS_PER_WARP`` (a block of 128 on 4
+    warps spills ~250 B of registers), at least 4."""
+    return max(4, block_size * head_dim // SEAL_ELEMS_PER_WARP)
 
 
 def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
