@@ -906,9 +906,10 @@ SEAL_ELEMS_PER_WARP = 64 * 128 // 4  # a [64, 128] block on 4 warps compiles wit
 
 
 def seal_warps(head_dim: int, block_size: int) -> int:
-    """Warps of one seal program: the block's elements per warp held at ``SEAL_ELEMS_PER_WARP`` (a block of 128 on 4
-    warps spills ~250 B of registers), at least 4."""
-    return max(4, block_size * head_dim // SEAL_ELEMS_PER_WARP)
+    """Warps of one seal program: the block's elements per warp at most ``SEAL_ELEMS_PER_WARP`` (a block of 128 on 4
+    warps spills ~250 B of registers), at least 4, a power of two (Triton's; head dims such as 96 give other ratios)."""
+    need = -(-block_size * head_dim // SEAL_ELEMS_PER_WARP)
+    return max(4, 1 << (need - 1).bit_length())
 
 
 def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:

@@ -661,3 +661,13 @@ def test_validation_errors():
         ops.launch_seal(torch.zeros(1, 2, 64, 16), "int8:token:sym")
     with pytest.raises(TrtkvError, match="block_size"):
         ops.launch_seal(torch.zeros(1, 2, 8, 64), "int8:token:sym")
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 64, 128, 256])
+def test_seal_warps_are_a_power_of_two_holding_the_elements_per_warp(head_dim, block_size):
+    """Triton takes only powers of two; a head dim of 96 (Phi-3) at block 128 needs 6 warps' worth and gets 8."""
+    warps = K.seal_config(parse_tensor_spec("int4:bchannel:asym:hadamard"), head_dim, block_size)["num_warps"]
+    assert warps >= 4 and warps & (warps - 1) == 0
+    assert block_size * head_dim <= warps * K.SEAL_ELEMS_PER_WARP
+    assert warps == 4 or block_size * head_dim > warps // 2 * K.SEAL_ELEMS_PER_WARP  # no more than needed
