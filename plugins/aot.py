@@ -122,6 +122,11 @@ def _signature(kernel: str, types: dict, constexprs: dict) -> tuple[dict, list[s
     return sig, args
 
 
+# cache_layout.OUTLIER_INDEX_DTYPE (torch.int16) as a Triton pointer: only the Triton kernels read outlier lists (no ONNX /
+# TensorRT op exchanges them, so it is no ELEM_TYPES row)
+OUTLIER_INDEX_PTR = "*i16"
+
+
 def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
     q = _ptr(_Q_DTYPES[q_dtype])
     f16, f32, i32 = _ptr("float16"), _ptr("float32"), _ptr("int32")
@@ -130,7 +135,9 @@ def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
                 k_tail_ptr=f16, v_tail_ptr=f16, k_new_ptr=f16, v_new_ptr=f16,
                 k_static_ptr=f32, k_smooth_ptr=f32, v_static_ptr=f32, v_smooth_ptr=f32,
                 had_ptr=f32, block_table_ptr=i32, context_lens_ptr=i32, cu_seqlens_q_ptr=i32, slot_ids_ptr=i32,
-                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32", softcap="fp32")
+                part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32", softcap="fp32",
+                k_cb_ptr=f32, v_cb_ptr=f32, k_oidx_ptr=OUTLIER_INDEX_PTR, k_oval_ptr=f16, v_oidx_ptr=OUTLIER_INDEX_PTR,
+                v_oval_ptr=f16, rope_cos_ptr=f32, rope_sin_ptr=f32)
 
 
 def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtype: str = "fp16") -> KernelConfig:
@@ -138,7 +145,8 @@ def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtyp
     c = cfg["constexprs"]
     f16, f32 = _ptr("float16"), _ptr("float32")
     types = dict(x_ptr=_ptr(_Q_DTYPES[x_dtype]), data_ptr=_data_type(fmt), scale_ptr=f16, zero_ptr=f16,
-                 static_scale_ptr=f32, smooth_ptr=f32, clip_ptr=f32, had_ptr=f32)
+                 static_scale_ptr=f32, smooth_ptr=f32, clip_ptr=f32, had_ptr=f32, cb_ptr=f32, oidx_ptr=OUTLIER_INDEX_PTR,
+                 oval_ptr=f16, pos_ptr=_ptr("int32"), rope_cos_ptr=f32, rope_sin_ptr=f32, scratch_ptr=f32)
     sig, args = _signature("seal_kernel", types, c)
     return KernelConfig("seal_kernel", f"seal.{_tag(fmt)}.d{head_dim}.b{block_size}.{x_dtype}", c, sig,
                         cfg["num_warps"], _grid_text(C.seal_grid(_v("blocks"), _v("kv_heads"))), args)
@@ -149,7 +157,7 @@ def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dt
                           precision: str = DEFAULT_PRECISION, windowed: bool = False) -> list[KernelConfig]:
     """``windowed``: the partition kernel with the sliding window's and soft-cap's code (WINDOW / SOFTCAP), ``.win``."""
     cfg = _k.decode_config(fmt.k, fmt.v, head_dim, gqa_ratio, partition_size, precision, window=windowed,
-                           softcap=windowed)
+                           softcap=windowed, block_size=block_size_of(fmt))
     types = _kv_types(fmt.k, fmt.v, q_dtype)
     tag = f"k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{cfg['partition']['constexprs']['BLOCK_H']}.{q_dtype}"
     gp, gr = C.decode_grids(_v("batch"), _v("kv_heads"), _v("max_blocks"), block_size_of(fmt), partition_size,
@@ -170,7 +178,8 @@ def decode_kernel_configs(fmt: KVFormat, head_dim: int, gqa_ratio: int = 8, q_dt
 
 def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype: str = "fp16",
                           precision: str = PREFILL_PRECISION, windowed: bool = False) -> KernelConfig:
-    cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision, window=windowed, softcap=windowed)
+    cfg = _k.prefill_config(fmt.k, fmt.v, head_dim, gqa_ratio, precision, window=windowed, softcap=windowed,
+                            block_size=block_size_of(fmt))
     c = cfg["constexprs"]
     sig, args = _signature("paged_prefill_kernel", _kv_types(fmt.k, fmt.v, q_dtype), c)
     name = f"paged_prefill.k-{_tag(fmt.k)}.v-{_tag(fmt.v)}.d{head_dim}.h{c['BLOCK_H']}.{q_dtype}.{precision}" + (

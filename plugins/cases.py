@@ -21,6 +21,7 @@ import torch
 from trtkv.cache_layout import KVPool, PagedKVLayout, seal_blocks, write_tail
 from trtkv.formats import KVFormat, TensorFormat, get_format
 from trtkv.quant import TensorParams, forward_transform, hadamard_matrix, per_channel
+from trtkv.rope import RopeRows
 
 from . import reference as R
 
@@ -28,12 +29,35 @@ DEFAULT_BLOCK = 16  # the cache block size of formats without their own
 BAD_BLOCK = 10**6  # a block-table entry past the sealed blocks: never a valid pool block
 
 
+def case_rope(positions: int, head_dim: int, base: float = 10000.0) -> RopeRows:
+    """A RoPE table of ``positions`` rows in transformers' rotate-half layout (plain RoPE at ``base``): keys stored
+    before RoPE (``prerope``) are sealed and read with it."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    return RopeRows(ang.cos().float().contiguous(), ang.sin().float().contiguous())
+
+
+def case_codebook(tf: TensorFormat, kvh: int, gen: torch.Generator) -> torch.Tensor:
+    """A stand-in ``nuq`` codebook [kv_heads, 2**bits]: ascending, uneven levels in code units spanning about the
+    format's own grid (what ``trtkv calibrate`` fits, roughly), a different one per head."""
+    n = tf.codebook_levels
+    lo, hi = (tf.traits.sym_min, tf.traits.sym_max) if tf.symmetric else (0.0, tf.traits.asym_max)
+    steps = torch.rand(kvh, n, generator=gen) + 0.3
+    levels = steps.cumsum(-1)
+    levels = (levels - levels[:, :1]) / (levels[:, -1:] - levels[:, :1])
+    return (lo + levels * (hi - lo)).float().contiguous()
+
+
 def case_params(tf: TensorFormat, which: str, x: torch.Tensor, gen: torch.Generator) -> TensorParams:
     """Stand-in calibration for rows ``x`` [n, kv_heads, head_dim]: smoothing divisors in [0.5, 2], static
     scales from the transformed rows' absolute maximum at the format's granularity (what ``trtkv
-    calibrate`` picks, roughly), range multipliers 1 / 0.9 for dynamic K (clip search)."""
+    calibrate`` picks, roughly), range multipliers 1 / 0.9 for dynamic K (clip search), codebooks
+    (``case_codebook``)."""
     kvh, d = x.shape[1:]
     p = TensorParams()
+    if tf.codebook:
+        p.codebook = case_codebook(tf, kvh, gen)
     if tf.smooth:
         p.smooth = torch.rand(kvh, d, generator=gen) * 1.5 + 0.5
     if tf.is_static:
@@ -90,6 +114,8 @@ class PagedCase:
             self.params[which] = p.map(lambda t: t.to(device))
             self.rows[which] = self.rows[which].to(device)
         self.kp, self.vp = self.params["k"], self.params["v"]
+        # keys stored before RoPE: a table past every position of the case
+        self.rope = case_rope(max(c + n for c, n in zip(self.ctxs, self.new)) + 1, D) if self.fmt.k.pre_rope else None
         self.dirty = garbage
         self.k_pool, self.v_pool = self._pools()
         if seal:
@@ -125,6 +151,11 @@ class PagedCase:
         parts = [bt[b, :n].long() for b, n in enumerate(self.sealed) if n]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
 
+    def first_positions(self) -> torch.Tensor:
+        """The first position of every sealed block [n], in the order of ``sealed_blocks``."""
+        parts = [torch.arange(n) * self.bs for n in self.sealed if n]
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(self.device)
+
     def seal_with(self, seal: Callable | None) -> None:
         """Seal every sealed block: ``seal(which, rows, blocks, pool, params)`` (the kernel under test) or, for
         None, the reference ``cache_layout.seal_blocks``; then the garbage again if the case has it."""
@@ -134,7 +165,7 @@ class PagedCase:
             if not blocks.numel():
                 continue
             if seal is None:
-                seal_blocks(self.layout, which, pool, rows, blocks, p)
+                seal_blocks(self.layout, which, pool, rows, blocks, p, self.first_positions(), self.rope)
             else:
                 seal(which, rows, blocks, pool, p)
         if self.dirty:
@@ -159,6 +190,10 @@ class PagedCase:
                 if n and sink:
                     first = int(self.block_table[b, 0])
                     data[first, :, :sink] = junk[first, :, :sink]
+            if pool.outlier_index is not None:  # dead blocks' lists: positions anywhere, NaN values
+                junk_idx = torch.randint(-2**15, 2**15, pool.outlier_index.shape, generator=gen, dtype=torch.int32)
+                pool.outlier_index[dead] = junk_idx.to(torch.int16).to(dev)[dead]
+                pool.outlier_value[dead] = float("nan")
             for t in (pool.scale, pool.zero):
                 if t is not None:
                     j = torch.full(t.shape, float("nan"), dtype=torch.float16, device=dev)
@@ -195,6 +230,14 @@ class PagedCase:
                 self.block_table, self.context_lens, self.slot_ids, self.fmt.k, self.fmt.v,
                 self.kp.scale, self.kp.smooth, self.vp.scale, self.vp.smooth)
 
+    def extras_kwargs(self, pools: tuple[KVPool, KVPool] | None = None) -> dict:
+        """What the issue-27 formats add to a read (``ops.SealedExtras``' fields): codebooks, outlier lists, RoPE table."""
+        kp, vp = pools or (self.k_pool, self.v_pool)
+        return dict(k_codebook=self.kp.codebook, v_codebook=self.vp.codebook, k_outlier_index=kp.outlier_index,
+                    k_outlier_value=kp.outlier_value, v_outlier_index=vp.outlier_index, v_outlier_value=vp.outlier_value,
+                    rope_cos=None if self.rope is None else self.rope.cos.to(self.device),
+                    rope_sin=None if self.rope is None else self.rope.sin.to(self.device))
+
     def op_args(self, prefill: bool = False) -> tuple:
         """The same for the torch custom ops, whose schema carries formats as spec strings."""
         a = list(self.attn_args(prefill))
@@ -220,10 +263,12 @@ class PagedCase:
         ``softcap``: ``reference.paged_attention_ref``'s)."""
         q = q if q is not None else (self.q_pre if prefill else self.q_dec)
         a = [_cpu(x) for x in self.attn_args(prefill, pools)]
-        kpool, vpool = KVPool(a[0], a[1], a[2], a[6]), KVPool(a[3], a[4], a[5], a[7])
+        kp, vp = pools or (self.k_pool, self.v_pool)
+        kpool = KVPool(a[0], a[1], a[2], a[6], _cpu(kp.outlier_index), _cpu(kp.outlier_value))
+        vpool = KVPool(a[3], a[4], a[5], a[7], _cpu(vp.outlier_index), _cpu(vp.outlier_value))
         return R.paged_attention_ref(_cpu(q), _cpu(self.cu) if prefill else None, kpool, vpool, a[8], a[9], a[10],
                                      a[11], a[12], a[13], a[14], _cpu_params(self.kp), _cpu_params(self.vp), sm_scale,
-                                     window, softcap)
+                                     window, softcap, self.rope)
 
 
 def _cpu(t):

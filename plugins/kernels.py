@@ -66,7 +66,7 @@ import triton.language as tl
 
 from trtkv.errors import TrtkvError
 from trtkv.plugins import contract as _C
-from trtkv.plugins.contract.capabilities import LACKS_HINT, op_refusal
+from trtkv.plugins.contract.capabilities import LACKS_HINT, kernel_refusal
 
 LOG2E = 1.4426950408889634
 
@@ -174,6 +174,138 @@ def _unpack_halves(b, SHIFT: tl.constexpr, PER: tl.constexpr, WIDTH: tl.constexp
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _count(m):
+    return _rsum(_rsum(m.to(tl.int32), 1), 0)
+
+
+OUTLIER_ROWS = tl.constexpr(16)  # rows of a block the outlier selection reads at a time
+
+
+@triton.jit
+def _outlier_bits(x, centre, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
+    """Outlier scores of rows ``x`` [R, D] as int32 bit patterns (monotone: the scores are >= 0): the distance from
+    the group's centre (``quant._deviation``): the channel's block mean ``centre`` [D] (BCH), the row group's mean
+    (per token / group), or 0 (symmetric and static)."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    if SYM:
+        score = tl.abs(x)
+    elif BCH:
+        score = tl.abs(x - centre[None, :])
+    else:
+        xg = tl.reshape(x, [R, D // GS, GS])
+        score = tl.reshape(tl.abs(xg - (_rsum(xg, 2) / GS)[:, :, None]), [R, D])
+    return score.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _outlier_threshold(xs, centre, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
+                       BCH: tl.constexpr, GS: tl.constexpr):
+    """Where a block's ``NOUT`` outliers end (``trtkv.quant.block_outliers``: a stable descending sort on the score,
+    ties to the lower flat position), without a sort: ``(thr, last)`` -- the NOUT-th largest score's bit pattern
+    (bisection, 31 counting passes over the block in scratch ``xs``), and the flat position of the last kept element
+    equal to it (bisection, 16 passes). An element is an outlier when its score's bits exceed ``thr``, or equal it at
+    a flat position ``<= last``."""
+    r = tl.arange(0, OUTLIER_ROWS)
+    c = tl.arange(0, D)
+    lo = tl.full([1], 0, tl.int32)  # count(bits >= lo) >= NOUT
+    hi = tl.full([1], 0x7F800001, tl.int32)  # count(bits >= hi) < NOUT (above +inf)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        cnt = tl.full([1], 0, tl.int32)
+        for r0 in range(0, BS, OUTLIER_ROWS):
+            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS)
+            cnt += _count(bits >= mid[:, None])
+        take = cnt >= NOUT
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    above = tl.full([1], 0, tl.int32)
+    for r0 in range(0, BS, OUTLIER_ROWS):
+        above += _count(_outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS) > lo[:, None])
+    need = NOUT - above  # >= 1 of the elements equal to the threshold are kept, lowest positions first
+    f_lo = tl.full([1], -1, tl.int32)  # count(equal & flat <= f_lo) < need
+    f_hi = tl.full([1], BS * D - 1, tl.int32)  # count(equal & flat <= f_hi) >= need
+    for _ in range(16):  # BS * D <= 2**15 (int16 positions, formats.MAX_OUTLIER_POSITIONS)
+        mid = f_lo + (f_hi - f_lo) // 2
+        cnt = tl.full([1], 0, tl.int32)
+        for r0 in range(0, BS, OUTLIER_ROWS):
+            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS)
+            flat = (r0 + r)[:, None] * D + c[None, :]
+            cnt += _count((bits == lo[:, None]) & (flat <= mid[:, None]))
+        enough = cnt >= need
+        f_lo = tl.where(enough, f_lo, mid)
+        f_hi = tl.where(enough, mid, f_hi)
+    return lo, f_hi
+
+
+@triton.jit
+def _is_outlier(x, centre, thr, last, rows, cols, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
+    """Which elements of rows ``x`` [R, D] (block rows ``rows``, channels ``cols``) are outliers (``_outlier_threshold``)."""
+    bits = _outlier_bits(x, centre, SYM, BCH, GS)
+    flat = rows[:, None] * x.shape[1] + cols[None, :]
+    return (bits > thr[:, None]) | ((bits == thr[:, None]) & (flat <= last[:, None]))
+
+
+@triton.jit
+def _store_outliers(xs, centre, thr, last, oidx_ptr, oval_ptr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
+                    BCH: tl.constexpr, GS: tl.constexpr, SCALE_MAX: tl.constexpr):
+    """Write a block's outlier list -- positions ``row * D + channel`` ascending (int16), values fp16 -- streaming the
+    block from scratch ``xs`` in chunks of rows: each outlier's place is the count of outliers before it."""
+    r = tl.arange(0, OUTLIER_ROWS)
+    c = tl.arange(0, D)
+    done = tl.full([1], 0, tl.int32)
+    for r0 in range(0, BS, OUTLIER_ROWS):
+        x = tl.load(xs + (r0 + r)[:, None] * D + c[None, :])
+        m = _is_outlier(x, centre, thr, last, r0 + r, c, SYM, BCH, GS)
+        mi = m.to(tl.int32)
+        within = tl.associative_scan(mi, 1, _add) - mi
+        per_row = _rsum(mi, 1)
+        place = done[:, None] + (tl.associative_scan(per_row, 0, _add) - per_row)[:, None] + within
+        tl.store(oidx_ptr + place, ((r0 + r)[:, None] * D + c[None, :]).to(tl.int16), mask=m)
+        tl.store(oval_ptr + place, _fp16_round(x, SCALE_MAX).to(tl.float16), mask=m)
+        done += _count(m)
+
+
+@triton.jit
+def _nearest_level(u, cb_ptr, h, LEVELS: tl.constexpr):
+    """Index of the codebook level nearest each ``u`` (code units): the count of midpoints between neighbouring levels
+    below it, a tie to the lower level (``trtkv.quant.nearest_level``)."""
+    q = tl.where(u == u, 0.0, 0.0)
+    for lv in tl.static_range(LEVELS - 1):
+        mid = (tl.load(cb_ptr + h * LEVELS + lv) + tl.load(cb_ptr + h * LEVELS + lv + 1)) * 0.5
+        q = q + tl.where(u > mid, 1.0, 0.0)
+    return q
+
+
+@triton.jit
+def _aside(v, sel, fill, OUT: tl.constexpr):
+    """``v`` with the outliers ``sel`` replaced by ``fill`` (they set no range); ``v`` itself without outliers."""
+    if OUT > 0:
+        return tl.where(sel, fill, v)
+    else:
+        return v
+
+
+@triton.jit
+def _unrope(x_ptr, src, kk, pos, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr):
+    """Input channels ``kk`` of rows at ``src`` (model space, after RoPE) with RoPE undone at the rows' positions ``pos``
+    [R]: ``(x cos - rotate_half(x) sin) / (cos^2 + sin^2)`` (``trtkv.rope.rotate(..., inverse=True)``)."""
+    partner = (kk + HEAD_DIM // 2) % HEAD_DIM
+    sign = tl.where(kk < HEAD_DIM // 2, -1.0, 1.0)[None, :]
+    x = tl.load(x_ptr + src[:, None] + kk[None, :]).to(tl.float32)
+    xr = tl.load(x_ptr + src[:, None] + partner[None, :]).to(tl.float32) * sign
+    tp = pos.to(tl.int64)[:, None] * HEAD_DIM + kk[None, :]
+    c = tl.load(cos_ptr + tp)
+    sn = tl.load(sin_ptr + tp)
+    return tl.div_rn(x * c - xr * sn, c * c + sn * sn)
+
+
+@triton.jit
 def seal_kernel(
     x_ptr,  # [n, kv_heads, BLOCK_SIZE, head_dim] fp16 / bf16 / fp32, contiguous: the open blocks to seal
     data_ptr,  # [n, kv_heads, BLOCK_SIZE, packed_dim] codes (the pool's storage dtype: stores convert to it)
@@ -183,6 +315,11 @@ def seal_kernel(
     smooth_ptr,  # [kv_heads, head_dim] fp32 (SMOOTH; else dummy)
     clip_ptr,  # [kv_heads] fp32 range multiplier (dynamic; else dummy)
     had_ptr,  # [head_dim, head_dim] fp32 Hadamard (HAD; else dummy)
+    cb_ptr,  # [kv_heads, LEVELS] fp32 codebook (LEVELS; else dummy or constexpr None)
+    oidx_ptr, oval_ptr,  # [n, kv_heads, OUT] int16 / fp16 outlier lists written (OUT; else dummies)
+    pos_ptr,  # [n] int32: each block's first position (PRE; else dummy)
+    rope_cos_ptr, rope_sin_ptr,  # [P, head_dim] fp32 RoPE table (PRE; else dummies)
+    scratch_ptr,  # [n, kv_heads, BLOCK_SIZE, head_dim] fp32 the transformed block while its outliers are chosen (OUT)
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -199,10 +336,13 @@ def seal_kernel(
     CODE_OFFSET: tl.constexpr,  # added to symmetric codes stored unsigned (packed int4: 8)
     SCALE_MAX: tl.constexpr,  # largest finite scale / zero-point (fp16: DTYPES["fp16"].sym_max)
     HAD_CHUNK: tl.constexpr = 32,
+    LEVELS: tl.constexpr = 0,  # nuq: codes are the nearest of LEVELS codebook levels
+    OUT: tl.constexpr = 0,  # outN: OUT elements per block-head set aside (no range), kept as fp16 with positions
+    PRE: tl.constexpr = False,  # keys stored before RoPE: RoPE undone at the rows' positions first
 ):
     """grid = contract.seal_grid(n, kv_heads): one program quantizes one block of one KV head as
     ``trtkv.quant.quantize_block`` does -- per token (GS channels per scale) or, BCH, one scale and
-    zero-point per channel over the block's tokens -- and writes it in pool-block form."""
+    zero-point per channel over the block's tokens -- and writes it in pool-block form (with its outlier list)."""
     blk = tl.program_id(0)
     h = tl.program_id(1)
     t = tl.arange(0, BLOCK_SIZE)
@@ -210,6 +350,8 @@ def seal_kernel(
     bh = blk.to(tl.int64) * num_kv_heads + h
     rows = bh * BLOCK_SIZE + t  # input rows and output rows alike
     src = rows * HEAD_DIM
+    if PRE:
+        pos = tl.load(pos_ptr + blk) + t
     if DTYPE == "fp16":
         x = tl.load(x_ptr + src[:, None] + cols[None, :])
         tl.store(data_ptr + src[:, None] + cols[None, :], x.to(tl.float16))
@@ -219,15 +361,36 @@ def seal_kernel(
             x = tl.full([BLOCK_SIZE, HEAD_DIM], 0.0, tl.float32)
             for c0 in tl.range(0, HEAD_DIM, HAD_CHUNK, num_stages=1):  # no multi-buffered slices
                 kk = c0 + tl.arange(0, HAD_CHUNK)
-                xc = tl.load(x_ptr + src[:, None] + kk[None, :]).to(tl.float32)
+                if PRE:
+                    xc = _unrope(x_ptr, src, kk, pos, rope_cos_ptr, rope_sin_ptr, HEAD_DIM)
+                else:
+                    xc = tl.load(x_ptr + src[:, None] + kk[None, :]).to(tl.float32)
                 if SMOOTH:
                     xc = tl.div_rn(xc, tl.load(smooth_ptr + h * HEAD_DIM + kk)[None, :])
                 hm = tl.load(had_ptr + kk[:, None] * HEAD_DIM + cols[None, :])
                 x = tl.dot(xc, hm, x, input_precision="ieee")
         else:
-            x = tl.load(x_ptr + src[:, None] + cols[None, :]).to(tl.float32)
+            if PRE:
+                x = _unrope(x_ptr, src, cols, pos, rope_cos_ptr, rope_sin_ptr, HEAD_DIM)
+            else:
+                x = tl.load(x_ptr + src[:, None] + cols[None, :]).to(tl.float32)
             if SMOOTH:
                 x = tl.div_rn(x, tl.load(smooth_ptr + h * HEAD_DIM + cols)[None, :])
+
+        if OUT > 0:
+            # the block-head's OUT elements farthest from their group's centre (``quant._deviation``) set no range.
+            # The block waits in global scratch and the selection streams it in chunks of rows: the whole block
+            # in registers beside its scores spills hundreds of bytes at 128 x 128.
+            xs = scratch_ptr + bh * (BLOCK_SIZE * HEAD_DIM)
+            tl.store(xs + t[:, None] * HEAD_DIM + cols[None, :], x)
+            centre = _rsum(x, 0) / BLOCK_SIZE  # per channel (BCH, asymmetric)
+            tl.debug_barrier()
+            thr, last = _outlier_threshold(xs, centre, OUT, BLOCK_SIZE, HEAD_DIM, SYM or STATIC, BCH, GS)
+            sel = _is_outlier(x, centre, thr, last, t, cols, SYM or STATIC, BCH, GS)
+            _store_outliers(xs, centre, thr, last, oidx_ptr + bh * OUT, oval_ptr + bh * OUT, BLOCK_SIZE, HEAD_DIM,
+                            SYM or STATIC, BCH, GS, SCALE_MAX)
+        else:
+            sel = x  # unused: _aside keeps every element
 
         if STATIC:
             sc = tl.load(static_scale_ptr + h * HEAD_DIM + cols)
@@ -238,41 +401,58 @@ def seal_kernel(
             clip = tl.load(clip_ptr + h)
             sptr = bh * HEAD_DIM + cols
             if SYM:
-                amax = _rmax(tl.abs(x), 0)
+                amax = _rmax(_aside(tl.abs(x), sel, 0.0, OUT), 0)
                 scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
+                u = x * inv[None, :]
+                y = tl.minimum(tl.maximum(u, QMIN), QMAX)
             else:
-                mn = _rmin(x, 0)
-                mx = _rmax(x, 0)
+                mn = _rmin(_aside(x, sel, float("inf"), OUT), 0)
+                mx = _rmax(_aside(x, sel, float("-inf"), OUT), 0)
+                if OUT > 0:  # a channel of outliers only has no range: zero 0, scale 0
+                    empty = mn == float("inf")
+                    mn = tl.where(empty, 0.0, mn)
+                    mx = tl.where(empty, 0.0, mx)
                 rng = mx - mn
                 zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
                 scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                y = tl.minimum(tl.maximum((x - zero[None, :]) * inv[None, :], 0.0), QMAX_ASYM)
+                u = (x - zero[None, :]) * inv[None, :]
+                y = tl.minimum(tl.maximum(u, 0.0), QMAX_ASYM)
                 tl.store(zero_ptr + sptr, zero.to(tl.float16))
+            if LEVELS > 0:
+                y = _nearest_level(u, cb_ptr, h, LEVELS)
             tl.store(scale_ptr + sptr, scale.to(tl.float16))
         else:
             G: tl.constexpr = HEAD_DIM // GS
             xg = tl.reshape(x, [BLOCK_SIZE, G, GS])
+            selg = tl.reshape(sel, [BLOCK_SIZE, G, GS])
             clip = tl.load(clip_ptr + h)
             g_off = tl.arange(0, G)
             sptr = rows[:, None] * G + g_off[None, :]
             if SYM:
-                amax = _rmax(tl.abs(xg), 2)
+                amax = _rmax(_aside(tl.abs(xg), selg, 0.0, OUT), 2)
                 scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                yg = tl.minimum(tl.maximum(xg * inv[:, :, None], QMIN), QMAX)
+                ug = xg * inv[:, :, None]
+                yg = tl.minimum(tl.maximum(ug, QMIN), QMAX)
             else:
-                mn = _rmin(xg, 2)
-                mx = _rmax(xg, 2)
+                mn = _rmin(_aside(xg, selg, float("inf"), OUT), 2)
+                mx = _rmax(_aside(xg, selg, float("-inf"), OUT), 2)
+                if OUT > 0:
+                    empty = mn == float("inf")
+                    mn = tl.where(empty, 0.0, mn)
+                    mx = tl.where(empty, 0.0, mx)
                 rng = mx - mn
                 # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
                 zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
                 scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)), SCALE_MAX)
                 inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                yg = tl.minimum(tl.maximum((xg - zero[:, :, None]) * inv[:, :, None], 0.0), QMAX_ASYM)
+                ug = (xg - zero[:, :, None]) * inv[:, :, None]
+                yg = tl.minimum(tl.maximum(ug, 0.0), QMAX_ASYM)
                 tl.store(zero_ptr + sptr, zero.to(tl.float16))
+            if LEVELS > 0:
+                yg = _nearest_level(ug, cb_ptr, h, LEVELS)
             tl.store(scale_ptr + sptr, scale.to(tl.float16))
             y = tl.reshape(yg, [BLOCK_SIZE, HEAD_DIM])
 
@@ -313,39 +493,43 @@ def seal_kernel(
 @triton.jit
 def _load_halves(data_ptr, scale_ptr, zero_ptr, row, bh, mask,
                  HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, STATIC: tl.constexpr, SYM: tl.constexpr,
-                 GS: tl.constexpr, BCH: tl.constexpr, CODE_OFFSET: tl.constexpr):
+                 GS: tl.constexpr, BCH: tl.constexpr, CODE_OFFSET: tl.constexpr, cb_ptr, kvh, LEVELS: tl.constexpr):
     """Even / odd channels of sealed pool rows ``row`` [N] (block-head index ``bh`` [N]) as fp32
     [N, HEAD_DIM//2], dynamic scales applied (static scales are folded into the query / output by the
-    callers). Rows are read contiguously (vectorized) and split in registers."""
+    callers). Rows are read contiguously (vectorized) and split in registers. ``LEVELS`` > 0 (``nuq``): a code
+    is an index into KV head ``kvh``'s row of the codebook ``cb_ptr`` [kv_heads, LEVELS] (the level, in code
+    units, replaces the code's own value; no offset)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     m2 = mask[:, None]
     N: tl.constexpr = row.shape[0]
     j = tl.arange(0, HALF)
-    if DTYPE == "int4":
-        b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
-        lo = (b & 15).to(tl.float32)
-        hi = (b >> 4).to(tl.float32)
-        if SYM or STATIC:
-            lo = lo - CODE_OFFSET
-            hi = hi - CODE_OFFSET
-    elif DTYPE == "int2" or DTYPE == "int3":
-        # low two bits: byte i // 2 of the row holds channels 2i, 2i+1 at bits 4 (i % 2) and 4 (i % 2) + 2
-        PACKED: tl.constexpr = HEAD_DIM // 4 if DTYPE == "int2" else HEAD_DIM * 3 // 8
-        jb = tl.arange(0, HEAD_DIM // 4)
-        b = tl.load(data_ptr + row[:, None] * PACKED + jb[None, :], mask=m2, other=0).to(tl.int32)
-        lo = _unpack_halves(b, 0, 2, 2, N, HALF)
-        hi = _unpack_halves(b, 2, 2, 2, N, HALF)
-        if DTYPE == "int3":
-            # top bit: byte D/4 + i // 4 holds channels 2i, 2i+1 at bits 2 (i % 4) and 2 (i % 4) + 1
-            jt = tl.arange(0, HEAD_DIM // 8)
-            t = tl.load(data_ptr + row[:, None] * PACKED + HEAD_DIM // 4 + jt[None, :], mask=m2, other=0).to(tl.int32)
-            lo = lo | (_unpack_halves(t, 0, 4, 1, N, HALF) << 2)
-            hi = hi | (_unpack_halves(t, 1, 4, 1, N, HALF) << 2)
-        lo = lo.to(tl.float32)
-        hi = hi.to(tl.float32)
-        if SYM or STATIC:
-            lo = lo - CODE_OFFSET
-            hi = hi - CODE_OFFSET
+    if DTYPE == "int4" or DTYPE == "int2" or DTYPE == "int3":
+        if DTYPE == "int4":
+            b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
+            lo_c = b & 15
+            hi_c = b >> 4
+        else:
+            # low two bits: byte i // 2 of the row holds channels 2i, 2i+1 at bits 4 (i % 2) and 4 (i % 2) + 2
+            PACKED: tl.constexpr = HEAD_DIM // 4 if DTYPE == "int2" else HEAD_DIM * 3 // 8
+            jb = tl.arange(0, HEAD_DIM // 4)
+            b = tl.load(data_ptr + row[:, None] * PACKED + jb[None, :], mask=m2, other=0).to(tl.int32)
+            lo_c = _unpack_halves(b, 0, 2, 2, N, HALF)
+            hi_c = _unpack_halves(b, 2, 2, 2, N, HALF)
+            if DTYPE == "int3":
+                # top bit: byte D/4 + i // 4 holds channels 2i, 2i+1 at bits 2 (i % 4) and 2 (i % 4) + 1
+                jt = tl.arange(0, HEAD_DIM // 8)
+                t = tl.load(data_ptr + row[:, None] * PACKED + HEAD_DIM // 4 + jt[None, :], mask=m2, other=0).to(tl.int32)
+                lo_c = lo_c | (_unpack_halves(t, 0, 4, 1, N, HALF) << 2)
+                hi_c = hi_c | (_unpack_halves(t, 1, 4, 1, N, HALF) << 2)
+        if LEVELS > 0:  # nuq: a table lookup (the codebook is a few floats per head: cached)
+            lo = tl.load(cb_ptr + kvh * LEVELS + lo_c)
+            hi = tl.load(cb_ptr + kvh * LEVELS + hi_c)
+        else:
+            lo = lo_c.to(tl.float32)
+            hi = hi_c.to(tl.float32)
+            if SYM or STATIC:
+                lo = lo - CODE_OFFSET
+                hi = hi - CODE_OFFSET
     else:
         cols = tl.arange(0, HEAD_DIM)
         c = _codes_to_float(tl.load(data_ptr + row[:, None] * HEAD_DIM + cols[None, :], mask=m2, other=0), DTYPE)
@@ -510,29 +694,121 @@ def _window_and_cap(window, softcap, lowest_qpos, WINDOW: tl.constexpr, SOFTCAP:
 
 
 @triton.jit
+def _restore_outliers(lo, hi, oidx_ptr, oval_ptr, bh, off, HEAD_DIM: tl.constexpr, NOUT: tl.constexpr):
+    """Even / odd halves [N, HEAD_DIM//2] of rows at offsets ``off`` [N] of one sealed block-head ``bh`` with that
+    block's outlier list (``NOUT`` positions ``token * HEAD_DIM + channel`` int16, fp16 values) written over them.
+    The scatter is two one-hot products per half: rows [N, NOUT] x (channel one-hot, times the value) [NOUT, HALF],
+    fp16 operands with one non-zero term per output, so exact on tensor cores and in the interpreter alike."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    o = tl.arange(0, NOUT)
+    idx = tl.load(oidx_ptr + bh * NOUT + o).to(tl.int32)
+    val = tl.load(oval_ptr + bh * NOUT + o).to(tl.float16)
+    hit = (off[:, None] == (idx // HEAD_DIM)[None, :]).to(tl.float16)  # [N, NOUT]
+    ch = idx % HEAD_DIM
+    j2 = 2 * tl.arange(0, HALF)
+    c_lo = (ch[:, None] == j2[None, :]).to(tl.float16)  # [NOUT, HALF]
+    c_hi = (ch[:, None] == j2[None, :] + 1).to(tl.float16)
+    lo = tl.where(tl.dot(hit, c_lo) > 0, tl.dot(hit, c_lo * val[:, None]), lo)
+    hi = tl.where(tl.dot(hit, c_hi) > 0, tl.dot(hit, c_hi * val[:, None]), hi)
+    return lo, hi
+
+
+@triton.jit
+def _model_half(k16, lo, hi, jsel, kvh, smooth_ptr, had_ptr, B: tl.constexpr, HEAD_DIM: tl.constexpr,
+                SMOOTH: tl.constexpr, HAD: tl.constexpr):
+    """Model channels ``2 * jsel + B`` [HALF] of stored rows: ``((x @ H^T) * smooth)[:, 2 jsel + B]``, [N, HALF] fp32.
+    HAD: one product of the whole rows ``k16`` [N, HEAD_DIM] (fp16, the precision the open block keeps keys in) by
+    the [HEAD_DIM, HALF] slice of H^T (fp16); else a one-hot product picks the channels from half B (exact)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    c = 2 * jsel + B
+    if HAD:
+        i = tl.arange(0, HEAD_DIM)
+        u = tl.dot(k16, tl.load(had_ptr + c[None, :] * HEAD_DIM + i[:, None]).to(tl.float16))
+    else:
+        ji = tl.arange(0, HALF)
+        pick = (ji[:, None] == jsel[None, :]).to(tl.float32)
+        if B == 0:
+            u = tl.dot(lo, pick, input_precision="ieee")
+        else:
+            u = tl.dot(hi, pick, input_precision="ieee")
+    if SMOOTH:
+        u = u * tl.load(smooth_ptr + kvh * HEAD_DIM + c)[None, :]
+    return u
+
+
+@triton.jit
+def _keys_to_model_space(lo, hi, kpos, kmask, kvh, smooth_ptr, had_ptr, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr,
+                         SMOOTH: tl.constexpr, HAD: tl.constexpr):
+    """Keys stored before RoPE (``prerope``), as halves in the stored space, back in the model's space: rotation
+    undone, smoothing undone, then RoPE at positions ``kpos`` from the model's table ``cos`` / ``sin`` [P, HEAD_DIM]
+    (``trtkv.rope.rotate``: ``u * cos + rotate_half(u) * sin``, ``rotate_half(u)[c] = -u[c + D/2]`` below D/2,
+    ``u[c - D/2]`` above). Channel ``2j + B`` pairs with ``2 ((j + D/4) % HALF) + B``: the same half, so each half
+    is two products (its own channels and its partners') and no register shuffle."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    N: tl.constexpr = lo.shape[0]
+    j = tl.arange(0, HALF)
+    partner = (j + HEAD_DIM // 4) % HALF
+    sign = tl.where(j < HEAD_DIM // 4, -1.0, 1.0)[None, :]
+    m2 = kmask[:, None]
+    trow = kpos.to(tl.int64)[:, None] * HEAD_DIM
+    k16 = tl.reshape(tl.join(lo, hi), [N, HEAD_DIM]).to(tl.float16)
+    u = _model_half(k16, lo, hi, j, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH, HAD)
+    r = _model_half(k16, lo, hi, partner, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH, HAD) * sign
+    out_lo = (u * tl.load(cos_ptr + trow + 2 * j[None, :], mask=m2, other=0.0)
+              + r * tl.load(sin_ptr + trow + 2 * j[None, :], mask=m2, other=0.0))
+    u = _model_half(k16, lo, hi, j, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH, HAD)
+    r = _model_half(k16, lo, hi, partner, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH, HAD) * sign
+    out_hi = (u * tl.load(cos_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0)
+              + r * tl.load(sin_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0))
+    return out_lo, out_hi
+
+
+@triton.jit
 def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end, window, softcap,
                    bt_row_ptr, kvh, num_kv_heads, block_size,
                    k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+                   k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
+                   k_smooth_ptr, had_ptr,
                    HEAD_DIM: tl.constexpr,
                    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
                    K_BCH: tl.constexpr, K_OFF: tl.constexpr,
                    V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
                    V_BCH: tl.constexpr, V_OFF: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                   K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
+                   K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PREC: tl.constexpr, SEALED_STAGES: tl.constexpr):
     """Online softmax of the query rows over sealed positions [kv_start, kv_end) (all below
     ``(context_len // block_size) * block_size``), read from the pool through the block table: only the entries of
-    the blocks holding those positions are read (with a window, the caller starts at the first one it reaches)."""
-    for start in range(kv_start, kv_end, BLOCK_N):
+    the blocks holding those positions are read (with a window, the caller starts at the first one it reaches).
+
+    Formats with outlier lists (``K_OUT`` / ``V_OUT``) walk tiles aligned to BLOCK_N (which divides the block
+    size, ``decode_config``), so a tile lies in one block and reads one list. Keys stored before RoPE (``K_PRE``)
+    are brought to the model's space per tile (``_keys_to_model_space``); their query is not folded."""
+    first = kv_start
+    if K_OUT > 0 or V_OUT > 0:
+        first = (kv_start // BLOCK_N) * BLOCK_N
+    for start in tl.range(first, kv_end, BLOCK_N, num_stages=SEALED_STAGES):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
+        if K_OUT > 0 or V_OUT > 0:
+            kmask = kmask & (kpos >= kv_start)
         blk = tl.load(bt_row_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
         bh = blk * num_kv_heads + kvh
         row = bh * block_size + kpos % block_size
         k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, bh, kmask,
-                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF)
+                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, k_cb_ptr, kvh, K_LEVELS)
+        if K_OUT > 0 or V_OUT > 0:
+            bh_tile = tl.load(bt_row_ptr + start // block_size).to(tl.int64) * num_kv_heads + kvh
+        if K_OUT > 0:
+            k_lo, k_hi = _restore_outliers(k_lo, k_hi, k_oidx_ptr, k_oval_ptr, bh_tile, kpos % block_size, HEAD_DIM, K_OUT)
+        if K_PRE:
+            k_lo, k_hi = _keys_to_model_space(k_lo, k_hi, kpos, kmask, kvh, k_smooth_ptr, had_ptr, rope_cos_ptr,
+                                              rope_sin_ptr, HEAD_DIM, K_PRE_SMOOTH, K_PRE_HAD)
         p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window, softcap, PREC)
         v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, bh, kmask,
-                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF)
+                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, v_cb_ptr, kvh, V_LEVELS)
+        if V_OUT > 0:
+            v_lo, v_hi = _restore_outliers(v_lo, v_hi, v_oidx_ptr, v_oval_ptr, bh_tile, kpos % block_size, HEAD_DIM, V_OUT)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
         acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision=PREC)
     return m_i, l_i, acc_lo, acc_hi
@@ -575,12 +851,16 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
                   k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
                   k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
                   had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+                  k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
                   win_lo, window, softcap, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
                   K_BCH: tl.constexpr, K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
                   V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
                   V_BCH: tl.constexpr, V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, OPEN_N: tl.constexpr, HAD_CHUNK: tl.constexpr):
+                  K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
+                  K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, OPEN_N: tl.constexpr, HAD_CHUNK: tl.constexpr,
+                  SEALED_STAGES: tl.constexpr):
     """Softmax state of ROWS query rows over keys [kv_start, kv_end) of sequence b: the sink rows, the sealed
     blocks, then the open block and new rows from ``new_row0`` (one code for decode partitions and prefill).
 
@@ -607,8 +887,9 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
         q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(tl.maximum(kv_start, sink_end), win_lo),
         tl.minimum(kv_end, sealed_end), window, softcap, bt_row, kvh, num_kv_heads, block_size,
         k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
+        k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr, k_smooth_ptr, had_ptr,
         HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
-        BLOCK_N, PREC)
+        K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, SEALED_STAGES)
     m_i, l_i, acc_lo, acc_hi = _attend_open(
         q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(tl.maximum(kv_start, sealed_end), win_lo), kv_end,
         window, softcap, sealed_end, ctx - sealed_end, tail_row0, new_row0, kvh, num_kv_heads,
@@ -663,6 +944,9 @@ def paged_decode_partition_kernel(
     block_table_ptr,  # [batch, max_blocks] int32
     context_lens_ptr,  # [batch] int32: tokens cached before this step
     slot_ids_ptr,  # [batch] int32: open-block slot of each sequence
+    k_cb_ptr, v_cb_ptr,  # [kv_heads, LEVELS] fp32 codebooks (nuq; else dummies or constexpr None)
+    k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr,  # [num_blocks, kv_heads, OUT] int16 / fp16 outlier lists (outN)
+    rope_cos_ptr, rope_sin_ptr,  # [P, head_dim] fp32 RoPE table of positions 0 .. P-1 (K_PRE; else dummies)
     part_m_ptr,  # [batch, heads, num_partitions] fp32 running max (log2 domain)
     part_l_ptr,  # [batch, heads, num_partitions] fp32 softmax denominators
     part_acc_ptr,  # [batch, heads, num_partitions, head_dim] fp32 unnormalized outputs (V's stored channel space)
@@ -680,12 +964,15 @@ def paged_decode_partition_kernel(
     K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
     V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr, V_BCH: tl.constexpr,
     V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+    K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
+    K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
     PREC: tl.constexpr,
     OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    SEALED_STAGES: tl.constexpr = None,  # software-pipelining stages of the sealed loop (None: the launch's)
     WINDOW: tl.constexpr = False,  # compile the window's code (``window`` may still be 0); False: window ignored
     SOFTCAP: tl.constexpr = False,  # compile the soft-cap's code; False: softcap ignored
 ):
@@ -716,8 +1003,11 @@ def paged_decode_partition_kernel(
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+            k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
             win_lo, win, cap, BLOCK_H, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
-            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
+            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD,
+            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
+            SEALED_STAGES)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
         tl.store(part_l_ptr + prow, l_i, mask=hmask)
@@ -792,6 +1082,9 @@ def paged_prefill_kernel(
     block_table_ptr,  # [batch, max_blocks] int32
     context_lens_ptr,  # [batch] int32: tokens cached before this step
     slot_ids_ptr,  # [batch] int32
+    k_cb_ptr, v_cb_ptr,  # as for paged_decode_partition_kernel
+    k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr,
+    rope_cos_ptr, rope_sin_ptr,
     out_ptr,  # [total_q, heads, head_dim]
     qk_scale,
     num_heads,
@@ -806,12 +1099,15 @@ def paged_prefill_kernel(
     K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
     V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr, V_BCH: tl.constexpr,
     V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
+    K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
+    K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_H: tl.constexpr,  # query heads per KV head, padded to a power of two
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     OPEN_N: tl.constexpr,
     HAD_CHUNK: tl.constexpr = 32,
+    SEALED_STAGES: tl.constexpr = None,  # software-pipelining stages of the sealed loop (None: the launch's)
     WINDOW: tl.constexpr = False,  # as for paged_decode_partition_kernel
     SOFTCAP: tl.constexpr = False,
 ):
@@ -844,8 +1140,11 @@ def paged_prefill_kernel(
             k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
+            k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
             win_lo, win, cap, M, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
-            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK)
+            V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD,
+            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
+            SEALED_STAGES)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
         _store_output(out_ptr, qrow, rmask, out, kvh, v_static_ptr, v_smooth_ptr, had_ptr,
@@ -863,10 +1162,11 @@ def next_pow2(n: int) -> int:
 
 def format_constexprs(spec) -> dict:
     """A TensorFormat (or its short spec string) -> the constexprs of its storage: DTYPE / STATIC / SYM / GS /
-    BCH / SMOOTH / HAD and the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
-    CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4)."""
+    BCH / SMOOTH / HAD, the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
+    CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4) and the issue-27 features
+    (LEVELS / OUT / PRE)."""
     fmt = _C.as_tensor_format(spec)
-    if (why := op_refusal(fmt)) is not None:  # the capability table: no constexpr says "codebook", "outliers", "pre-RoPE"
+    if (why := kernel_refusal(fmt)) is not None:  # the capability table's kernels / seal rows
         raise TrtkvError(f"{fmt.short()} {why}", LACKS_HINT)
     tr = fmt.traits
     sym = bool(fmt.symmetric or fmt.is_static)
@@ -881,7 +1181,10 @@ def format_constexprs(spec) -> dict:
         "QMIN": float(tr.sym_min),
         "QMAX": float(tr.sym_max),
         "QMAX_ASYM": float(tr.asym_max),
-        "CODE_OFFSET": tr.offset(sym),
+        "CODE_OFFSET": tr.offset(fmt.code_symmetric),  # a codebook's codes are unsigned table indices
+        "LEVELS": fmt.codebook_levels,  # nuq: codes index a [kv_heads, LEVELS] table (0: none)
+        "OUT": int(fmt.outliers or 0),  # outN: each sealed block-head keeps OUT outliers (0: none)
+        "PRE": bool(fmt.pre_rope),  # keys stored before RoPE
     }
 
 
@@ -897,7 +1200,9 @@ def seal_config(spec, head_dim: int, block_size: int) -> dict:
         "constexprs": dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DTYPE=c["DTYPE"], STATIC=c["STATIC"],
                            SYM=c["SYM"], GS=_gs(c, head_dim), BCH=c["BCH"], SMOOTH=c["SMOOTH"], HAD=c["HAD"],
                            QMIN=c["QMIN"], QMAX=c["QMAX"], QMAX_ASYM=c["QMAX_ASYM"], CODE_OFFSET=c["CODE_OFFSET"],
-                           SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=32),
+                           # outlier selection / keys before RoPE: the rotation in slices of 16 channels (registers)
+                           SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=16 if (c["OUT"] or c["PRE"]) else 32,
+                           LEVELS=c["LEVELS"], OUT=c["OUT"], PRE=c["PRE"]),
         "num_warps": seal_warps(head_dim, block_size),
     }
 
@@ -913,13 +1218,39 @@ def seal_warps(head_dim: int, block_size: int) -> int:
 
 
 def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
+    """The attention kernels' format constexprs. ``{W}_SMOOTH`` / ``{W}_HAD`` say what is folded into the query
+    (K) or the output (V) and moved into the stored space on load (open rows); keys stored before RoPE fold
+    nothing -- their sealed tiles come to the model's space instead, with ``K_PRE_SMOOTH`` / ``K_PRE_HAD``."""
     out = dict(HEAD_DIM=head_dim)
     for W, spec in (("K", k_spec), ("V", v_spec)):
         c = format_constexprs(spec)
+        fold = not c["PRE"]
         out.update({f"{W}_DTYPE": c["DTYPE"], f"{W}_STATIC": c["STATIC"], f"{W}_SYM": c["SYM"],
                     f"{W}_GS": _gs(c, head_dim), f"{W}_BCH": c["BCH"], f"{W}_OFF": c["CODE_OFFSET"],
-                    f"{W}_SMOOTH": c["SMOOTH"], f"{W}_HAD": c["HAD"]})
+                    f"{W}_SMOOTH": c["SMOOTH"] and fold, f"{W}_HAD": c["HAD"] and fold,
+                    f"{W}_LEVELS": c["LEVELS"], f"{W}_OUT": c["OUT"]})
+        if W == "K":
+            out.update(K_PRE=c["PRE"], K_PRE_SMOOTH=c["SMOOTH"] and c["PRE"], K_PRE_HAD=c["HAD"] and c["PRE"])
+        elif c["PRE"]:
+            raise TrtkvError(f"{_C.as_tensor_format(spec).short()}: values are never stored before RoPE", "drop prerope from v=")
     return out
+
+
+def _sealed_stages(kv: dict) -> int | None:
+    """Pipelining stages of the sealed loop: one for keys stored before RoPE or outlier lists (their per-tile slices
+    of H and one-hot operands would be multi-buffered in shared memory: ~350 KiB at head_dim 128), else the launch's."""
+    return 1 if (kv["K_PRE"] or kv["K_OUT"] or kv["V_OUT"]) else None
+
+
+def _key_tile(block_n: int, kv: dict, block_size: int | None, interpret: bool) -> int:
+    """The sealed loop's key tile: formats with outlier lists read one block's list per tile, so the tile divides
+    the block size (the kernels' block sizes are powers of two from 16, ``LIMITS``); on GPUs those and keys stored
+    before RoPE take tiles of 32 rows (their per-tile products need the registers)."""
+    if _sealed_stages(kv) == 1 and not interpret:
+        block_n = min(block_n, 32)
+    if (kv["K_OUT"] or kv["V_OUT"]) and block_size:
+        return min(block_n, block_size)
+    return block_n
 
 
 DEFAULT_PARTITION = _C.LIMITS.default_partition
@@ -927,13 +1258,14 @@ DEFAULT_PARTITION = _C.LIMITS.default_partition
 
 def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size: int = DEFAULT_PARTITION,
                   precision: str = "ieee", interpret: bool = False, window: bool = False,
-                  softcap: bool = False) -> dict:
+                  softcap: bool = False, block_size: int | None = None) -> dict:
     """Constexprs of the two decode kernels (``partition_size``: contract.LIMITS); ``window`` / ``softcap``: compile
-    the sliding window's / soft-cap's code (the WINDOW / SOFTCAP flags; their values are runtime arguments)."""
+    the sliding window's / soft-cap's code (the WINDOW / SOFTCAP flags; their values are runtime arguments);
+    ``block_size``: the cache's (formats with outlier lists tile within a block, ``_key_tile``)."""
     kv = _kv_constexprs(k_spec, v_spec, head_dim)
     block_h = max(16, next_pow2(gqa_ratio))
     block_n = 64 if (interpret or head_dim <= 64) else 32
-    block_n = min(block_n, partition_size)
+    block_n = _key_tile(min(block_n, partition_size), kv, block_size, interpret)
     problem = _C.LIMITS.partition_problem(partition_size)
     if problem or partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} {problem or 'must be a multiple of the key tile'}")
@@ -943,14 +1275,17 @@ def decode_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, partition_size:
     # HAD_CHUNK 16: the query fold and the open rows' rotation hold [16, head_dim] slices of H (32 spills at
     # head_dim 128 when K and V are both rotated, sm_90)
     part.update(BLOCK_H=block_h, BLOCK_N=block_n, PARTITION=partition_size, PREC=precision, HAD_CHUNK=16,
-                OPEN_N=16, WINDOW=bool(window), SOFTCAP=bool(softcap))
+                OPEN_N=16, WINDOW=bool(window), SOFTCAP=bool(softcap), SEALED_STAGES=_sealed_stages(kv))
     red = dict(HEAD_DIM=head_dim, V_STATIC=kv["V_STATIC"], V_SMOOTH=kv["V_SMOOTH"], V_HAD=kv["V_HAD"],
                BLOCK_H=block_h, PARTITION=partition_size, HAD_CHUNK=32)
-    return {"partition": {"constexprs": part, "num_warps": 4}, "reduce": {"constexprs": red, "num_warps": 4}}
+    # keys brought to model space per tile / outlier lists written over it: twice the registers (8 warps)
+    warps = 8 if part["SEALED_STAGES"] == 1 else 4
+    return {"partition": {"constexprs": part, "num_warps": warps}, "reduce": {"constexprs": red, "num_warps": 4}}
 
 
 def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str = "ieee",
-                   interpret: bool = False, window: bool = False, softcap: bool = False) -> dict:
+                   interpret: bool = False, window: bool = False, softcap: bool = False,
+                   block_size: int | None = None) -> dict:
     """Constexprs of the prefill kernel (``window`` / ``softcap`` as for ``decode_config``). Rows of a program =
     BLOCK_M tokens x BLOCK_H heads (>= 16).
 
@@ -964,9 +1299,12 @@ def prefill_config(k_spec, v_spec, head_dim: int, gqa_ratio: int, precision: str
         rows, block_n, warps = 64, (64 if head_dim <= 64 else 32), (4 if head_dim <= 64 else 8)
     else:
         rows, block_n, warps = 16, 32, 4
+    if _sealed_stages(kv) == 1 and not interpret:  # keys brought to model space / outlier lists: 16 rows, 8 warps
+        rows, warps = min(rows, 16), 8
     block_m = max(1, rows // block_h, 16 // block_h)
+    block_n = _key_tile(block_n, kv, block_size, interpret)
     kv.update(BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PREC=precision, HAD_CHUNK=32, OPEN_N=16,
-              WINDOW=bool(window), SOFTCAP=bool(softcap))
+              WINDOW=bool(window), SOFTCAP=bool(softcap), SEALED_STAGES=_sealed_stages(kv))
     return {"constexprs": kv, "num_warps": warps}
 
 

@@ -60,10 +60,11 @@ from typing import Any, Optional
 
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, store_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, store_quantized
 from trtkv.errors import TrtkvError
 from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat
-from trtkv.quant import TensorParams, hadamard_matrix, per_channel
+from trtkv.quant import QuantizedTensor, TensorParams, codebook_of, hadamard_matrix, per_channel
+from trtkv.rope import RopeRows
 
 from . import contract as C
 from . import reference as _ref
@@ -164,16 +165,31 @@ def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _seal_outputs(tf: TensorFormat, n: int, kvh: int, bs: int, d: int, dev):
+def _seal_outputs(tf: TensorFormat, n: int, kvh: int, bs: int, d: int, dev) -> KVPool:
     layout = PagedKVLayout(KVFormat(name="seal", k=tf, v=TensorFormat(dtype="fp16"), block_size=bs), kvh, d, bs, n)
-    pool = layout.allocate("k", dev)
-    return pool.data, pool.scale, pool.zero
+    return layout.allocate("k", dev)
 
 
-def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret: bool | None = None):
+def _seal_extras(tf: TensorFormat, kvh: int, n: int, head_dim: int, dev, codebook, first_positions, rope) -> dict:
+    """The seal kernel's issue-27 parameters: the codebook (nuq), each block's first position and the RoPE table
+    (prerope), checked; dummies where the format has none."""
+    cos, sin = _rope_table(tf, *(rope if rope is not None else (None, None)), head_dim, dev)
+    out = dict(cb_ptr=_codebook_table(tf, codebook, kvh, dev), rope_cos_ptr=cos, rope_sin_ptr=sin, pos_ptr=_dummy(dev, torch.int32))
+    if tf.pre_rope:
+        if first_positions is None or tuple(first_positions.shape) != (n,):
+            raise TrtkvError(f"{tf.short()} stores keys before RoPE: pass each sealed block's first position [{n}]",
+                             "the block's index in its sequence times the block size")
+        out["pos_ptr"] = first_positions.to(device=dev, dtype=torch.int32).contiguous()
+    return out
+
+
+def launch_seal_pool(rows, fmt, static_scale=None, smooth=None, clip=None, interpret: bool | None = None,
+                     codebook=None, first_positions=None, rope=None) -> KVPool:
     """Quantize full blocks rows [n, kv_heads, block_size, head_dim] (fp16 / bf16 / fp32) with the Triton seal
-    kernel. Returns (codes [n, kv_heads, block_size, packed], scale, zero) in pool-block form (None when the
-    format has none): ``reference.seal_ref`` bit for bit."""
+    kernel into a pool of exactly these n blocks (codes, scales, zero-points and an ``outN`` format's outlier lists):
+    ``reference.seal_ref`` bit for bit (Hadamard, outlier and RoPE formats: to the last bit of a float32 sum).
+    ``codebook``: a ``nuq`` format's levels; ``first_positions`` [n] and ``rope`` ``(cos, sin)`` [P, head_dim]:
+    keys stored before RoPE."""
     kern = _kernels()
     interpret = (not rows.is_cuda) if interpret is None else interpret
     tf = C.as_tensor_format(fmt)
@@ -183,36 +199,57 @@ def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret:
     check_head_dim(head_dim)
     check_block_size(bs)
     dev = rows.device
-    data, scale, zero = _seal_outputs(tf, n, kvh, bs, head_dim, dev)
+    pool = _seal_outputs(tf, n, kvh, bs, head_dim, dev)
     if n == 0:
-        return data, scale, zero
+        return pool
+    ext = _seal_extras(tf, kvh, n, head_dim, dev, codebook, first_positions, rope)
+    if tf.pre_rope and int(ext["pos_ptr"].max()) + bs > ext["rope_cos_ptr"].shape[0]:
+        raise TrtkvError(f"the RoPE table covers positions below {ext['rope_cos_ptr'].shape[0]}, the blocks reach "
+                         f"{int(ext['pos_ptr'].max()) + bs - 1}", "pass a table of every position sealed (RopeTable.upto)")
     cfg = kern.seal_config(tf, head_dim, bs)
     c = cfg["constexprs"]
     f32 = _dummy(dev)
     args = dict(
-        x_ptr=rows.contiguous(), data_ptr=data,
-        scale_ptr=scale if scale is not None else _dummy(dev, torch.float16),
-        zero_ptr=zero if zero is not None else _dummy(dev, torch.float16),
+        x_ptr=rows.contiguous(), data_ptr=pool.data,
+        scale_ptr=pool.scale if pool.scale is not None else _dummy(dev, torch.float16),
+        zero_ptr=pool.zero if pool.zero is not None else _dummy(dev, torch.float16),
         static_scale_ptr=_per_channel(static_scale, kvh, head_dim, dev, "a static scale") if c["STATIC"] else f32,
         smooth_ptr=_per_channel(smooth, kvh, head_dim, dev, "smoothing factors") if c["SMOOTH"] else f32,
         clip_ptr=(_per_channel(clip, kvh, 1, dev, "clip")[:, 0].contiguous() if clip is not None
                   else torch.ones(kvh, dtype=torch.float32, device=dev)),
         had_ptr=hadamard_matrix(head_dim, torch.float32, dev).contiguous() if c["HAD"] else f32,
+        oidx_ptr=pool.outlier_index if pool.outlier_index is not None else _dummy(dev, torch.int16),
+        oval_ptr=pool.outlier_value if pool.outlier_value is not None else _dummy(dev, torch.float16),
+        scratch_ptr=torch.empty(rows.shape, dtype=torch.float32, device=dev) if tf.outliers else f32,
+        **ext,
         num_kv_heads=kvh,
     )
     kmod = kern.load_kernels(interpret)
     kmod.seal_kernel[C.seal_grid(n, kvh)](**args, **c, num_warps=cfg["num_warps"])
-    return data, scale, zero
+    return pool
+
+
+def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret: bool | None = None):
+    """``launch_seal_pool``'s (codes [n, kv_heads, block_size, packed], scale, zero) in pool-block form (None when the
+    format has none), for formats without the issue-27 features' extra inputs and outputs."""
+    pool = launch_seal_pool(rows, fmt, static_scale, smooth, clip, interpret)
+    return pool.data, pool.scale, pool.zero
 
 
 def launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None,
-                     interpret: bool | None = None) -> None:
-    """``launch_seal`` stored at pool blocks ``blocks`` [n] of the pool tensors (in place)."""
+                     interpret: bool | None = None, codebook=None, outlier_index=None, outlier_value=None,
+                     first_positions=None, rope=None) -> None:
+    """``launch_seal_pool`` stored at pool blocks ``blocks`` [n] of the pool tensors (in place; an ``outN`` format's
+    lists into ``outlier_index`` / ``outlier_value``)."""
     tf = C.as_tensor_format(fmt)
     _check_pool(tf, data, scale, zero, rows.shape[-1], "pool")
     if data.shape[2] != rows.shape[2]:
         raise TrtkvError(f"seal rows hold blocks of {rows.shape[2]} tokens, the pool {data.shape[2]}")
-    store_blocks(data, scale, zero, blocks, *launch_seal(rows, tf, static_scale, smooth, clip, interpret))
+    if tf.outliers and (outlier_index is None or outlier_value is None):
+        raise TrtkvError(f"{tf.short()} keeps outlier lists and the pool has none", "allocate the cache with PagedKVLayout.allocate")
+    sealed = launch_seal_pool(rows, tf, static_scale, smooth, clip, interpret, codebook, first_positions, rope)
+    store_quantized(KVPool(data, scale, zero, None, outlier_index, outlier_value), blocks,
+                    QuantizedTensor(sealed.data, sealed.scale, sealed.zero, sealed.outlier_index, sealed.outlier_value), tf)
 
 
 @dataclass(frozen=True)
@@ -229,9 +266,90 @@ class _Attn:
     tensors: dict  # kernel parameter -> tensor: pools, tails, new rows, constants, block table, lengths, slots
 
 
+@dataclass(frozen=True)
+class SealedExtras:
+    """What the issue-27 formats add to a read of the sealed blocks (all None for the others): the layers' codebooks
+    (``nuq``: ``[levels]`` or ``[kv_heads, levels]`` in code units), the pools' outlier lists (``outN``:
+    ``[num_blocks, kv_heads, N]`` int16 positions and fp16 values) and the model's RoPE table for keys stored before
+    it (``prerope``: ``(cos, sin)`` [P, head_dim] of positions ``0 .. P - 1``, ``trtkv.rope.RopeTable.upto``)."""
+
+    k_codebook: torch.Tensor | None = None
+    v_codebook: torch.Tensor | None = None
+    k_outlier_index: torch.Tensor | None = None
+    k_outlier_value: torch.Tensor | None = None
+    v_outlier_index: torch.Tensor | None = None
+    v_outlier_value: torch.Tensor | None = None
+    rope_cos: torch.Tensor | None = None
+    rope_sin: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, k_pool: KVPool, v_pool: KVPool, k_params: TensorParams | None, v_params: TensorParams | None,
+           rope=None) -> "SealedExtras":
+        cos, sin = rope if rope is not None else (None, None)
+        return cls(_p(k_params, "codebook"), _p(v_params, "codebook"), k_pool.outlier_index, k_pool.outlier_value,
+                   v_pool.outlier_index, v_pool.outlier_value, cos, sin)
+
+    def tensors(self, kf: TensorFormat, vf: TensorFormat, kvh: int, nb: int, head_dim: int, dev) -> dict:
+        """The kernels' parameters: checked tensors where the formats read them, dummies elsewhere."""
+        out = {}
+        for w, tf in (("k", kf), ("v", vf)):
+            idx, val = getattr(self, f"{w}_outlier_index"), getattr(self, f"{w}_outlier_value")
+            out[f"{w}_cb_ptr"] = _codebook_table(tf, getattr(self, f"{w}_codebook"), kvh, dev)
+            if tf.outliers:
+                want = (nb, kvh, tf.outliers)
+                if (idx is None or val is None or tuple(idx.shape) != want or tuple(val.shape) != want
+                        or idx.dtype != torch.int16 or val.dtype != torch.float16):
+                    raise TrtkvError(f"{tf.short()} reads outlier lists: int16 / fp16 pools of shape {list(want)}",
+                                     "allocate the cache with PagedKVLayout.allocate")
+                out[f"{w}_oidx_ptr"], out[f"{w}_oval_ptr"] = idx.contiguous(), val.contiguous()
+            else:
+                out[f"{w}_oidx_ptr"], out[f"{w}_oval_ptr"] = _dummy(dev, torch.int16), _dummy(dev, torch.float16)
+        out["rope_cos_ptr"], out["rope_sin_ptr"] = _rope_table(kf, self.rope_cos, self.rope_sin, head_dim, dev)
+        return out
+
+    def check_positions(self, kf: TensorFormat, context_lens: torch.Tensor) -> None:
+        """Keys stored before RoPE are rotated at every sealed position read: the table must cover them (one host
+        sync, only for those formats, and not while a CUDA graph is being captured)."""
+        if not kf.pre_rope or not context_lens.numel():
+            return
+        if context_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if int(context_lens.max()) > self.rope_cos.shape[0]:
+            raise TrtkvError(f"the RoPE table covers positions below {self.rope_cos.shape[0]}, the cache holds "
+                             f"{int(context_lens.max())} tokens", "pass a table of every position read (RopeTable.upto)")
+
+
+NO_EXTRAS = SealedExtras()
+
+
+def _codebook_table(tf: TensorFormat, book: torch.Tensor | None, kvh: int, dev) -> torch.Tensor:
+    """A ``nuq`` format's codebook as the kernels read it, float32 ``[kv_heads, levels]`` (one line when it is missing
+    or misshapen); a dummy for other formats."""
+    if not tf.codebook:
+        return _dummy(dev)
+    given = codebook_of(tf, TensorParams(codebook=book))
+    cb = given.to(device=dev, dtype=torch.float32).reshape(-1, given.shape[-1])
+    if cb.shape[-1] != tf.codebook_levels or cb.shape[0] not in (1, kvh):
+        raise TrtkvError(f"a codebook of shape {tuple(given.shape)} for {tf.short()} (wants [{tf.codebook_levels}] or "
+                         f"[{kvh}, {tf.codebook_levels}])", "recalibrate with this format and model")
+    return cb.expand(kvh, -1).contiguous()
+
+
+def _rope_table(tf: TensorFormat, cos: torch.Tensor | None, sin: torch.Tensor | None, head_dim: int, dev) -> tuple:
+    """The model's RoPE table ``(cos, sin)`` [P, head_dim] float32 for keys stored before RoPE, checked; dummies else."""
+    if not tf.pre_rope:
+        return _dummy(dev), _dummy(dev)
+    if cos is None or sin is None:
+        raise TrtkvError(f"{tf.short()} stores keys before RoPE and no RoPE table was given",
+                         "pass rope=RopeTable.upto(...) (the torch engine does)")
+    if cos.dim() != 2 or cos.shape[1] != head_dim or sin.shape != cos.shape:
+        raise TrtkvError(f"a RoPE table must be (cos, sin) [positions, {head_dim}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    return (cos.to(device=dev, dtype=torch.float32).contiguous(), sin.to(device=dev, dtype=torch.float32).contiguous())
+
+
 def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
                   context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth,
-                  interpret: bool | None) -> _Attn:
+                  interpret: bool | None, extras: SealedExtras = NO_EXTRAS) -> _Attn:
     """Checks every argument against q (decode: one new row per sequence, prefill: one per query row)."""
     kern = _kernels()
     interpret = (not q.is_cuda) if interpret is None else interpret
@@ -277,7 +395,9 @@ def _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v
         had_ptr=hadamard_matrix(head_dim, torch.float32, dev).contiguous() if had else f32,
         block_table_ptr=block_table.to(torch.int32).contiguous(),
         context_lens_ptr=context_lens.to(torch.int32).contiguous(), slot_ids_ptr=slot_ids.to(torch.int32).contiguous(),
+        **extras.tensors(kf, vf, kvh, k_data.shape[0], head_dim, dev),
     )
+    extras.check_positions(kf, context_lens)
     return _Attn(kern, interpret, kf, vf, kvh, bs, sink, tensors)
 
 
@@ -285,20 +405,23 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
                         block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None,
                         v_static_scale=None, v_smooth=None, sm_scale=None, partition_size: int = DEFAULT_PARTITION,
                         precision: str = "auto", interpret: bool | None = None, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, extras: SealedExtras = NO_EXTRAS) -> torch.Tensor:
     """Split-K decode attention of one new token per sequence: q [batch, heads, head_dim] -> same (q's dtype).
-    ``window`` > 0: keys at positions > position - window only; ``softcap`` > 0: scores capped (``_window_softcap``)."""
+    ``window`` > 0: keys at positions > position - window only; ``softcap`` > 0: scores capped (``_window_softcap``);
+    ``extras``: codebooks, outlier lists and the RoPE table of the issue-27 formats."""
     window, softcap = _window_softcap(window, softcap)
     batch, heads, head_dim = q.shape
     A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
-                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
+                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret,
+                      extras)
     kern, interpret, kvh, block_size, t = A.kern, A.interpret, A.kvh, A.block_size, A.tensors
     problem = C.LIMITS.partition_problem(partition_size)
     if problem:
         raise TrtkvError(f"partition_size {partition_size} {problem}")
     max_blocks = block_table.shape[1]
     cfg = kern.decode_config(A.kf, A.vf, head_dim, heads // kvh, partition_size,
-                             _precision(precision, interpret, DECODE_PRECISION), interpret, window > 0, softcap > 0)
+                             _precision(precision, interpret, DECODE_PRECISION), interpret, window > 0, softcap > 0,
+                             block_size)
     grid_p, grid_r = C.decode_grids(batch, kvh, max_blocks, block_size, partition_size)
     nparts = grid_p[2]
     out = torch.empty_like(q)
@@ -325,13 +448,14 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
                          v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None,
                          v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q: int | None = None,
                          precision: str = "auto", interpret: bool | None = None, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, extras: SealedExtras = NO_EXTRAS) -> torch.Tensor:
     """Causal (chunked) prefill attention: q [total_q, heads, head_dim] -> same shape (q's dtype); ``window`` /
-    ``softcap`` as for ``launch_paged_decode``."""
+    ``softcap`` / ``extras`` as for ``launch_paged_decode``."""
     window, softcap = _window_softcap(window, softcap)
     total_q, heads, head_dim = q.shape
     A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
-                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret)
+                      context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale, v_smooth, interpret,
+                      extras)
     kern, interpret, kvh, block_size, t = A.kern, A.interpret, A.kvh, A.block_size, A.tensors
     batch = context_lens.shape[0]
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -341,7 +465,7 @@ def launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_sca
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync; pass it to avoid
     cfg = kern.prefill_config(A.kf, A.vf, head_dim, heads // kvh, _precision(precision, interpret, PREFILL_PRECISION),
-                              interpret, window > 0, softcap > 0)
+                              interpret, window > 0, softcap > 0, block_size)
     grid = C.prefill_grid(max(max_seqlen_q, 1), kvh, batch, cfg["constexprs"]["BLOCK_M"])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     kmod = kern.load_kernels(interpret)
@@ -367,53 +491,63 @@ def _spec_format(spec: str) -> TensorFormat:
     return C.as_tensor_format(spec)
 
 
-def seal_into(rows, blocks, data, scale, zero, fmt: TensorFormat, static_scale=None, smooth=None, clip=None) -> None:
-    """``seal_blocks`` on a TensorFormat: the kernel on CUDA (or under ``TRITON_INTERPRET=1``), else the reference."""
+def seal_into(rows, blocks, data, scale, zero, fmt: TensorFormat, static_scale=None, smooth=None, clip=None,
+              codebook=None, outlier_index=None, outlier_value=None, first_positions=None, rope=None) -> None:
+    """``seal_blocks`` on a TensorFormat: the kernel on CUDA (or under ``TRITON_INTERPRET=1``), else the reference.
+    ``codebook`` (nuq), the pool's outlier lists (outN, written), ``first_positions`` [n] and ``rope`` ``(cos, sin)``
+    (prerope) for the issue-27 formats."""
     if rows.is_cuda or interpret_requested():
-        launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, interpret=not rows.is_cuda)
+        launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, interpret=not rows.is_cuda,
+                         codebook=codebook, outlier_index=outlier_index, outlier_value=outlier_value,
+                         first_positions=first_positions, rope=rope)
     else:
-        _ref.seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip)
+        _ref.seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, codebook, outlier_index,
+                           outlier_value, first_positions, rope)
 
 
-@torch.library.custom_op("trtkv::seal_blocks", mutates_args=("data", "scale", "zero"))
+@torch.library.custom_op("trtkv::seal_blocks", mutates_args=("data", "scale", "zero", "outlier_index", "outlier_value"))
 def seal_blocks(rows: T, blocks: T, data: T, scale: OT, zero: OT, fmt: str,
-                static_scale: OT = None, smooth: OT = None, clip: OT = None) -> None:
-    seal_into(rows, blocks, data, scale, zero, _spec_format(fmt), static_scale, smooth, clip)
+                static_scale: OT = None, smooth: OT = None, clip: OT = None, codebook: OT = None,
+                outlier_index: OT = None, outlier_value: OT = None, first_positions: OT = None, rope_cos: OT = None,
+                rope_sin: OT = None) -> None:
+    seal_into(rows, blocks, data, scale, zero, _spec_format(fmt), static_scale, smooth, clip, codebook, outlier_index,
+              outlier_value, first_positions, None if rope_cos is None else (rope_cos, rope_sin))
 
 
 @seal_blocks.register_fake
-def _(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None) -> None:
+def _(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None, codebook=None, outlier_index=None,
+      outlier_value=None, first_positions=None, rope_cos=None, rope_sin=None) -> None:
     return None
-
-
-def _ref_params(static_scale, smooth) -> TensorParams:
-    return TensorParams(scale=static_scale, smooth=smooth)
 
 
 def _ref_attention(q, cu, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                    block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth, v_static_scale,
-                   v_smooth, sm_scale, window=0, softcap=0.0):
-    kp, vp = KVPool(k_data, k_scale, k_zero, k_tail), KVPool(v_data, v_scale, v_zero, v_tail)
+                   v_smooth, sm_scale, window=0, softcap=0.0, extras: SealedExtras = NO_EXTRAS):
+    e = extras
+    kp = KVPool(k_data, k_scale, k_zero, k_tail, e.k_outlier_index, e.k_outlier_value)
+    vp = KVPool(v_data, v_scale, v_zero, v_tail, e.v_outlier_index, e.v_outlier_value)
     window, softcap = _window_softcap(window, softcap)
+    rope = None if e.rope_cos is None else RopeRows(e.rope_cos, e.rope_sin)
     return _ref.paged_attention_ref(q, cu, kp, vp, k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt,
-                                    _ref_params(k_static_scale, k_smooth), _ref_params(v_static_scale, v_smooth),
-                                    sm_scale, window, softcap)
+                                    TensorParams(scale=k_static_scale, smooth=k_smooth, codebook=e.k_codebook),
+                                    TensorParams(scale=v_static_scale, smooth=v_smooth, codebook=e.v_codebook),
+                                    sm_scale, window, softcap, rope)
 
 
 def decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table, context_lens,
            slot_ids, k_fmt: TensorFormat, v_fmt: TensorFormat, k_static_scale=None, k_smooth=None, v_static_scale=None,
            v_smooth=None, sm_scale=None, partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
-           softcap: float = 0.0) -> torch.Tensor:
+           softcap: float = 0.0, extras: SealedExtras = NO_EXTRAS) -> torch.Tensor:
     """``paged_decode_attention`` on TensorFormats: the kernels on CUDA (or under ``TRITON_INTERPRET=1``), else the
     reference."""
     if q.is_cuda or interpret_requested():
         return launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                                    block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
                                    v_static_scale, v_smooth, sm_scale, partition_size, precision,
-                                   interpret=not q.is_cuda, window=window, softcap=softcap)
+                                   interpret=not q.is_cuda, window=window, softcap=softcap, extras=extras)
     return _ref_attention(q, None, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                           block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
-                          v_static_scale, v_smooth, sm_scale, window, softcap)
+                          v_static_scale, v_smooth, sm_scale, window, softcap, extras)
 
 
 @torch.library.custom_op("trtkv::paged_decode_attention", mutates_args=())
@@ -422,32 +556,37 @@ def paged_decode_attention(q: T, k_data: T, k_scale: OT, k_zero: OT, v_data: T, 
                            k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
                            v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
                            partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
-                           softcap: float = 0.0) -> T:
+                           softcap: float = 0.0, k_codebook: OT = None, v_codebook: OT = None,
+        k_outlier_index: OT = None, k_outlier_value: OT = None, v_outlier_index: OT = None, v_outlier_value: OT = None,
+        rope_cos: OT = None, rope_sin: OT = None) -> T:
     return decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
                   context_lens, slot_ids, _spec_format(k_fmt), _spec_format(v_fmt), k_static_scale, k_smooth,
-                  v_static_scale, v_smooth, sm_scale, partition_size, precision, window, softcap)
+                  v_static_scale, v_smooth, sm_scale, partition_size, precision, window, softcap,
+                  SealedExtras(k_codebook, v_codebook, k_outlier_index, k_outlier_value, v_outlier_index,
+                               v_outlier_value, rope_cos, rope_sin))
 
 
 @paged_decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table, context_lens,
       slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None, sm_scale=None,
-      partition_size=DEFAULT_PARTITION, precision="auto", window=0, softcap=0.0):
+      partition_size=DEFAULT_PARTITION, precision="auto", window=0, softcap=0.0, k_codebook=None, v_codebook=None,
+      k_outlier_index=None, k_outlier_value=None, v_outlier_index=None, v_outlier_value=None, rope_cos=None, rope_sin=None):
     return torch.empty_like(q)
 
 
 def prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
             context_lens, slot_ids, k_fmt: TensorFormat, v_fmt: TensorFormat, k_static_scale=None, k_smooth=None,
             v_static_scale=None, v_smooth=None, sm_scale=None, max_seqlen_q: int | None = None, precision: str = "auto",
-            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+            window: int = 0, softcap: float = 0.0, extras: SealedExtras = NO_EXTRAS) -> torch.Tensor:
     """``paged_prefill_attention`` on TensorFormats (dispatch as ``decode``)."""
     if q.is_cuda or interpret_requested():
         return launch_paged_prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail,
                                     k_new, v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale,
                                     k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision,
-                                    interpret=not q.is_cuda, window=window, softcap=softcap)
+                                    interpret=not q.is_cuda, window=window, softcap=softcap, extras=extras)
     return _ref_attention(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new,
                           v_new, block_table, context_lens, slot_ids, k_fmt, v_fmt, k_static_scale, k_smooth,
-                          v_static_scale, v_smooth, sm_scale, window, softcap)
+                          v_static_scale, v_smooth, sm_scale, window, softcap, extras)
 
 
 @torch.library.custom_op("trtkv::paged_prefill_attention", mutates_args=())
@@ -456,16 +595,21 @@ def paged_prefill_attention(q: T, cu_seqlens_q: T, k_data: T, k_scale: OT, k_zer
                             slot_ids: T, k_fmt: str, v_fmt: str, k_static_scale: OT = None, k_smooth: OT = None,
                             v_static_scale: OT = None, v_smooth: OT = None, sm_scale: Optional[float] = None,
                             max_seqlen_q: Optional[int] = None, precision: str = "auto", window: int = 0,
-                            softcap: float = 0.0) -> T:
+                            softcap: float = 0.0, k_codebook: OT = None, v_codebook: OT = None,
+        k_outlier_index: OT = None, k_outlier_value: OT = None, v_outlier_index: OT = None, v_outlier_value: OT = None,
+        rope_cos: OT = None, rope_sin: OT = None) -> T:
     return prefill(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new,
                    block_table, context_lens, slot_ids, _spec_format(k_fmt), _spec_format(v_fmt), k_static_scale,
-                   k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision, window, softcap)
+                   k_smooth, v_static_scale, v_smooth, sm_scale, max_seqlen_q, precision, window, softcap,
+                   SealedExtras(k_codebook, v_codebook, k_outlier_index, k_outlier_value, v_outlier_index,
+                               v_outlier_value, rope_cos, rope_sin))
 
 
 @paged_prefill_attention.register_fake
 def _(q, cu_seqlens_q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
       context_lens, slot_ids, k_fmt, v_fmt, k_static_scale=None, k_smooth=None, v_static_scale=None, v_smooth=None,
-      sm_scale=None, max_seqlen_q=None, precision="auto", window=0, softcap=0.0):
+      sm_scale=None, max_seqlen_q=None, precision="auto", window=0, softcap=0.0, k_codebook=None, v_codebook=None,
+      k_outlier_index=None, k_outlier_value=None, v_outlier_index=None, v_outlier_value=None, rope_cos=None, rope_sin=None):
     return torch.empty_like(q)
 
 
@@ -480,11 +624,13 @@ def _p(params: TensorParams | None, name: str):
 
 def seal_kv(layout: PagedKVLayout, k_rows: torch.Tensor, v_rows: torch.Tensor, blocks: torch.Tensor,
             k_pool: KVPool, v_pool: KVPool, k_params: TensorParams | None = None,
-            v_params: TensorParams | None = None) -> None:
-    """Seal full K and V blocks [n, kv_heads, block_size, head_dim] into pool blocks ``blocks`` (``seal_into``)."""
+            v_params: TensorParams | None = None, first_positions: torch.Tensor | None = None, rope=None) -> None:
+    """Seal full K and V blocks [n, kv_heads, block_size, head_dim] into pool blocks ``blocks`` (``seal_into``);
+    ``first_positions`` [n] and ``rope`` ``(cos, sin)``: for keys stored before RoPE."""
     for which, rows, pool, params in (("k", k_rows, k_pool, k_params), ("v", v_rows, v_pool, v_params)):
         seal_into(rows, blocks, pool.data, pool.scale, pool.zero, layout.tensor_format(which), _p(params, "scale"),
-                  _p(params, "smooth"), _p(params, "clip"))
+                  _p(params, "smooth"), _p(params, "clip"), _p(params, "codebook"), pool.outlier_index,
+                  pool.outlier_value, first_positions, rope)
 
 
 def _pool_args(k_pool: KVPool, v_pool: KVPool):
@@ -496,15 +642,18 @@ def decode_attention(q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: 
                      slot_ids: torch.Tensor, k_params: TensorParams | None = None,
                      v_params: TensorParams | None = None, sm_scale: float | None = None,
                      partition_size: int = DEFAULT_PARTITION, precision: str = "auto", window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, rope=None) -> torch.Tensor:
     """``paged_decode_attention`` on trtkv objects (``decode``: the formats travel as objects). A sliding layer (``window``) may pass a block table whose column
     ``j`` is where the sequence's sealed block ``j`` lives only from its window's first block on
-    (``cache_layout.first_window_block``): a window ring's (``WindowRing.block``); earlier entries are never read."""
+    (``cache_layout.first_window_block``): a window ring's (``WindowRing.block``); earlier entries are never read.
+    The params' codebooks and the pools' outlier lists go along (``SealedExtras``); ``rope``: the model's table
+    ``(cos, sin)`` [P, D] for keys stored before RoPE."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
     return decode(
         q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids, fmt.k,
         fmt.v, _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"), _p(v_params, "smooth"),
-        sm_scale, partition_size, precision, int(window or 0), float(softcap or 0.0))
+        sm_scale, partition_size, precision, int(window or 0), float(softcap or 0.0),
+        SealedExtras.of(k_pool, v_pool, k_params, v_params, rope))
 
 
 def prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, layout: PagedKVLayout | KVFormat, k_pool: KVPool,
@@ -512,11 +661,12 @@ def prefill_attention(q: torch.Tensor, cu_seqlens_q: torch.Tensor, layout: Paged
                       context_lens: torch.Tensor, slot_ids: torch.Tensor, k_params: TensorParams | None = None,
                       v_params: TensorParams | None = None, sm_scale: float | None = None,
                       max_seqlen_q: int | None = None, precision: str = "auto", window: int = 0,
-                      softcap: float = 0.0) -> torch.Tensor:
-    """``paged_prefill_attention`` on trtkv objects (``prefill``; ``window``, ``softcap`` and ringed block tables as for
-    ``decode_attention``)."""
+                      softcap: float = 0.0, rope=None) -> torch.Tensor:
+    """``paged_prefill_attention`` on trtkv objects (``prefill``; ``window``, ``softcap``, ringed block tables and
+    ``rope`` as for ``decode_attention``)."""
     fmt = layout.fmt if isinstance(layout, PagedKVLayout) else layout
     return prefill(
         q, cu_seqlens_q, *_pool_args(k_pool, v_pool), k_new, v_new, block_table, context_lens, slot_ids,
         fmt.k, fmt.v, _p(k_params, "scale"), _p(k_params, "smooth"), _p(v_params, "scale"),
-        _p(v_params, "smooth"), sm_scale, max_seqlen_q, precision, int(window or 0), float(softcap or 0.0))
+        _p(v_params, "smooth"), sm_scale, max_seqlen_q, precision, int(window or 0), float(softcap or 0.0),
+        SealedExtras.of(k_pool, v_pool, k_params, v_params, rope))

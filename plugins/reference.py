@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, store_blocks
+from trtkv.cache_layout import KVPool, PagedKVLayout, gather_paged, seal_blocks, store_quantized
 from trtkv.formats import KVFormat, TensorFormat
-from trtkv.quant import TensorParams, per_channel
+from trtkv.quant import QuantizedTensor, TensorParams, per_channel
+from trtkv.rope import RopeRows
 
 from . import contract as C
 from .contract import as_tensor_format
@@ -37,33 +38,54 @@ def layout_for(k_fmt: TensorFormat, v_fmt: TensorFormat, data: torch.Tensor, hea
                          num_slots=num_slots)
 
 
-def seal_ref(
+def seal_ref_pool(
     rows: torch.Tensor,
     fmt: str | TensorFormat,
     static_scale: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
     clip: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Quantize full blocks ``rows`` [n, kv_heads, block_size, head_dim] into (codes, scale, zero) in
-    pool-block form (``seal_blocks`` into a pool of exactly these n blocks)."""
+    codebook: torch.Tensor | None = None,
+    first_positions: torch.Tensor | None = None,
+    rope=None,
+) -> KVPool:
+    """Quantize full blocks ``rows`` [n, kv_heads, block_size, head_dim] into a pool of exactly these n blocks (codes,
+    scale, zero and an ``outN`` format's outlier lists; ``seal_blocks``). ``codebook``: a ``nuq`` format's levels;
+    ``first_positions`` [n] and ``rope`` (``(cos, sin)`` [P, D] or a ``RopeTable``): keys stored before RoPE."""
     tf = as_tensor_format(fmt)
     n, kvh, bs, d = rows.shape
     layout = PagedKVLayout(KVFormat(name="seal", k=tf, v=TensorFormat(dtype="fp16"), block_size=bs), kvh, d, bs, n)
     pool = layout.allocate("k")
     if n:
-        seal_blocks(layout, "k", pool, rows, torch.arange(n), TensorParams(static_scale, smooth, clip))
+        seal_blocks(layout, "k", pool, rows, torch.arange(n), TensorParams(static_scale, smooth, clip, codebook=codebook),
+                    first_positions, _rope_rows(rope))
+    return pool
+
+
+def seal_ref(rows, fmt, static_scale=None, smooth=None, clip=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``seal_ref_pool``'s (codes, scale, zero) in pool-block form, for formats without the issue-27 features."""
+    pool = seal_ref_pool(rows, fmt, static_scale, smooth, clip)
     return pool.data, pool.scale, pool.zero
 
 
-def seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None) -> None:
+def _rope_rows(rope):
+    """A RoPE table given as ``(cos, sin)`` rows as the reference readers take it (``RopeRows``); anything else as is."""
+    return RopeRows(rope[0].cpu(), rope[1].cpu()) if isinstance(rope, tuple) else rope
+
+
+def seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None, codebook=None,
+                  outlier_index=None, outlier_value=None, first_positions=None, rope=None) -> None:
     """``seal_ref`` stored at pool blocks ``blocks`` [n] of the raw pool tensors (in place)."""
-    store_blocks(data, scale, zero, blocks, *seal_ref(rows, fmt, static_scale, smooth, clip))
+    tf = as_tensor_format(fmt)
+    p = seal_ref_pool(rows, tf, static_scale, smooth, clip, codebook, first_positions, rope)
+    store_quantized(KVPool(data, scale, zero, None, outlier_index, outlier_value), blocks,
+                    QuantizedTensor(p.data, p.scale, p.zero, p.outlier_index, p.outlier_value), tf)
 
 
 def cached_sequence(layout: PagedKVLayout, which: str, pool: KVPool, block_row: torch.Tensor, ctx: int, slot: int,
-                    params: TensorParams | None) -> torch.Tensor:
-    """[ctx, kv_heads, head_dim] float32 of one sequence's cache, transforms undone (``gather_paged``)."""
-    return gather_paged(layout, which, pool, block_row, ctx, params, slot=slot)  # type: ignore[arg-type]
+                    params: TensorParams | None, rope=None) -> torch.Tensor:
+    """[ctx, kv_heads, head_dim] float32 of one sequence's cache, transforms undone (``gather_paged``; ``rope`` for
+    keys stored before RoPE)."""
+    return gather_paged(layout, which, pool, block_row, ctx, params, slot=slot, rope=rope)  # type: ignore[arg-type]
 
 
 def paged_attention_ref(
@@ -83,6 +105,7 @@ def paged_attention_ref(
     sm_scale: float | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    rope=None,
 ) -> torch.Tensor:
     """Attention of this step's queries over the cache (sealed pool blocks + open block) and the step's own
     rows, float64 math on the float32-dequantized cache.
@@ -98,6 +121,8 @@ def paged_attention_ref(
     sliding window); cached positions below the step's first query's window are dropped before any product (so
     whatever the pool holds there -- a window ring's overwritten blocks, NaN -- never enters). ``softcap`` > 0:
     scores ``s * sm_scale`` become ``softcap * tanh(s * sm_scale / softcap)`` before the mask (Gemma 2).
+    The pools' outlier lists and the params' codebooks are read where the formats keep them; ``rope`` (a
+    ``RopeTable`` or ``trtkv.rope.RopeRows``) rotates keys stored before RoPE at their positions.
     """
     kf, vf = as_tensor_format(k_fmt), as_tensor_format(v_fmt)
     head_dim = q.shape[-1]
@@ -114,7 +139,7 @@ def paged_attention_ref(
         if n == 0:
             continue
         slot = int(slot_ids[b])
-        k = torch.cat([cached_sequence(layout, "k", k_pool, block_table[b], ctx, slot, k_params).double(),
+        k = torch.cat([cached_sequence(layout, "k", k_pool, block_table[b], ctx, slot, k_params, rope).double(),
                        k_new[rows].half().double()])  # [ctx + n, kvh, D]
         v = torch.cat([cached_sequence(layout, "v", v_pool, block_table[b], ctx, slot, v_params).double(),
                        v_new[rows].half().double()])

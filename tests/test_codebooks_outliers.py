@@ -593,8 +593,9 @@ NEW_FEATURES = [
 READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
 
-# the paths that read a feature (the torch ops and the C decode kernels read them all); others: none
-READERS = {"codebooks (nuq)": {"cpu", "torch"}, "outlier lists (outN)": {"cpu", "torch"}, "keys before RoPE (prerope)": {"cpu", "torch"}}
+# the paths that read a feature (the torch ops, the C decode kernels and the Triton kernels read them all); others: none
+_ALL = {"cpu", "torch", "kernels", "seal"}
+READERS = {"codebooks (nuq)": _ALL, "outlier lists (outN)": _ALL, "keys before RoPE (prerope)": _ALL}
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -612,8 +613,8 @@ def test_every_path_of_the_capability_table_refuses_each_new_feature_in_one_line
         assert len(reasons) == 1 and "\n" not in reasons[0] and path.title in reasons[0] and reasons[0].hint, (path.name, reasons)
         # the hint names a torch-engine path that reads it, where there is one
         assert ("--backend torch" in reasons[0].hint) == bool(readers), (path.name, reasons[0].hint)
-        assert all(CAPABILITIES[r].title in reasons[0].hint for r in readers)
-    assert not kernels_take(fmt)  # the AOT list and the contract tests ask this: the kernels do not take it
+        assert all(CAPABILITIES[r].title in reasons[0].hint for r in readers if r in ("torch", "cpu", "kernels"))
+    assert kernels_take(fmt)  # the AOT list asks this: the Triton kernels take it
 
 
 @pytest.mark.parametrize("spec", READ_EVERYWHERE)
@@ -626,13 +627,20 @@ def test_formats_every_path_reads_are_not_refused_for_the_new_features(spec):
     assert kernels_take(fmt)
 
 
-def test_aot_configurations_leave_out_the_presets_the_kernels_do_not_read():
+def test_aot_configurations_take_the_issue_27_presets_and_the_op_contract_does_not():
+    """The Triton kernels (and so the AOT configuration list) take int3-nuq / int2-nuq; the trtkv:: ops (ONNX Runtime
+    custom ops, TensorRT plugins) still refuse them, and so the contract tests leave them out."""
     from trtkv.formats import PRESETS
-    from trtkv.plugins.contract.capabilities import KERNEL_SEAL, kernels_take
+    from trtkv.plugins import aot
+    from trtkv.plugins.contract.capabilities import KERNEL_SEAL, kernels_take, op_refusal
 
     taken = {n for n, f in PRESETS.items() if kernels_take(f)}
-    lacking = {n for n, f in PRESETS.items() if any(KERNEL_SEAL.lacks(t) for t in (f.k, f.v))}
-    assert {"int3-nuq", "int2-nuq"} <= lacking and not taken & lacking and {"int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
+    assert {"int3-nuq", "int2-nuq", "int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
+    assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v))
+    assert all(op_refusal(PRESETS[n].k) for n in ("int3-nuq", "int2-nuq"))
+    names = {c.name for c in aot.lean_configs()}
+    assert any("prerope" in n and "out64" in n and n.startswith("seal.") for n in names)
+    assert any("nuq" in n and n.startswith("paged_decode_partition.") for n in names)
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -651,20 +659,30 @@ def test_the_op_contract_refuses_each_new_feature(spec, words, side):
             attrs_for(op, ok, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=64, which=side)
 
 
-@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
-def test_the_triton_launchers_refuse_each_new_feature(spec, words, side):
-    """A direct Triton launch (no op attributes to check) refuses where the format becomes the kernels' constexprs."""
+def test_the_triton_launchers_refuse_what_they_cannot_read_in_one_line():
+    """The Triton kernels read every issue-27 feature; what they refuse, each in one line naming the fix: an outlier
+    count that is not a power of two from 16 (one-hot products), a codebook format without its codebook, keys stored
+    before RoPE without the model's table or the blocks' first positions."""
     pytest.importorskip("triton")
     from trtkv.plugins import kernels, ops
+    from trtkv.plugins.cases import case_rope
 
-    fmt = get_format(spec)
-    tf, other = (fmt.k, fmt.v) if side == "k" else (fmt.v, fmt.k)
-    with pytest.raises(TrtkvError, match=re.escape(words)):
-        kernels.format_constexprs(tf)
     rows = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(27))
-    with pytest.raises(TrtkvError, match=re.escape(words)):
-        ops.launch_seal(rows, tf, interpret=True)
-    assert kernels.format_constexprs(other)["DTYPE"] == other.dtype  # the control
+    for spec in ("int3:bchannel:asym:out24", "int3:bchannel:asym:out8"):
+        with pytest.raises(TrtkvError, match="power of two") as e:
+            kernels.format_constexprs(parse_tensor_spec(spec))
+        assert "\n" not in str(e.value)
+    assert kernels.format_constexprs(parse_tensor_spec("int3:bchannel:asym:out16"))["OUT"] == 16  # the control
+    with pytest.raises(TrtkvError, match="none was given"):
+        ops.launch_seal_pool(rows, parse_tensor_spec("int3:g32:sym:nuq"), interpret=True)
+    pre = parse_tensor_spec("int3:bchannel:asym:prerope")
+    with pytest.raises(TrtkvError, match="no RoPE table was given"):
+        ops.launch_seal_pool(rows, pre, interpret=True, first_positions=torch.tensor([0, 64]))
+    rope = case_rope(100, 64)
+    with pytest.raises(TrtkvError, match="first position"):
+        ops.launch_seal_pool(rows, pre, interpret=True, rope=(rope.cos, rope.sin))
+    with pytest.raises(TrtkvError, match="covers positions below 100"):
+        ops.launch_seal_pool(rows, pre, interpret=True, rope=(rope.cos, rope.sin), first_positions=torch.tensor([0, 64]))
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -774,6 +792,26 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
     prefill chunks) and its C kernels (a prefill across blocks, sealing them in the step) -- then decodes; the runtime
     pool seals with the reference quantizer: RoPE undone with the table the engine handed it, outlier lists stored)
     give the eval cache's teacher-forced logits for the same tokens."""
+    _serve_like_the_eval_cache(tiny_models("llama", num_hidden_layers=2), spec, attention, block=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [
+    "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out16,v=int3:g8:sym:hadamard:nuq,block=16,sink=1",
+    "k=int2:bchannel:asym:prerope:hadamard:out32,v=int2:token:sym:hadamard:nuq:out16,block=16",
+    "k=int4:bchannel:asym:nuq,v=int4:g8:sym:out16,block=16,sink=1",
+])
+def test_the_triton_kernels_serve_every_new_feature_like_the_eval_cache(tiny_models, spec, monkeypatch):
+    """The same through the Triton kernels (the CUDA path, here under the interpreter): decode and prefill attention
+    read the codebooks, the outlier lists and the keys stored before RoPE, and the pool seals with the Triton seal
+    kernel (codebook levels, outlier selection, RoPE undone): the eval cache's logits for the same tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _serve_like_the_eval_cache(tiny_models("llama", num_hidden_layers=2, head_dim=32, hidden_size=96), spec, "kernels",
+                               block=16, seal_kernels=True)
+
+
+def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal_kernels: bool = False) -> None:
     from conftest import random_kv_params
 
     from trtkv.cache_layout import PagedKVLayout
@@ -784,14 +822,16 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
     from trtkv.runtime.torch_engine import TorchEngine
     from trtkv.runtime.verify import StaticBatch
 
-    d, _ = tiny_models("llama", num_hidden_layers=2)
+    d, _ = tiny
     info = model_info(str(d))
     model = load_model(str(d), device="cpu", dtype="float32").model
     [fmt], _ = fit_formats([spec], info.head_dim)
     heads, hd = info.num_kv_heads, info.head_dim
     params = random_kv_params(fmt, heads, hd, info.num_layers, seed=37)
-    prompts = [list(range(3, 22)), list(range(40, 53))]
-    cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, 4, 40, 2), info.num_layers, params)
+    n = 5 * block - 1  # prompts over several sealed blocks, a first one sealed with sinks
+    prompts = [list(range(3, 3 + n)), list(range(40, 40 + n - block - 3))]
+    cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, block, 40, 2), info.num_layers, params)
+    cache.seal_with_kernels = seal_kernels  # seal_device.py's path
     engine = TorchEngine(model, attention=attention, device="cpu")
     sb = StaticBatch(cache, len(prompts))
     steps = [sb.prefill(engine, prompts)]
@@ -799,8 +839,9 @@ def test_the_torch_ops_serve_every_new_feature_like_the_eval_cache(tiny_models, 
         nxt = steps[-1].argmax(-1)
         steps.append(sb.step(engine, {i: [int(nxt[i])] for i in range(len(prompts))}))
     got = torch.stack(steps, 1)
-    if fmt.k.outliers:  # the seals stored outlier lists
-        assert cache.tensors["k_outlier_value"].abs().sum() > 0
+    for w, tf in (("k", fmt.k), ("v", fmt.v)):
+        if tf.outliers:  # the seals stored outlier lists
+            assert cache.tensors[f"{w}_outlier_value"].abs().sum() > 0
     ids = torch.tensor([p + got[i, :-1].argmax(-1).tolist() + [0] * (len(prompts[0]) - len(p)) for i, p in enumerate(prompts)])
     with torch.inference_mode():
         want = model_logits(model, ids, fmt, params)

@@ -43,7 +43,7 @@ from trtkv.plugins import contract as C
 from trtkv.plugins import kernels as K
 from trtkv.plugins import ops
 from trtkv.plugins import reference as R
-from trtkv.plugins.cases import PagedCase, case_params
+from trtkv.plugins.cases import PagedCase, case_params, case_rope
 from trtkv.quant import hadamard_matrix, unpack_int4
 
 ATTN_RTOL = 2e-5
@@ -372,7 +372,8 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
     had = hadamard_matrix(128)
     kmod.paged_decode_partition_kernel[gp](q, k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.tail, v.tail,
                                            case.k_new, case.v_new, f32, f32, f32, f32, had, case.block_table,
-                                           case.context_lens, case.slot_ids, pm, pl, pa, K.LOG2E / math.sqrt(128),
+                                           case.context_lens, case.slot_ids, *[f32] * 8,  # no codebook, outliers, RoPE
+                                           pm, pl, pa, K.LOG2E / math.sqrt(128),
                                            case.heads, case.kvh, 64, case.layout.sink_tokens,
                                            case.block_table.shape[1], gp[2], 0, 0.0,  # no window, no cap
                                            **cfg["partition"]["constexprs"])
@@ -636,6 +637,155 @@ def test_fake_impls_and_opcheck(monkeypatch):
     torch.library.opcheck(torch.ops.trtkv.seal_blocks.default,
                           (torch.randn(1, 2, 64, 64), torch.tensor([3]), k.data, k.scale, k.zero, case.fmt.k.short()),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. issue 27's formats: codebooks (nuq), outlier lists (outN), keys stored before RoPE (prerope)
+# ------------------------------------------------------------------------------------------------
+
+
+def _seal_both(rows, tf, p, first=None, rope=None):
+    """(reference pool, kernel pool) of sealing ``rows`` with format ``tf`` and case params ``p``."""
+    args = (p.scale, p.smooth, p.clip)
+    ref = R.seal_ref_pool(rows, tf, *args, p.codebook, first, rope)
+    out = ops.launch_seal_pool(rows, tf, *args, True, p.codebook, first, rope)
+    return ref, out
+
+
+# integer-valued rows: every sum (block and group means, so every outlier score) is exact in any order, and the many
+# equal scores exercise the tie rule (the lower position first) -> bit exact
+SEAL27_EXACT = [("int3:bchannel:asym:out16", 32, 16), ("int2:g16:asym:nuq:out32", 64, 32),
+                ("int4:token:sym:nuq:out16", 64, 16), ("int3:bchannel:sym:nuq:out64", 128, 64),
+                ("int3:g32:sym:nuq", 64, 128)]
+
+
+@pytest.mark.parametrize("spec,d,bs", SEAL27_EXACT, ids=[f"{s}-d{d}-b{b}" for s, d, b in SEAL27_EXACT])
+def test_seal_codebooks_and_outliers_bit_for_bit_on_integer_inputs(spec, d, bs):
+    gen = torch.Generator().manual_seed(d + bs)
+    tf = parse_tensor_spec(spec)
+    rows = torch.randint(-40, 41, (3, 2, bs, d), generator=gen).float()
+    rows[1, 0, 5, :] *= 9  # a row of outliers in one block-head: lists and ranges must follow it
+    p = case_params(tf, "k", _as_rows(rows), gen)
+    ref, out = _seal_both(rows, tf, p)
+    for name in ("data", "scale", "zero", "outlier_index", "outlier_value"):
+        a, b = getattr(ref, name), getattr(out, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    if tf.outliers:
+        assert bool((out.outlier_index.diff(dim=-1) > 0).all())  # positions ascending, each kept once
+        assert (out.outlier_index[1, 0] // d == 5).sum() >= min(tf.outliers, d) // 2  # the loud row is set aside
+
+
+SEAL27_PRESETS = [("int3-nuq", 64), ("int2-nuq", 128), ("k=int3:bchannel:asym:prerope:qsmooth:out16,v=fp16,block=32", 32)]
+
+
+@pytest.mark.parametrize("fmt,d", SEAL27_PRESETS)
+def test_seal_issue27_presets_match_the_reference(fmt, d):
+    """The presets' K (pre-RoPE, smoothed, rotated, outliers) and V (codebook): the reference's codes, scales and outlier
+    lists. Where a rotation sums products, within its summation-order tolerance (module docstring); outlier lists may then
+    swap an element whose score sits within an ulp of the threshold."""
+    f = get_format(fmt)
+    bs = f.block_size
+    gen = torch.Generator().manual_seed(d)
+    rope = case_rope(6 * bs, d)
+    for which, tf in (("k", f.k), ("v", f.v)):
+        if not tf.is_quantized:
+            continue
+        rows = (torch.randn(3, 2, bs, d, generator=gen) * (torch.rand(2, 1, d, generator=gen) * 2 + 0.2)).half()
+        p = case_params(tf, which, _as_rows(rows), gen)
+        first = torch.tensor([0, 2 * bs, 5 * bs])
+        ref, out = _seal_both(rows, tf, p, first, (rope.cos, rope.sin))
+        a, b = tf.traits.stored_values(ref.data).int(), tf.traits.stored_values(out.data).int()
+        diff = (a - b).abs()
+        if tf.hadamard:
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 5e-3, which
+        else:
+            assert diff.max() == 0, which
+        for x, y in ((ref.scale, out.scale), (ref.zero, out.zero)):
+            if x is not None:
+                assert ((x.float() - y.float()).abs() / x.float().abs().clamp_min(1e-6)).max() <= 2**-10
+        if tf.outliers:
+            shared = [len(set(r.tolist()) & set(o.tolist())) for r, o in zip(ref.outlier_index.flatten(0, 1), out.outlier_index.flatten(0, 1))]
+            assert min(shared) >= tf.outliers - 1 and sum(shared) >= 0.99 * ref.outlier_index.numel()
+            same = ref.outlier_index == out.outlier_index
+            x, y = ref.outlier_value[same].float(), out.outlier_value[same].float()
+            assert ((x - y).abs() / x.abs().clamp_min(1e-6)).max() <= 2**-10  # one fp16 ulp at most
+
+
+def test_seal_prerope_uses_each_blocks_position():
+    """Keys stored before RoPE: RoPE is undone at each block's own positions -- a block sealed at another position stores
+    other codes, the same position the same -- exactly as the reference undoes it (no rotation: bit for bit)."""
+    gen = torch.Generator().manual_seed(5)
+    tf = parse_tensor_spec("int4:bchannel:asym:prerope")
+    rows = torch.randn(2, 1, 16, 32, generator=gen)
+    rope = case_rope(200, 32)
+    at = ops.launch_seal_pool(rows, tf, interpret=True, first_positions=torch.tensor([0, 160]), rope=(rope.cos, rope.sin))
+    moved = ops.launch_seal_pool(rows, tf, interpret=True, first_positions=torch.tensor([0, 32]), rope=(rope.cos, rope.sin))
+    ref = R.seal_ref_pool(rows, tf, first_positions=torch.tensor([0, 160]), rope=(rope.cos, rope.sin))
+    assert torch.equal(at.data[0], moved.data[0]) and not torch.equal(at.data[1], moved.data[1])
+    assert all(torch.equal(getattr(at, n), getattr(ref, n)) for n in ("data", "scale", "zero"))
+
+
+ATTN27_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
+    ("int3-nuq", 64, 3, 512, 2),
+    ("int2-nuq", 128, 2, 128, 1),
+    ("k=int3:bchannel:asym:prerope:out16,v=int4:token:asym:nuq:out16,block=16,sink=2", 32, 1, 16, 2),
+    ("k=int4:bchannel:sym:nuq:out32,v=int3:g16:sym:hadamard:nuq,block=32,sink=5", 64, 2, 32, 2),
+]
+
+
+def _tol27(f: KVFormat) -> float:
+    """Keys stored before RoPE and rotated come back to model space through an fp16 product (the precision the open
+    block keeps keys in): ~1e-3 relative; every other read is the fp32 arithmetic of ATTN_RTOL."""
+    return 2e-3 if f.k.pre_rope and f.k.hadamard else ATTN_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,d,ratio,part,kvh", ATTN27_CASES, ids=[f"{f}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in ATTN27_CASES])
+def test_decode_and_prefill_read_codebooks_outliers_and_prerope_keys(fmt, d, ratio, part, kvh):
+    """Against float64 attention over the reference's dequantized cache (codebook levels, outlier lists written back,
+    RoPE applied again at each position), with garbage everywhere attention must not read -- dead blocks' outlier lists
+    included -- and contexts ending anywhere in a block (outlier formats walk tiles aligned to the block); decode also
+    with a sliding window that starts inside a block."""
+    f = get_format(fmt)
+    bs = f.block_size
+    case = PagedCase(f, _ctxs(bs), [1, 2, 1, 3, 1, 2, 1, 1], heads_q=kvh * ratio, kv_heads=kvh, head_dim=d, seed=d + ratio)
+    ext = ops.SealedExtras(**case.extras_kwargs())
+    q = torch.randn(len(case.ctxs), case.heads, d, generator=case.gen)
+    out = ops.launch_paged_decode(q, *case.attn_args(), interpret=True, partition_size=part, extras=ext)
+    assert _rel_err(out, case.reference(q)) < _tol27(f)
+    win = bs + 3
+    out = ops.launch_paged_decode(q, *case.attn_args(), interpret=True, partition_size=part, extras=ext, window=win)
+    assert _rel_err(out, case.reference(q, window=win)) < _tol27(f)
+    qp = torch.randn(case.q_pre.shape, generator=case.gen)
+    out = ops.launch_paged_prefill(qp, case.cu, *case.attn_args(prefill=True), interpret=True, extras=ext)
+    assert _rel_err(out, case.reference(qp, prefill=True)) < _tol27(f)
+
+
+def test_attention_reads_each_feature():
+    """Each feature changes what the kernels read (against the same reference): the outlier lists, the codebook and the
+    RoPE table each, replaced, move the output far past the tolerance."""
+    f = get_format("int3-nuq")
+    case = PagedCase(f, [300, 129], heads_q=4, kv_heads=2, head_dim=64, seed=3)
+    ref = case.reference()
+    kw = case.extras_kwargs()
+    assert _rel_err(_decode(case, case.q_dec, extras=ops.SealedExtras(**kw)), ref) < 2e-3
+    other = case_rope(400, 64, base=500.0)
+    for change in (dict(k_outlier_value=kw["k_outlier_value"] * 0), dict(v_codebook=kw["v_codebook"].flip(-1)),
+                   dict(rope_cos=other.cos, rope_sin=other.sin)):
+        assert _rel_err(_decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, **change})), ref) > 1e-2, list(change)
+
+
+def test_issue27_reads_refuse_what_is_missing_in_one_line():
+    case = PagedCase(get_format("int3-nuq"), [130], heads_q=2, kv_heads=1, head_dim=64, seed=1)
+    kw = case.extras_kwargs()
+    for missing, words in (("v_codebook", "none was given"), ("k_outlier_index", "outlier lists"),
+                           ("rope_cos", "no RoPE table")):
+        with pytest.raises(TrtkvError, match=words) as e:
+            _decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, missing: None}))
+        assert "\n" not in str(e.value)
+    short = case_rope(100, 64)
+    with pytest.raises(TrtkvError, match="covers positions below 100"):
+        _decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, "rope_cos": short.cos, "rope_sin": short.sin}))
 
 
 def test_validation_errors():

@@ -687,7 +687,8 @@ PRESETS: dict[str, KVFormat] = {
         ),
         # issue 27: below 4 bits with calibrated transforms. ``-qs``: the presets' layout with query-aware key smoothing,
         # which every engine path reads today (smoothing folds into the query); ``-nuq``: the best measured recipe (all four
-        # measures at block 128, bench/accuracy.py round 3; eval, the reference paged cache, the torch engine's torch ops and C kernels)
+        # measures at block 128, bench/accuracy.py round 3; eval, the reference paged cache, the torch engine's torch ops, C
+        # kernels and Triton kernels)
         KVFormat(name="int3-qs", k=_t("int3", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
                  v=_t("int3", "per_token_group", group_size=32, hadamard=True), block_size=64, sink_tokens=4,
                  description="int3 preset with keys smoothed by the queries (sqrt(rms_K / rms_Q), calibrated) before the "
@@ -708,15 +709,15 @@ PRESETS: dict[str, KVFormat] = {
                  description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
                  "queries and rotated, asymmetric per channel over each block, 64 outliers per block and head kept exactly; "
                  "values rotated, symmetric groups of 32 through a calibrated codebook of 8 levels (served by the torch "
-                 "engine: its C kernels on CPU, its torch ops anywhere)"),
+                 "engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
         KVFormat(name="int2-nuq",
                  k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
                       outliers=64),
                  v=_t("int2", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
                  description="int2, 2.375 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
                  "queries, rotated, 64 outliers per block and head kept exactly; values rotated, symmetric per token through a "
-                 "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its torch ops "
-                 "anywhere)"),
+                 "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its Triton kernels "
+                 "on CUDA, its torch ops anywhere)"),
         KVFormat(
             name="int4-token",
             k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),

@@ -35,6 +35,7 @@ class RopeTable:
     rotary: torch.nn.Module
     head_dim: int
     _table: tuple | None = field(default=None, repr=False, compare=False)  # ``upto``'s cached (cos, sin)
+    _on: dict = field(default_factory=dict, repr=False, compare=False)  # ``upto``'s copies on other devices
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RopeTable":
@@ -59,14 +60,37 @@ class RopeTable:
         cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=p.device), p)
         return cos[0].float(), sin[0].float()
 
-    def upto(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` [P, D] float32, contiguous, of positions ``0 .. P - 1`` with ``P >= n`` (the CPU kernels' table):
-        computed once and grown by doubling, so a step asks for it at no cost."""
+    def upto(self, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` [P, D] float32, contiguous, of positions ``0 .. P - 1`` with ``P >= n`` (the kernels' table):
+        computed once and grown by doubling, so a step asks for it at no cost; ``device``: a copy kept there."""
         if self._table is None or self._table[0].shape[0] < n:
             size = 1 << max(int(n) - 1, 255).bit_length()  # at least 256 rows
-            self._table = tuple(t.contiguous() for t in self.rows(0, size))
-        return self._table
+            buf = next(iter(self.rotary.buffers()), None)  # computed where the model's rotary module lives
+            self._table = tuple(t.cpu().contiguous() for t in self.rows(0, size, None if buf is None else buf.device))
+            self._on.clear()
+        if device is None or torch.device(device) == self._table[0].device:
+            return self._table
+        key = str(torch.device(device))
+        if key not in self._on:
+            self._on[key] = tuple(t.to(device) for t in self._table)
+        return self._on[key]
 
     def rows(self, start: int, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` [n, D] of positions ``start .. start + n - 1``."""
         return self.cos_sin(torch.arange(start, start + n, device=device))
+
+
+@dataclass(frozen=True)
+class RopeRows:
+    """A RoPE table held as rows ``(cos, sin)`` [P, D] of positions ``0 .. P - 1`` (``RopeTable.upto``): what the
+    Triton kernels read, with ``cos_sin`` as ``RopeTable`` has it for the reference readers of the same call."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = positions.reshape(-1).long().to(self.cos.device)
+        if p.numel() and int(p.max()) >= self.cos.shape[0]:
+            raise TrtkvError(f"the RoPE table covers positions below {self.cos.shape[0]}, position {int(p.max())} was asked",
+                             "pass a table of every position read (RopeTable.upto)")
+        return self.cos[p].float(), self.sin[p].float()

@@ -127,6 +127,8 @@ class ExecutionPath:
             return LIMITS.dtype_problem(t.dtype)
         if t.mse and self.kernels:
             return "searches its scales (mse), which the Triton kernels do not (the reference quantizer does)"
+        if self.kernels and (problem := LIMITS.outliers_problem(t.outliers)):
+            return problem
         return None
 
     def format_reasons(self, fmt) -> list[Reason]:
@@ -186,13 +188,17 @@ TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attent
 # stored before it) where they fold the others' scales into the query
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True, codebooks=True, outliers=True,
                           pre_rope=True)
-KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True)
+# the Triton kernels read codebooks (a table lookup), outlier lists (one-hot products over a tile of one block) and keys
+# stored before RoPE (brought to model space per tile with the model's table); the seal kernel writes them all
+KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True,
+                                 codebooks=True, outliers=True, pre_rope=True)
 # trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, a nuq
 # format's codes through the layer's codebook, write a block's outlier list over its codes and bring keys stored before
 # RoPE back to model space (the rotation undone by butterflies, RoPE from the model's table)
 CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024,
                             codebooks=True, outliers=True, pre_rope=True)
-KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True)
+KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True,
+                             codebooks=True, outliers=True, pre_rope=True)
 # the C seal (the pool's seal on CPU): a nuq format's nearest-level codes are the reference quantizer's
 CPU_SEAL = ExecutionPath("cpu-seal", "trtkv's C seal kernel (the pool's seal on CPU)", per_layer=True, window_ring=True, head_dim_max=1024)
 
@@ -208,6 +214,15 @@ def kernels_take(fmt) -> bool:
 # ONNX Runtime custom ops and the TensorRT plugins all implement: its format attributes are refused for what any of
 # them does not read.
 OP_PATHS = ("plugin", "kernels", "seal")
+
+
+def kernel_refusal(t) -> str | None:
+    """Why the Triton kernels (attention and seal) cannot store / read one tensor format, as one line, or None: the
+    features they lack, or an outlier count they cannot tile."""
+    lacks = list(dict.fromkeys(w for name in ("kernels", "seal") for w in CAPABILITIES[name].lacks(t)))
+    if lacks:
+        return f"keeps {' and '.join(lacks)}, which the Triton kernels do not read yet"
+    return LIMITS.outliers_problem(t.outliers)
 
 
 def op_refusal(t) -> str | None:

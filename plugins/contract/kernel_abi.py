@@ -54,6 +54,12 @@ _POOL_PARAMS = {f"{w}_{p}_ptr": f"{w}_{p}" for w in "kv" for p in ("data", "scal
 _CONST_PARAMS = dict(k_static_ptr="k_static", k_smooth_ptr="k_smooth", v_static_ptr="v_static",
                      v_smooth_ptr="v_smooth", had_ptr="hadamard")
 _SEQ_PARAMS = dict(block_table_ptr="block_tables", context_lens_ptr="context_lens", slot_ids_ptr="slot_ids")
+# the issue-27 formats' tables (codebooks, outlier lists, RoPE): the ONNX ops take none of those formats (attrs refuse
+# them), so the plugins compile these parameters in as None and they leave the PTX
+_NO_EXTRAS = dict(k_cb_ptr=None, v_cb_ptr=None, k_oidx_ptr=None, k_oval_ptr=None, v_oidx_ptr=None, v_oval_ptr=None,
+                  rope_cos_ptr=None, rope_sin_ptr=None)
+_NO_SEAL_EXTRAS = dict(cb_ptr=None, oidx_ptr=None, oval_ptr=None, pos_ptr=None, rope_cos_ptr=None, rope_sin_ptr=None,
+                       scratch_ptr=None)
 
 BINDINGS: dict[str, Binding] = {
     "PagedKVSeal": Binding(
@@ -62,7 +68,7 @@ BINDINGS: dict[str, Binding] = {
         params=dict(x_ptr="rows", data_ptr="codes", scale_ptr="scale", zero_ptr="zero",
                     static_scale_ptr="static_scale", smooth_ptr="smooth", clip_ptr="clip", had_ptr="hadamard"),
         scalars=(),
-        consts=lambda a: dict(num_kv_heads=a["num_kv_heads"]),
+        consts=lambda a: dict(num_kv_heads=a["num_kv_heads"], **_NO_SEAL_EXTRAS),
         grid=lambda a, s, c, ops: seal_grid(s["rows"][0], a["num_kv_heads"], ops),
         scalar_values=lambda a, s, c, ops: (),
     ),
@@ -73,7 +79,7 @@ BINDINGS: dict[str, Binding] = {
                     part_m_ptr="part_m", part_l_ptr="part_l", part_acc_ptr="part_acc"),
         scalars=("max_blocks", "num_partitions"),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW, **_NO_EXTRAS),
         grid=lambda a, s, c, ops: decode_grids(s["block_tables"][0], a["num_kv_heads"], s["block_tables"][1],
                                                a["block_size"], a["partition_size"], ops)[0],
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1], num_partitions(s["block_tables"][1], a, ops)),
@@ -96,7 +102,7 @@ BINDINGS: dict[str, Binding] = {
                     out_ptr="out"),
         scalars=("max_blocks",),
         consts=lambda a: dict(qk_scale=_qk_scale(a), num_heads=a["num_q_heads"], num_kv_heads=a["num_kv_heads"],
-                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW),
+                              block_size=a["block_size"], sink_tokens=a["sink_tokens"], **_NO_WINDOW, **_NO_EXTRAS),
         # any query count bounds one sequence's: programs past a sequence's queries exit at once
         grid=lambda a, s, c, ops: prefill_grid(s["q"][0], a["num_kv_heads"], s["context_lens"][0], c["BLOCK_M"], ops),
         scalar_values=lambda a, s, c, ops: (s["block_tables"][1],),

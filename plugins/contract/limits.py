@@ -14,6 +14,8 @@ class KernelLimits:
     * block_size: the seal kernel holds one whole block per (block, head) program, its rows are the M
       dimension of the Hadamard ``tl.dot`` (>= 16); a power of two, 16 .. 128 (larger blocks spill).
     * partition_size: split-K decode partitions, a power of two >= 16 (a multiple of the kernel's key tile).
+    * outliers (``outN``): a block's list is the reduction dimension of the one-hot products that write it over a
+      tile (``tl.dot``, >= 16) and a ``tl.arange``: a power of two, 16 .. 1024.
     """
 
     head_dim_min: int = 32
@@ -22,6 +24,8 @@ class KernelLimits:
     block_size_max: int = 128
     partition_min: int = 16
     default_partition: int = 512
+    outliers_min: int = 16
+    outliers_max: int = 1024
 
     # storage dtypes the kernels decode and seal (DTYPES rows). Packed ints need whole bytes per plane and row
     # (int4: head_dim % 2, int2: % 4, int3: % 8), which every head_dim above satisfies.
@@ -41,6 +45,12 @@ class KernelLimits:
         if _is_pow2(bs) and self.block_size_min <= bs <= self.block_size_max:
             return None
         return f"must be a power of two between {self.block_size_min} and {self.block_size_max}"
+
+    def outliers_problem(self, n: int | None) -> str | None:
+        if not n or (_is_pow2(n) and self.outliers_min <= n <= self.outliers_max):
+            return None
+        return (f"keeps {n} outliers per block, and the Triton kernels take a power of two between {self.outliers_min} "
+                f"and {self.outliers_max}")
 
     def partition_problem(self, p: int) -> str | None:
         return None if _is_pow2(p) and p >= self.partition_min else f"must be a power of two >= {self.partition_min}"

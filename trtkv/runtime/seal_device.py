@@ -18,13 +18,18 @@ from trtkv.plugins import ops
 
 
 def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> None:
-    """Seal open block ``slot`` (its sequence's block ``block_index``) of every layer into pool block ``block``."""
+    """Seal open block ``slot`` (its sequence's block ``block_index``) of every layer into pool block ``block`` (with a
+    ``nuq`` format's codebook, an ``outN`` format's outlier lists, and for keys stored before RoPE the block's first
+    position and the model's table)."""
     dev = cache.tensors["k_tail"].device
+    first = torch.tensor([block_index * cache.block_size], dtype=torch.int32, device=dev)
     for layer in range(cache.num_layers):
         lay = cache.layout_of(layer)
         blocks = torch.tensor([cache.seal_target(layer, slot, block, block_index)], dtype=torch.long, device=dev)
         for which in ("k", "v"):
             pool = cache.pool(layer, which)
             rows = open_block_to_seal(lay, pool, slot, block_index)
-            p = getattr(cache.params[layer], which)
-            ops.seal_into(rows, blocks, pool.data, pool.scale, pool.zero, lay.tensor_format(which), p.scale, p.smooth, p.clip)
+            p, tf = getattr(cache.params[layer], which), lay.tensor_format(which)
+            rope = cache.rope_for(tf).upto((block_index + 1) * cache.block_size) if tf.pre_rope else None
+            ops.seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip, p.codebook,
+                          pool.outlier_index, pool.outlier_value, first, rope)

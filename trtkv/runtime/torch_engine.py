@@ -806,6 +806,12 @@ def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float, window: in
     kpool, vpool = cache.pool(layer, "k"), cache.pool(layer, "v")
     tables = _ring_table(st) if cache.is_ringed(layer) else b.block_tables
     extra = dict(sm_scale=scaling, window=int(window or 0), softcap=float(softcap or 0.0))
+    kf = cache.layout_of(layer).tensor_format("k")
+    if kf.pre_rope:  # keys stored before RoPE: the model's table on the device, to the engine's longest sequence (no
+        # host sync: CUDA graphs capture this step); without a manifest, to this step's
+        lim = None if st.engine.manifest is None else st.engine.manifest.limits
+        n = lim.max_seq_len if lim is not None else int(b.context_lens.max()) + q.shape[2]
+        extra["rope"] = cache.rope_for(kf).upto(n, q.device)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, heads, D]
     if qh.shape[1] == 1:
         out = ops.decode_attention(qh[:, 0].contiguous(), cache.layout_of(layer), kpool, vpool, kh[:, 0].contiguous(), vh[:, 0].contiguous(),
