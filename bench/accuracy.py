@@ -130,6 +130,18 @@ ISSUE27_ROUND3 = [
     ("int2-b128-kout64-vnuq", f"k={K2PQ}:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
      "all four at block 128: 64 key outliers, values symmetric per token, a codebook per head", {}),
 ]
+# screen 5 (round 4): what the 0.125 bits int2-nuq leaves under 2.5, and int3's at 2048 tokens, spent on 128 key outliers
+# per block and head (0.5 bits on K), values paid down to match: int3 in groups of 64 / per token, int2 per token
+ISSUE27_ROUND4 = [
+    ("int3-b128-kout128-vg64nuq", f"k={K3PQ}:out128,v=int3:g64:sym:hadamard:nuq,block=128,sink=4",
+     "block 128: 128 key outliers, values symmetric groups of 64 (3.5 bits)", {}),
+    ("int3-b128-kout128-vtsnuq", f"k={K3PQ}:out128,v=int3:token:sym:hadamard:nuq,block=128,sink=4",
+     "block 128: 128 key outliers, values symmetric per token (3.5 bits)", {}),
+    ("int2-b128-kout128-vnuq", f"k={K2PQ}:out128,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+     "block 128: 128 key outliers, values symmetric per token (2.5 bits)", {}),
+    ("int2-b128-kout64-vg32nuq", f"k={K2PQ}:out64,v=int2:g32:sym:hadamard:nuq,block=128,sink=4",
+     "block 128: 64 key outliers, values symmetric groups of 32 (2.5 bits)", {}),
+]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -188,7 +200,7 @@ ROWS: list[Row] = [
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
     # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
     # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
-    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3],
+    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3 + ISSUE27_ROUND4],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -204,6 +216,7 @@ GROUPS = {
     "issue27-round3": ["int3", "int3-prerope-qsm-kout-vnuq-layer", "int3-b128-kout64-vnuq-layer", "int3-b128-kout32-vnuq-layer"],
     "issue27-round3b": ["int2-prerope-qsm-kout-vnuq-layer", "int3-b128-kout32-vnuq", "int2-b128-kout64-vnuq-layer", "int2-b128-kout64-vtnuq-layer"],
     "issue27-round3c": ["int2-b128-kout64-vnuq"],
+    "issue27-round4": ["int3-nuq", "int2-nuq", *[name for name, *_ in ISSUE27_ROUND4]],
     "all": [r.name for r in ROWS],
 }
 

@@ -13,12 +13,13 @@ from trtkv.plugins.cases import PagedCase
 
 from .common import Run, rel_err
 
-CHECK_FORMATS = ("int4", "int8", "fp16", "int8-static", "fp8", "int4-g32")  # most important first (time budget)
-DRY_FORMATS = ("fp16", "int8", "int4")  # the dry run's correctness formats
+# most important first (time budget); int3-nuq / int2-nuq: codebooks, outlier lists and keys stored before RoPE
+CHECK_FORMATS = ("int4", "int8", "fp16", "int8-static", "fp8", "int4-g32", "int3-nuq", "int2-nuq")
+DRY_FORMATS = ("fp16", "int8", "int4", "int3-nuq")  # the dry run's correctness formats
 # (contexts, new rows per sequence, heads q / kv, head_dim); new rows are cut to each open block
 SHAPES = [dict(ctx=[1, 300, 77, 1024, 63], new=[1, 4, 3, 16, 1], hq=32, hkv=8, d=128),
           dict(ctx=[513, 45, 0], new=[1, 3, 16], hq=8, hkv=8, d=64)]
-DRY_SHAPES = [dict(ctx=[37, 20, 64], new=[3, 1, 16], hq=4, hkv=2, d=64)]
+DRY_SHAPES = [dict(ctx=[37, 20, 130], new=[3, 1, 16], hq=4, hkv=2, d=64)]  # 130: a sealed block of 128 too
 
 
 def _kernel_seal(c: PagedCase, rows_out: list, tag: str):
@@ -29,16 +30,23 @@ def _kernel_seal(c: PagedCase, rows_out: list, tag: str):
 
     def seal(which, rows, blocks, pool, p):
         tf = c.tensor_format(which)
-        ops.launch_seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip)
-        want = ref.seal_ref(rows.cpu(), tf, *(None if t is None else t.cpu() for t in (p.scale, p.smooth, p.clip)))
+        first, rope = c.first_positions(), None if c.rope is None else (c.rope.cos.to(rows.device), c.rope.sin.to(rows.device))
+        ops.launch_seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip,
+                             codebook=p.codebook, outlier_index=pool.outlier_index, outlier_value=pool.outlier_value,
+                             first_positions=first, rope=rope)
+        cpu = [None if t is None else t.cpu() for t in (p.scale, p.smooth, p.clip, p.codebook)]
+        want = ref.seal_ref_pool(rows.cpu(), tf, *cpu, first.cpu(), None if rope is None else tuple(t.cpu() for t in rope))
         got = pool.data[blocks].cpu()
-        mism = float((got.view(torch.uint8) != want[0].view(torch.uint8)).float().mean()) \
-            if got.dtype != torch.float16 else float((got != want[0]).float().mean())
+        mism = float((got.view(torch.uint8) != want.data.view(torch.uint8)).float().mean()) \
+            if got.dtype != torch.float16 else float((got != want.data).float().mean())
         smis = 0.0
-        if want[1] is not None:  # fraction of scales not bit-equal (fp32 sum-order ties)
-            smis = float((pool.scale[blocks].cpu() != want[1]).float().mean())
+        if want.scale is not None:  # fraction of scales not bit-equal (fp32 sum-order ties)
+            smis = float((pool.scale[blocks].cpu() != want.scale).float().mean())
+        omis = 0.0
+        if want.outlier_index is not None:  # fraction of outlier positions not chosen alike (score ties within an ulp)
+            omis = float((pool.outlier_index[blocks].cpu() != want.outlier_index).float().mean())
         rows_out.append(dict(kernel="seal", case=f"{tag} {which}", code_mismatch=mism, scale_mismatch=smis,
-                             ok=mism <= 1e-3 and smis <= 1e-3))
+                             outlier_mismatch=omis, ok=mism <= 1e-3 and smis <= 1e-3 and omis <= 2e-2))
 
     return seal
 
@@ -63,12 +71,13 @@ def run(r: Run) -> None:
                 c = PagedCase(fmt_name, sh["ctx"], _within_open_block(fmt_name, sh), heads_q=sh["hq"],
                               kv_heads=sh["hkv"], head_dim=sh["d"], device=r.device, seal=False)
                 c.seal_with(_kernel_seal(c, rows, tag))
+                ext = ops.SealedExtras(**c.extras_kwargs())  # codebooks, outlier lists, RoPE table (issue 27)
                 psize = 64 if r.dry else 512  # the ops default (several partitions at ctx 1024)
-                e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=psize), c.reference())
+                e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=psize, extras=ext), c.reference())
                 rows.append(dict(kernel="paged_decode", case=f"{tag} part{psize}", rel_err=e, ok=e < 2e-2))
-                e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=16), c.reference())
+                e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=16, extras=ext), c.reference())
                 rows.append(dict(kernel="paged_decode", case=f"{tag} part16", rel_err=e, ok=e < 2e-2))
-                e = rel_err(ops.launch_paged_prefill(c.q_pre, c.cu, *c.attn_args(prefill=True)),
+                e = rel_err(ops.launch_paged_prefill(c.q_pre, c.cu, *c.attn_args(prefill=True), extras=ext),
                             c.reference(prefill=True))
                 rows.append(dict(kernel="paged_prefill", case=tag, rel_err=e, ok=e < 2e-2))
             except Exception as exc:  # one failing case must not hide the others
