@@ -30,6 +30,6 @@ def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> N
             pool = cache.pool(layer, which)
             rows = open_block_to_seal(lay, pool, slot, block_index)
             p, tf = getattr(cache.params[layer], which), lay.tensor_format(which)
-            rope = cache.rope_for(tf).upto((block_index + 1) * cache.block_size) if tf.pre_rope else None
+            rope = cache.rope_for(tf).upto((block_index + 1) * cache.block_size, dev) if tf.pre_rope else None
             ops.seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip, p.codebook,
                           pool.outlier_index, pool.outlier_value, first, rope)
