@@ -142,6 +142,19 @@ ISSUE27_ROUND4 = [
     ("int2-b128-kout64-vg32nuq", f"k={K2PQ}:out64,v=int2:g32:sym:hadamard:nuq,block=128,sink=4",
      "block 128: 64 key outliers, values symmetric groups of 32 (2.5 bits)", {}),
 ]
+# screen 6 (round 5): where int2-nuq's error sits (each side alone at the int4 preset's recipe for the other, block 128),
+# and two ways to spend fewer bits on the keys' bulk: ranges searched per block-channel with the outliers left out
+# (``mse``), and blocks of 256 (key scales at 0.125 bits) with 256 outliers
+ISSUE27_ROUND5 = [
+    ("int2-nuq-konly", f"k={K2PQ}:out128,v=int4:g32:sym:hadamard,block=128,sink=4", "int2 keys (128 outliers), values int4 g32: K's share", {}),
+    ("int2-nuq-vonly", "k=int4:bchannel:asym:hadamard,v=int2:token:sym:hadamard:nuq,block=128,sink=4", "keys int4, int2 values through a codebook: V's share", {}),
+    ("int2-b128-kmse-kout128-vnuq", f"k={K2PQ}:mse:out128,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+     "128 key outliers, the bulk's ranges MSE-searched per block-channel (2.5 bits)", {}),
+    ("int3-b128-kmse-kout128-vg64nuq", f"k={K3PQ}:mse:out128,v=int3:g64:sym:hadamard:nuq,block=128,sink=4",
+     "128 key outliers, the bulk's ranges MSE-searched per block-channel (3.5 bits)", {}),
+    ("int2-b256-kout256-vnuq", f"k={K2PQ}:out256,v=int2:token:sym:hadamard:nuq,block=256,sink=4",
+     "block 256: 256 key outliers, values symmetric per token (2.4375 bits)", {}),
+]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -200,7 +213,7 @@ ROWS: list[Row] = [
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
     # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
     # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
-    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3 + ISSUE27_ROUND4],
+    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3 + ISSUE27_ROUND4 + ISSUE27_ROUND5],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -217,6 +230,9 @@ GROUPS = {
     "issue27-round3b": ["int2-prerope-qsm-kout-vnuq-layer", "int3-b128-kout32-vnuq", "int2-b128-kout64-vnuq-layer", "int2-b128-kout64-vtnuq-layer"],
     "issue27-round3c": ["int2-b128-kout64-vnuq"],
     "issue27-round4": ["int3-nuq", "int2-nuq", *[name for name, *_ in ISSUE27_ROUND4]],
+    "issue27-int3-choice": ["int3-nuq", "int3-b128-kout128-vg64nuq"],
+    "issue27-round5-2048": ["int3-nuq", "int3-b128-kout128-vg64nuq", "int2-nuq", "int2-b128-kout128-vnuq", "int2-b256-kout256-vnuq"],
+    "issue27-round5": ["int3-nuq", "int2-nuq", "int3-b128-kout128-vg64nuq", "int2-b128-kout128-vnuq", *[name for name, *_ in ISSUE27_ROUND5]],
     "all": [r.name for r in ROWS],
 }
 

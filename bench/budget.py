@@ -38,7 +38,8 @@ def render(r: dict) -> str:
              f"x {r['seq_len']} tokens " + (f"in {r['calibrate_seconds']:.0f} s (statistics on {r['samples']} windows included)"
                                             if r["calibrate_seconds"] else "(an artifact calibrated by an earlier run of this script)"),
              f"- start ({s['candidates'][0]} everywhere): KL {s['start']['kl']:.5f}, Δppl {s['start']['ppl_delta_pct']:+.3f} %",
-             f"- searched as mean KL <= {s['kl_target']:.5g} (margin {100 * s['margin']:g} %)",
+             (f"- searched as the least predicted KL within {r['limit']:g} pool bits" if s["kl_target"] is None else
+              f"- searched as mean KL <= {s['kl_target']:.5g} (margin {100 * s['margin']:g} %)"),
              f"- chosen: {r['pool_bits']:.3f} pool bits per element; predicted KL {s['predicted']:.5g}; measured KL "
              f"{s['measured']['kl']:.5f}, Δppl {s['measured']['ppl_delta_pct']:+.3f} %",
              f"- K per layer: {' '.join(c['k'].split('@')[0] for c in s['choice'])}",
@@ -76,7 +77,7 @@ def main() -> None:
     budget = Budget.parse(args.budget, args.margin)
     cands = [f.strip() for f in args.budget_formats.split(",")]
     r = {"date": str(date.today()), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "budget": str(budget),
-         "limit": budget.limit, "metric_key": "kld_mean" if budget.metric == "kl" else "ppl_delta_pct", "samples": args.samples,
+         "limit": budget.limit, "metric_key": {"kl": "kld_mean", "ppl": "ppl_delta_pct", "bits": "pool_bits_per_element"}[budget.metric], "samples": args.samples,
          "budget_windows": args.budget_windows, "windows": args.windows, "seq_len": args.seq_len, "eval": {}}
     t0 = time.perf_counter()
     if args.calibration:

@@ -10,6 +10,7 @@ def write_report(stem: Path, data: dict, markdown: str) -> Path:
     """Write both files (the folder created); a benchmark calls it again after each section, so a cut run keeps what it measured."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown)
+    # appended, not with_suffix: a stem such as budget-bits2.5-<date> has a dot that is not an extension
+    (stem.parent / f"{stem.name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (stem.parent / f"{stem.name}.md").write_text(markdown)
     return stem

@@ -1,4 +1,5 @@
-"""Per-layer K / V bits under an accuracy budget: ``trtkv calibrate --budget kl=0.01 --budget-formats int4,int3,int2``.
+"""Per-layer K / V bits under an accuracy budget: ``trtkv calibrate --budget kl=0.01 --budget-formats int4,int3,int2``
+(or under a size budget, ``--budget bits=2.5``: the least-KL mix of the candidates within that many pool bits).
 
 Layers and K / V are not equally sensitive to quantization, so a cache that gives each (layer, side) the fewest bits
 its error allows beats one format everywhere. The search, on the calibration split (never the eval split):
@@ -12,6 +13,8 @@ its error allows beats one format everywhere. The search, on the calibration spl
 3. **Choice.** Greedy by cost per bit saved: the next narrower step of some (layer, side) (steps of one (layer, side)
    in order), while the predicted cost (start + the chosen steps' costs, taken as additive; a step that measured
    cheaper than the one before it counts 0, not less: that is the windows' noise) stays within the search's target.
+   A ``bits=B`` budget takes the same steps in the same order until the mean pool bits are at most B, whatever they
+   cost: the accuracy is then what is measured, not what is bounded.
 4. **Check.** The chosen per-layer format is measured on *other* calibration windows than the search's (when the
    split has them: ``trtkv calibrate --samples`` at least twice ``--budget-windows``), so that a choice fitted to the
    search's windows shows it; when the measured cost is over the target, a bisection keeps the longest prefix of the
@@ -46,16 +49,17 @@ from trtkv.evaluate import kl_divergence, model_logits, token_nll
 from trtkv.formats import KVFormat, LayerStorage
 from trtkv.quant import TensorParams
 
-BUDGET_HELP = "give the budget as kl=NATS (mean KL vs the unquantized model, e.g. kl=0.01) or ppl=PERCENT (e.g. ppl=1%)"
+BUDGET_HELP = ("give the budget as kl=NATS (mean KL vs the unquantized model, e.g. kl=0.01), ppl=PERCENT (e.g. ppl=1%) or "
+               "bits=POOL_BITS (the least-KL mix within that many pool bits per element, e.g. bits=2.5)")
 SIDES = ("k", "v")
 
 
 @dataclass(frozen=True)
 class Budget:
-    """The most a KV cache may cost: mean KL (nats) or perplexity increase (%) against the unquantized model; the search
-    aims ``margin`` (a fraction) below it."""
+    """The most a KV cache may cost: mean KL (nats) or perplexity increase (%) against the unquantized model -- the search
+    aims ``margin`` (a fraction) below it -- or pool bits per element (``bits``: exact, no margin)."""
 
-    metric: Literal["kl", "ppl"]
+    metric: Literal["kl", "ppl", "bits"]
     limit: float
     margin: float = DEFAULT_BUDGET_MARGIN
 
@@ -65,7 +69,10 @@ class Budget:
 
     @property
     def kl_target(self) -> float:
-        """The mean KL the search and the check must stay within (module docstring: KL for either metric, less the margin)."""
+        """The mean KL the search and the check must stay within (module docstring: KL for either metric, less the margin);
+        a ``bits`` budget bounds no KL (inf)."""
+        if self.metric == "bits":
+            return math.inf
         kl = self.limit if self.metric == "kl" else math.log1p(self.limit / 100)
         return kl * (1 - self.margin)
 
@@ -77,12 +84,12 @@ class Budget:
             limit = float(value)
         except ValueError:
             raise TrtkvError(f"invalid accuracy budget {text!r}", BUDGET_HELP) from None
-        if key not in ("kl", "ppl") or not limit > 0 or not math.isfinite(limit):
+        if key not in ("kl", "ppl", "bits") or not limit > 0 or not math.isfinite(limit):
             raise TrtkvError(f"invalid accuracy budget {text!r}", BUDGET_HELP)
         return cls(key, limit, margin)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        return f"kl={self.limit:g}" if self.metric == "kl" else f"ppl={self.limit:g}%"
+        return f"{self.metric}={self.limit:g}" + ("%" if self.metric == "ppl" else "")
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class BudgetChoice:
         return {
             "budget": str(self.budget),
             "margin": self.budget.margin,
-            "kl_target": self.budget.kl_target,
+            "kl_target": self.budget.kl_target if self.budget.metric != "bits" else None,  # bits: no KL bound
             "candidates": names,
             "choice": [{"layer": i, "k": names[lv["k"]], "v": names[lv["v"]]} for i, lv in enumerate(self.levels)],
             "start": {"kl": self.start.kl, "ppl_delta_pct": self.start.ppl_delta_pct},
@@ -198,9 +205,10 @@ def choose_layer_bits(
     on_progress: Callable[[int, int], None] | None = None,
     check: Callable[[KVFormat, list[LayerParams]], Score] | None = None,
 ) -> BudgetChoice:
-    """The per-layer format with the fewest bits whose measured cost stays within ``budget`` (module docstring):
-    ``score`` measures the start and the sensitivities, ``check`` (default ``score``; other windows than the search's,
-    so that the choice is not fitted to the windows it is checked on) the choice."""
+    """The per-layer format with the fewest bits whose measured cost stays within ``budget`` -- or, for a ``bits`` budget,
+    the least predicted cost within that many pool bits (module docstring): ``score`` measures the start and the
+    sensitivities, ``check`` (default ``score``; other windows than the search's, so that the choice is not fitted to
+    the windows it is checked on) the choice."""
     check = check or score
     cands = check_candidates(candidates)
     names = [c.name for c in cands]
@@ -212,6 +220,11 @@ def choose_layer_bits(
     def run(levels) -> Score:
         return score(fmt_of(levels), per_layer_params(cands, params, levels))
 
+    bits = [{s: getattr(c, s).bits_per_element(head_dim, c.block_size) for s in SIDES} for c in cands]
+    by_bits = budget.metric == "bits"
+    if by_bits and (narrowest := cands[-1].pool_bits_per_element(head_dim)) > budget.limit + 1e-9:
+        raise TrtkvError(f"the budget {budget} is below {names[-1]}, the narrowest candidate ({narrowest:g} pool bits at head_dim {head_dim})",
+                         "raise the budget or add a narrower candidate to --budget-formats")
     start_levels = [{"k": 0, "v": 0} for _ in range(num_layers)]
     start = run(start_levels)
     if start.kl > target:
@@ -232,11 +245,14 @@ def choose_layer_bits(
                 if on_progress is not None:
                     on_progress(done, total)
     # 3. greedy by cost per bit saved, each (layer, side) one step at a time
-    bits = [{s: getattr(c, s).bits_per_element(head_dim, c.block_size) for s in SIDES} for c in cands]
     levels = [dict(lv) for lv in start_levels]
     predicted = start.kl
     steps: list[tuple[int, str, float]] = []  # (layer, side, predicted cost of the step)
-    while True:
+
+    def mean_bits() -> float:
+        return sum(bits[lv[s]][s] for lv in levels for s in SIDES) / (len(SIDES) * num_layers)
+
+    while not (by_bits and mean_bits() <= budget.limit + 1e-9):
         best = None
         for layer in range(num_layers):
             for s in SIDES:
@@ -296,8 +312,9 @@ def render_choice(choice: BudgetChoice, head_dim: int) -> str:
         "",
         f"- candidates (widest first): {', '.join(f'`{n}`' for n in names)}; start ({names[0]} everywhere): KL {choice.start.kl:.5f}, "
         f"Δppl {choice.start.ppl_delta_pct:+.3f} %",
-        f"- searched as mean KL <= {choice.budget.kl_target:.5g} (" + ("the budget" if choice.budget.metric == "kl" else
-        f"ln(1 + {choice.budget.limit:g} %)") + f" less a {100 * choice.budget.margin:g} % margin for held-out text)",
+        (f"- searched as the least predicted KL within {choice.budget.limit:g} pool bits per element" if choice.budget.metric == "bits" else
+         f"- searched as mean KL <= {choice.budget.kl_target:.5g} (" + ("the budget" if choice.budget.metric == "kl" else
+         f"ln(1 + {choice.budget.limit:g} %)") + f" less a {100 * choice.budget.margin:g} % margin for held-out text)"),
         f"- chosen: {c.pool_bits_per_element(head_dim):.3f} pool bits per element (start {choice.start_bits:.3f}); "
         f"predicted KL {choice.predicted:.5g}, **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** "
         f"on the check's calibration windows ({choice.scored} formats measured)",

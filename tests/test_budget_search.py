@@ -450,3 +450,81 @@ def test_the_report_and_the_recipe_name_each_layers_choice_and_the_costs():
                   "choice": [{"layer": 0, "k": names[2], "v": names[0]}, {"layer": 1, "k": names[1], "v": names[1]}],
                   "start": {"kl": 0.0011, "ppl_delta_pct": 0.12}, "predicted": 0.0042, "start_bits": 4.5,
                   "measured": {"kl": 0.0051, "ppl_delta_pct": 0.53}, "sensitivity": sens, "formats_measured": 13}
+
+
+# ---------------------------------------------------------------- a size budget (bits=B)
+
+
+def test_a_bits_budget_parses_and_bounds_no_kl():
+    b = Budget.parse(" Bits = 2.5 ")
+    assert (b.metric, b.limit, str(b)) == ("bits", 2.5, "bits=2.5") and b.kl_target == math.inf
+    for bad in ("bits=0", "bits=-1", "bits=inf", "bits="):
+        with pytest.raises(TrtkvError, match="invalid accuracy budget") as info:
+            Budget.parse(bad)
+        assert "bits=" in info.value.fix
+
+
+def ref_bits_greedy(cands, cost, limit, L):
+    """The documented greedy for bits=B, written plainly: the cheapest step per bit saved (negative step costs counted
+    0), until the mean pool bits of the (layer, side) storages are at most B."""
+    bits = [{s: getattr(c, s).bits_per_element(HD, c.block_size) for s in "kv"} for c in cands]
+    lv = [{"k": 0, "v": 0} for _ in range(L)]
+    while sum(bits[lv[i][s]][s] for i in range(L) for s in "kv") / (2 * L) > limit + 1e-9:
+        options = []
+        for i in range(L):
+            for s in "kv":
+                j = lv[i][s]
+                if j + 1 < len(cands):
+                    options.append((max(0.0, cost[i][s][j + 1] - cost[i][s][j]) / (bits[j][s] - bits[j + 1][s]), i, s))
+        _, i, s = min(options)
+        lv[i][s] += 1
+    return lv
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_bits_budget_takes_the_greedy_steps_until_the_bits_fit(seed):
+    rng = random.Random(300 + seed)
+    cands = [INT[8], INT[4], INT[3], INT[2]]
+    L = rng.choice([1, 2, 3])
+    cost = random_costs(rng, L, len(cands))
+    narrowest, widest = cands[-1].pool_bits_per_element(HD), cands[0].pool_bits_per_element(HD)
+    limit = rng.uniform(narrowest, widest)
+    score = Additive(cands, cost)
+    choice = choose_layer_bits(score, cands, {}, Budget("bits", limit), num_layers=L, head_dim=HD)
+    assert choice.levels == ref_bits_greedy(cands, cost, limit, L)
+    assert choice.fmt.pool_bits_per_element(HD) <= limit + 1e-9
+    # not one step more than needed: the last step taken is what brought the bits within the limit
+    assert choice.scored == score.calls == 1 + L * 2 * (len(cands) - 1) + 1  # no bisection: bits are exact
+    text, rf = render_choice(choice, HD), choice.recipe_fields()
+    assert f"least predicted KL within {limit:g} pool bits" in text and rf["kl_target"] is None and rf["budget"] == f"bits={limit:g}"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_bits_budget_with_equal_savings_and_convex_costs_is_the_cheapest_assignment(seed):
+    """Every step saves one bit and a (layer, side)'s steps cost more and more: the fewest steps that fit B bits taken
+    cheapest first is the least total cost a brute force over every assignment within B finds."""
+    rng = random.Random(400 + seed)
+    cands = [INT[4], INT[3], INT[2]]
+    L = rng.choice([1, 2, 3])
+    cost = random_costs(rng, L, 3, convex=True)
+    bits = [c.pool_bits_per_element(HD) for c in cands]
+    limit = rng.uniform(bits[-1], bits[0] - 0.01)
+    choice = choose_layer_bits(Additive(cands, cost, start=0.0), cands, {}, Budget("bits", limit), num_layers=L, head_dim=HD)
+    fits = [a for a in itertools.product(range(3), repeat=2 * L) if sum(bits[j] for j in a) / (2 * L) <= limit + 1e-9]
+    best = min(sum(cost[i // 2]["kv"[i % 2]][a[i]] for i in range(2 * L)) for a in fits)
+    assert choice.measured.kl == pytest.approx(best, abs=1e-12)
+
+
+def test_a_bits_budget_below_the_narrowest_candidate_is_one_line():
+    cands = [INT[4], INT[2]]
+    with pytest.raises(TrtkvError, match="below .*the narrowest candidate") as info:
+        choose_layer_bits(Additive(cands, random_costs(random.Random(1), 1, 2)), cands, {}, Budget("bits", 1.0), num_layers=1, head_dim=HD)
+    assert "\n" not in str(info.value) and "--budget-formats" in info.value.fix
+
+
+def test_a_bits_budget_keeps_its_choice_whatever_the_check_measures():
+    cands = [INT[4], INT[3], INT[2]]
+    cost = random_costs(random.Random(5), 2, 3, convex=True)
+    check = Additive(cands, cost, extra=lambda lv: 10.0)  # far over any accuracy target: a kl budget would bisect
+    choice = choose_layer_bits(Additive(cands, cost), cands, {}, Budget("bits", 3.0), num_layers=2, head_dim=HD, check=check)
+    assert choice.fmt.pool_bits_per_element(HD) <= 3.0 and check.calls == 1 and choice.measured.kl > 10.0

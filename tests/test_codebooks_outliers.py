@@ -49,7 +49,6 @@ def test_spec_words_round_trip_and_bits():
     ("k=int8:token:nuq,v=fp16", "nuq"),
     ("k=int4:channel:nuq,v=fp16", "dynamic"),
     ("k=int4:bchannel:asym:mse:nuq,v=fp16,block=8", "give one"),
-    ("k=int4:bchannel:asym:mse:out4,v=fp16,block=8", "mse"),
     ("k=int4:token:out4,v=fp16", "block"),
     ("k=int4:token:out4:out8,v=fp16,block=8", "give one"),
 ])
@@ -207,6 +206,43 @@ def test_outliers_are_the_farthest_from_their_group_centre(spec):
     torch.testing.assert_close(qt.outlier_value.float(), flat.half().float(), rtol=0, atol=0)
     deq = fake_quantize_block(x, tf)
     torch.testing.assert_close(deq.flatten(-2).gather(-1, qt.outlier_index.long()), flat.half().float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["int3", "int2"])
+def test_mse_ranges_with_outliers_are_searched_over_the_bulk_only(dtype):
+    """``:mse:outN`` keys: the outliers (the naive selection above) are kept exactly and neither set a range nor count
+    in the search's error -- per (head, channel) the stored range is the CLIP_GRID shrink of the bulk's [min, max] with
+    the least squared error over the bulk, found by a float64 loop (odd sizes: block 13, head_dim 24)."""
+    from trtkv.formats import CLIP_GRID, DTYPES
+
+    tf, n = _fmt(f"{dtype}:bchannel:asym:mse:out11"), 11
+    x = torch.randn(2, 3, 13, 24, generator=torch.Generator().manual_seed(23)) * torch.linspace(0.5, 3, 24)
+    x[0, 1, 4, 7] = 40.0
+    qt = quantize_block(x, tf, head_axis=-3)
+    assert torch.equal(qt.outlier_index.long(), _ref_outliers(x, tf, n))
+    got = dequantize(qt, tf, head_axis=-3).double()
+    qmax = DTYPES[dtype].asym_max
+    for b in range(2):
+        for h in range(3):
+            kept = set(_ref_outliers(x[b : b + 1, h : h + 1], tf, n).flatten().tolist())
+            for c in range(24):
+                rows = [t for t in range(13) if t * 24 + c not in kept]
+                col = x[b, h, rows, c].double()
+                mn, mx = col.min().item(), col.max().item()
+                best = None
+                for clip in CLIP_GRID:
+                    zero = float(torch.tensor(mn + (mx - mn) * (1 - clip) / 2).half())
+                    scale = float(torch.tensor((mx - mn) * clip / qmax).half())
+                    q = ((col - zero) / scale).round().clamp(0, qmax) if scale > 0 else torch.zeros_like(col)
+                    err = ((q * scale + zero - col) ** 2).sum().item()
+                    if best is None or err < best[0] - 1e-9:
+                        best = (err, scale, zero)
+                assert float(qt.scale[b, h, c]) == pytest.approx(best[1], rel=1e-3)
+                assert float(qt.zero[b, h, c]) == pytest.approx(best[2], rel=1e-3, abs=1e-3)
+                assert ((got[b, h, rows, c] - col) ** 2).sum().item() <= best[0] * (1 + 1e-4) + 1e-6
+    # the outliers themselves come back as their fp16 values
+    flat, idx = got.flatten(-2), qt.outlier_index.long()
+    assert torch.equal(flat.gather(-1, idx).float(), x.flatten(-2).gather(-1, idx).half().float())
 
 
 def test_outlier_ties_keep_the_lower_position():

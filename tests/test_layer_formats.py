@@ -292,3 +292,20 @@ def test_calibrate_budget_eval_build_and_generate(tiny_models, tmp_path):
     assert llm.budget.bytes_per_block == llm.cache.layout.block_bytes(range(3)) == llm.manifest.bytes_per_block
     out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))  # seals a block past 64 tokens
     assert len(out[0].new_token_ids) == 70
+
+
+def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_models, tmp_path):
+    """``--budget bits=B`` end to end: the saved per-layer format is within B pool bits and narrower than the start, the
+    recipe keeps no KL target (the bits are the bound) and the report says what was searched."""
+    from trtkv.artifacts import load_calibration
+    from trtkv.calibration.run import run_calibration
+
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       num_hidden_layers=3)
+    art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=128, device="cpu", dtype="float32",
+                          progress=False, budget="bits=3.2", budget_windows=2)
+    entry = load_calibration(art).recipe.formats["budget"]
+    bits = entry.definition.pool_bits_per_element(HEAD_DIM)
+    assert 2.5 <= bits <= 3.2 and entry.model_extra["kl_target"] is None and entry.model_extra["budget"] == "bits=3.2"
+    assert entry.model_extra["start_bits"] > 3.2 and math.isfinite(entry.model_extra["measured"]["kl"])
+    assert "least predicted KL within 3.2 pool bits" in (art / "report.md").read_text()

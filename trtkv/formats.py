@@ -324,8 +324,6 @@ class TensorFormat(BaseModel):
                 raise ValueError("nuq needs dynamic scales (token, gN or bchannel): the codebook is in the units of a group's scale")
             if self.mse:
                 raise ValueError("nuq and mse both choose what a code stands for: give one")
-        if self.outliers and self.mse:
-            raise ValueError("outN and mse: the mse range search does not leave outliers out; give one")
         if self.smooth_by == "queries" and not self.smooth:
             raise ValueError("smooth_by 'queries' needs smooth (spec word qsmooth)")
         if self.pre_rope and not self.is_dynamic:

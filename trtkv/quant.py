@@ -254,15 +254,16 @@ def _dynamic_codes(g: torch.Tensor, fmt: TensorFormat, clip, axis: int, levels: 
     return QuantizedTensor(codes=q, scale=scale, zero=zero)
 
 
-def _searched_codes(xf: torch.Tensor, fmt: TensorFormat) -> QuantizedTensor:
+def _searched_codes(xf: torch.Tensor, fmt: TensorFormat, mask: torch.Tensor | None = None) -> QuantizedTensor:
     """Block-channel codes with each channel's range the one of ``CLIP_GRID`` (shrinks of [min, max] about its centre,
-    or of [-amax, amax]) whose dequantized block is nearest ``xf`` in squared error; ties keep the wider range."""
+    or of [-amax, amax]) whose dequantized block is nearest ``xf`` in squared error; ties keep the wider range.
+    ``mask``: outliers (kept exactly elsewhere): they set no range and cost no error."""
     best: QuantizedTensor | None = None
     best_err = None
     for c in CLIP_GRID:
-        qt = _dynamic_codes(xf, fmt, c, -2)
-        deq = qt.codes * qt.scale + (qt.zero if qt.zero is not None else 0)
-        err = (deq - xf).square().sum(-2, keepdim=True)
+        qt = _dynamic_codes(xf, fmt, c, -2, mask=mask)
+        diff = qt.codes * qt.scale + (qt.zero if qt.zero is not None else 0) - xf
+        err = (diff if mask is None else diff.masked_fill(mask, 0.0)).square().sum(-2, keepdim=True)
         if best is None:
             best, best_err = qt, err
             continue
@@ -369,7 +370,7 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
     clip = 1.0 if params is None or params.clip is None else _per_head(params.clip, xf.dim(), head_axis)
     cb = codebook_of(fmt, params)
     if fmt.mse:
-        qt = _searched_codes(xf, fmt)
+        qt = _searched_codes(xf, fmt, mask)
     else:
         qt = _dynamic_codes(xf, fmt, clip, -2, None if cb is None else _levels(cb, xf.dim(), head_axis), mask)
     return QuantizedTensor(
