@@ -702,18 +702,18 @@ PRESETS: dict[str, KVFormat] = {
                  "candidate beside int3-nuq / int2-nuq (--budget-formats int4-b128,int3-nuq,int2-nuq)"),
         KVFormat(name="int3-nuq",
                  k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
-                      outliers=64),
-                 v=_t("int3", "per_token_group", group_size=32, hadamard=True, codebook=True), block_size=128, sink_tokens=4,
+                      outliers=128),
+                 v=_t("int3", "per_token_group", group_size=64, hadamard=True, codebook=True), block_size=128, sink_tokens=4,
                  description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
-                 "queries and rotated, asymmetric per channel over each block, 64 outliers per block and head kept exactly; "
-                 "values rotated, symmetric groups of 32 through a calibrated codebook of 8 levels (served by the torch "
+                 "queries and rotated, asymmetric per channel over each block, 128 outliers per block and head kept exactly; "
+                 "values rotated, symmetric groups of 64 through a calibrated codebook of 8 levels (served by the torch "
                  "engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
         KVFormat(name="int2-nuq",
                  k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
-                      outliers=64),
+                      outliers=128),
                  v=_t("int2", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
-                 description="int2, 2.375 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
-                 "queries, rotated, 64 outliers per block and head kept exactly; values rotated, symmetric per token through a "
+                 description="int2, 2.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
+                 "queries, rotated, 128 outliers per block and head kept exactly; values rotated, symmetric per token through a "
                  "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its Triton kernels "
                  "on CUDA, its torch ops anywhere)"),
         KVFormat(
