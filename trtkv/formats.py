@@ -710,10 +710,11 @@ PRESETS: dict[str, KVFormat] = {
                  "engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
         KVFormat(name="int2-nuq",
                  k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
-                      outliers=128),
+                      outliers=64),
                  v=_t("int2", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
-                 description="int2, 2.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
-                 "queries, rotated, 128 outliers per block and head kept exactly; values rotated, symmetric per token through a "
+                 description="int2, 2.375 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
+                 "queries, rotated, 64 outliers per block and head kept exactly (the narrow --budget candidate: a bits=2.5 "
+                 "mix beats 128 outliers everywhere); values rotated, symmetric per token through a "
                  "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its Triton kernels "
                  "on CUDA, its torch ops anywhere)"),
         KVFormat(
