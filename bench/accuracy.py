@@ -30,6 +30,9 @@ import torch
 from trtkv.evaluate import evaluate_formats, render_table, results_to_dict
 from trtkv.formats import PRESETS, KVFormat, get_format
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_report
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -419,10 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     data = results_to_dict(results, meta)
     if not args.no_write:
-        stem = Path(args.out) if args.out else RESULTS / f"accuracy-{date}"
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(to_markdown(data, {r.name: r for r in rows}))
+        stem = write_report(Path(args.out) if args.out else RESULTS / f"accuracy-{date}", data, to_markdown(data, {r.name: r for r in rows}))
         print(f"wrote {stem}.md and .json", file=sys.stderr)
     return 0
 

@@ -104,6 +104,24 @@ def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key
     return [LayerParams(k=tensor(fmt.k, key_books_per_layer), v=tensor(fmt.v, False)) for _ in range(layers)]
 
 
+def naive_mse_range(col: torch.Tensor, qmax: int) -> tuple[float, float, float]:
+    """``(error, scale, zero)`` of the CLIP_GRID shrink of ``col``'s [min, max] (float64 values of one channel of a block)
+    whose asymmetric codes come back nearest ``col`` in squared error, fp16 scale and zero as stored; ties keep the wider
+    range -- the ``:mse`` block-channel search written as a plain loop."""
+    from trtkv.formats import CLIP_GRID
+
+    mn, mx = col.min().item(), col.max().item()
+    best = None
+    for clip in CLIP_GRID:
+        zero = float(torch.tensor(mn + (mx - mn) * (1 - clip) / 2).half())
+        scale = float(torch.tensor((mx - mn) * clip / qmax).half())
+        q = ((col - zero) / scale).round().clamp(0, qmax) if scale > 0 else torch.zeros_like(col)
+        err = ((q * scale + zero - col) ** 2).sum().item()
+        if best is None or err < best[0] - 1e-9:
+            best = (err, scale, zero)
+    return best
+
+
 def build_tiny_model(
     directory: Path, arch: str = "mistral", *, with_tokenizer: bool = False, seed: int = 0, **overrides
 ):

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import naive_mse_range
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import DTYPES, OUTLIER_BITS, get_format, parse_tensor_spec
@@ -213,7 +214,7 @@ def test_mse_ranges_with_outliers_are_searched_over_the_bulk_only(dtype):
     """``:mse:outN`` keys: the outliers (the naive selection above) are kept exactly and neither set a range nor count
     in the search's error -- per (head, channel) the stored range is the CLIP_GRID shrink of the bulk's [min, max] with
     the least squared error over the bulk, found by a float64 loop (odd sizes: block 13, head_dim 24)."""
-    from trtkv.formats import CLIP_GRID, DTYPES
+    from trtkv.formats import DTYPES
 
     tf, n = _fmt(f"{dtype}:bchannel:asym:mse:out11"), 11
     x = torch.randn(2, 3, 13, 24, generator=torch.Generator().manual_seed(23)) * torch.linspace(0.5, 3, 24)
@@ -228,15 +229,7 @@ def test_mse_ranges_with_outliers_are_searched_over_the_bulk_only(dtype):
             for c in range(24):
                 rows = [t for t in range(13) if t * 24 + c not in kept]
                 col = x[b, h, rows, c].double()
-                mn, mx = col.min().item(), col.max().item()
-                best = None
-                for clip in CLIP_GRID:
-                    zero = float(torch.tensor(mn + (mx - mn) * (1 - clip) / 2).half())
-                    scale = float(torch.tensor((mx - mn) * clip / qmax).half())
-                    q = ((col - zero) / scale).round().clamp(0, qmax) if scale > 0 else torch.zeros_like(col)
-                    err = ((q * scale + zero - col) ** 2).sum().item()
-                    if best is None or err < best[0] - 1e-9:
-                        best = (err, scale, zero)
+                best = naive_mse_range(col, qmax)
                 assert float(qt.scale[b, h, c]) == pytest.approx(best[1], rel=1e-3)
                 assert float(qt.zero[b, h, c]) == pytest.approx(best[2], rel=1e-3, abs=1e-3)
                 assert ((got[b, h, rows, c] - col) ** 2).sum().item() <= best[0] * (1 + 1e-4) + 1e-6

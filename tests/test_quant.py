@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import naive_mse_range
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -885,7 +886,7 @@ def test_mse_block_channel_ranges_match_a_naive_search(dtype):
     """``:mse`` block-channel keys: per (head, channel) the stored range is the CLIP_GRID shrink whose dequantized
     block has the least squared error, found here by a plain per-channel float64 loop over the grid (odd block of 13
     tokens, head_dim 24); never worse than min/max."""
-    from trtkv.formats import CLIP_GRID, DTYPES, parse_tensor_spec
+    from trtkv.formats import DTYPES, parse_tensor_spec
     from trtkv.quant import dequantize, quantize_block
 
     g = torch.Generator().manual_seed(17)
@@ -898,15 +899,7 @@ def test_mse_block_channel_ranges_match_a_naive_search(dtype):
     for h in range(3):
         for c in range(24):
             col = x[h, :, c].double()
-            mn, mx = col.min().item(), col.max().item()
-            best = None
-            for clip in CLIP_GRID:
-                zero = float(torch.tensor(mn + (mx - mn) * (1 - clip) / 2).half())
-                scale = float(torch.tensor((mx - mn) * clip / qmax).half())
-                q = ((col - zero) / scale).round().clamp(0, qmax) if scale > 0 else torch.zeros_like(col)
-                err = ((q * scale + zero - col) ** 2).sum().item()
-                if best is None or err < best[0] - 1e-9:
-                    best = (err, scale, zero)
+            best = naive_mse_range(col, qmax)
             assert float(qt.scale[h, c]) == pytest.approx(best[1], rel=1e-3) and float(qt.zero[h, c]) == pytest.approx(best[2], rel=1e-3, abs=1e-3)
             assert ((got[h, :, c] - col) ** 2).sum().item() <= best[0] * (1 + 1e-4) + 1e-6
     e_mse = (got - x.double()).square().sum().item()
