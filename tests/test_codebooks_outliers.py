@@ -1083,3 +1083,18 @@ def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_c
     cache = PagedKVCache(PagedKVLayout(m.kv_format, m.model.num_kv_heads, m.model.head_dim, 8, 4, 1), m.model.num_layers)
     logits = engine.step(StepBatch.make([list(range(3, 11))], [0], [[2, 0]], [0]), cache).logits
     assert logits.shape[0] == 1 and torch.isfinite(logits).all() and cache.rope is not None
+
+
+def test_a_smaller_or_larger_block_keeps_the_outlier_lists_share():
+    """``with_block_size``: an outN list is a count per block, so it scales with the block (its share of the block's
+    elements stays), on both sides and in every layer of a per-layer format; a tiny block still fits its list."""
+    f = get_format("k=int3:bchannel:asym:out64,v=int2:token:sym:out32,block=128,sink=4")
+    for bs, (nk, nv) in ((4, (2, 1)), (32, (16, 8)), (128, (64, 32)), (256, (128, 64))):
+        g = f.with_block_size(bs)
+        assert (g.k.outliers, g.v.outliers, g.block_size) == (nk, nv, bs)
+    layered = get_format("k=int3:bchannel:asym:out64,v=fp16,block=128,layers=int3:bchannel:asym:out64/fp16|int4:bchannel:asym/fp16")
+    small = layered.with_block_size(16)
+    assert [small.layer(i).k.outliers for i in range(2)] == [8, 0]
+    from trtkv.cache_layout import PagedKVLayout
+
+    PagedKVLayout(get_format("int3-nuq").with_block_size(4), 1, 32, 4, 2)  # out128 of a block of 128 fits a block of 4 x 32

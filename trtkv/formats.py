@@ -554,11 +554,17 @@ class KVFormat(BaseModel):
 
     def with_block_size(self, block_size: int) -> "KVFormat":
         """This format with sealed blocks of ``block_size`` tokens (what a paged engine stores); sink tokens are
-        capped at half a block, so that presets fit the small blocks of small models."""
+        capped at half a block, and outlier lists (``outN``, a count per block) keep their share of the block's
+        elements, so that presets fit the small blocks of small models and keep their pool bits at any block size."""
         if self.block_size == block_size:
             return self
         base = self.name.split("@block")[0]
-        return KVFormat.model_validate({**self.model_dump(), "block_size": block_size, "name": f"{base}@block{block_size}",
+        d = self.model_dump()
+        for storage in (d, *d["layers"]):
+            for side in ("k", "v"):
+                if storage[side]["outliers"] and self.block_size:
+                    storage[side]["outliers"] = max(1, storage[side]["outliers"] * block_size // self.block_size)
+        return KVFormat.model_validate({**d, "block_size": block_size, "name": f"{base}@block{block_size}",
                                         "sink_tokens": min(self.sink_tokens, block_size // 2)})
 
     @property
@@ -703,10 +709,10 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(name="int3-nuq",
                  k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
                       outliers=128),
-                 v=_t("int3", "per_token_group", group_size=64, hadamard=True, codebook=True), block_size=128, sink_tokens=4,
+                 v=_t("int3", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
                  description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
                  "queries and rotated, asymmetric per channel over each block, 128 outliers per block and head kept exactly; "
-                 "values rotated, symmetric groups of 64 through a calibrated codebook of 8 levels (served by the torch "
+                 "values rotated, symmetric per token through a calibrated codebook of 8 levels (served by the torch "
                  "engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
         KVFormat(name="int2-nuq",
                  k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
