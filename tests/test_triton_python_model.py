@@ -493,11 +493,17 @@ def test_a_drain_waits_for_the_file_then_for_the_requests_in_flight(pm, tmp_path
 
 def test_a_drain_fails_what_is_left_after_the_grace_period(pm, tmp_path, monkeypatch):
     path = tmp_path / "drain"
-    path.write_text("")  # no grace: 0 s
+    path.write_text("")  # created but not yet written (serve renames it into place whole): not a drain request
     monkeypatch.setenv(pm.DRAIN_FILE_ENV, str(path))
+    clock = [50.0]
+    monkeypatch.setattr(pm.time, "monotonic", lambda: clock[0])
     loop, log = FakeLoop(), Log()
     loop.in_flight = 3
     d = pm._Drain(loop, log)
+    d.poll()
+    assert loop.admitting and not d.done and loop.failed_with is None  # an empty file once failed everything at once
+    path.write_text("0")  # no grace
+    clock[0] += pm._Drain.POLL_S
     d.poll()
     assert d.done and (tmp_path / "drain.done").read_text() == "failed 3"
     assert "grace period" in loop.failed_with and log.lines[-1][0] == "warn" and "3 requests" in log.lines[-1][1]

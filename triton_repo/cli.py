@@ -318,7 +318,9 @@ def _restart_dead_model(server, restarts: int, timeout: float) -> int:
 def _drain(server, drain_file: Path, grace: float) -> str | None:
     """Ask the model to drain (it polls ``drain_file``) and wait for its answer: "drained", "failed N", or None."""
     done = Path(f"{drain_file}.done")
-    drain_file.write_text(repr(float(grace)))
+    partial = Path(f"{drain_file}.partial")  # written whole, then renamed: the model never reads a half-written file
+    partial.write_text(repr(float(grace)))
+    os.replace(partial, drain_file)
     deadline = time.monotonic() + grace + EXIT_MARGIN_S
     while time.monotonic() < deadline and server.process is not None and server.process.poll() is None and not server.dead_model_pids():
         if done.is_file():

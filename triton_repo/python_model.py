@@ -135,8 +135,8 @@ class _Drain:
             if now < self._next_poll:
                 return
             self._next_poll = now + self.POLL_S
-            try:
-                grace = float(Path(self.path).read_text().strip() or 0)
+            try:  # serve renames the file into place whole; an empty or unreadable one is not a request (yet)
+                grace = float(Path(self.path).read_text().strip())
             except (OSError, ValueError):
                 return
             self.loop.stop_admitting()
