@@ -10,8 +10,9 @@ its error allows beats one format everywhere. The search, on the calibration spl
 2. **Sensitivity.** For every layer, side and narrower candidate: the cost (KL or Δppl against the unquantized
    model) of the start with only that (layer, side) narrowed, minus the start's cost -- measured, with the real
    quantized cache (``trtkv.kv_cache``), on ``windows`` calibration windows.
-3. **Choice.** Greedy by cost per bit saved: the next narrower step of some (layer, side) (steps of one (layer, side)
-   in order), while the predicted cost (start + the chosen steps' costs, taken as additive; a step that measured
+3. **Choice.** Greedy by cost per bit saved: the next narrower step of some (layer, side) -- to the candidates whose
+   tensor format for that side stores the most bits below its current one, the cheapest measured of them if several
+   (steps of one (layer, side) in order) -- while the predicted cost (start + the chosen steps' costs, taken as additive; a step that measured
    cheaper than the one before it counts 0, not less: that is the windows' noise) stays within the search's target.
    A ``bits=B`` budget takes the same steps in the same order until the mean pool bits are at most B, whatever they
    cost: the accuracy is then what is measured, not what is bounded.
@@ -247,37 +248,49 @@ def choose_layer_bits(
     # 3. greedy by cost per bit saved, each (layer, side) one step at a time
     levels = [dict(lv) for lv in start_levels]
     predicted = start.kl
-    steps: list[tuple[int, str, float]] = []  # (layer, side, predicted cost of the step)
+    steps: list[tuple[int, str, int, float]] = []  # (layer, side, the candidate it took, predicted cost of the step)
 
     def mean_bits() -> float:
         return sum(bits[lv[s]][s] for lv in levels for s in SIDES) / (len(SIDES) * num_layers)
+
+    def next_level(layer: int, s: str, cur: int) -> int | None:
+        """The (layer, side)'s next step: of the candidates whose ``s`` stores fewer bits than ``cur``'s, those of the
+        most bits, and of them the one that measured cheapest. Candidates are ordered by their total bits, so along
+        them one side may repeat (``int3-nuq`` and a twin with fewer key outliers share their values) or even widen:
+        "the next candidate" would save nothing there and stop that side for good."""
+        narrower = [j for j in range(len(cands)) if bits[j][s] < bits[cur][s] - 1e-12]
+        if not narrower:
+            return None
+        width = max(bits[j][s] for j in narrower)
+        return min((j for j in narrower if bits[j][s] == width), key=lambda j: (cost[s][layer][j], j))
 
     while not (by_bits and mean_bits() <= budget.limit + 1e-9):
         best = None
         for layer in range(num_layers):
             for s in SIDES:
                 cur = levels[layer][s]
-                if cur + 1 >= len(cands):
+                nxt = next_level(layer, s, cur)
+                if nxt is None:
                     continue
                 # a narrower level that measured cheaper is noise of the windows, not a gain: it costs 0, never less
-                extra = max(cost[s][layer][cur + 1] - cost[s][layer][cur], 0.0)
-                saved = bits[cur][s] - bits[cur + 1][s]
-                if saved > 0 and predicted + extra <= target:
+                extra = max(cost[s][layer][nxt] - cost[s][layer][cur], 0.0)
+                saved = bits[cur][s] - bits[nxt][s]
+                if predicted + extra <= target:
                     key = (extra / saved, layer, s)
                     if best is None or key < best[0]:
-                        best = (key, extra)
+                        best = (key, nxt, extra)
         if best is None:
             break
-        (_, layer, s), extra = best
-        levels[layer][s] += 1
+        (_, layer, s), nxt, extra = best
+        levels[layer][s] = nxt
         predicted += extra
-        steps.append((layer, s, extra))
+        steps.append((layer, s, nxt, extra))
     # 4. measure; over the target, bisect for the longest prefix of the steps (in the greedy's order) that measures
     # within it: the start is taken to fit (it did on the search's windows)
     def after(n: int) -> list[dict[str, int]]:
         out = [dict(lv) for lv in start_levels]
-        for layer, s, _ in steps[:n]:
-            out[layer][s] += 1
+        for layer, s, level, _ in steps[:n]:
+            out[layer][s] = level
         return out
 
     def checked(n: int) -> Score:
@@ -296,7 +309,7 @@ def choose_layer_bits(
                 over = mid
         kept, measured = fits, best if best is not None else checked(fits)
     levels = after(kept)
-    predicted = start.kl + sum(extra for _, _, extra in steps[:kept])
+    predicted = start.kl + sum(extra for *_, extra in steps[:kept])
     return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
                         cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES},
                         getattr(score, "calls", 0) + (getattr(check, "calls", 0) if check is not score else 0))

@@ -165,9 +165,18 @@ class Additive:
         return Score(kl, 100 * kl)
 
 
+def ref_next(bits, cost_of, j):
+    """Where a (layer, side) at candidate ``j`` steps to (module docstring, 3.): the most bits below ``bits[j]``, the
+    cheapest of those; None at the fewest."""
+    fewer = [b for b in bits if b < bits[j]]
+    if not fewer:
+        return None
+    return min((cost_of[n], n) for n, b in enumerate(bits) if b == max(fewer))[1]
+
+
 def ref_greedy(cands, cost, start, target, L):
     """The documented greedy (module docstring, 3.), written plainly."""
-    bits = [{s: getattr(c, s).bits_per_element(HD, c.block_size) for s in "kv"} for c in cands]
+    bits = {s: [getattr(c, s).bits_per_element(HD, c.block_size) for c in cands] for s in "kv"}
     lv = [{"k": 0, "v": 0} for _ in range(L)]
     predicted, steps = start, []
     while True:
@@ -175,16 +184,16 @@ def ref_greedy(cands, cost, start, target, L):
         for i in range(L):
             for s in "kv":
                 j = lv[i][s]
-                if j + 1 == len(cands):
+                n = ref_next(bits[s], cost[i][s], j)
+                if n is None:
                     continue
-                step = max(0.0, (cost[i][s][j + 1] - cost[i][s][0]) - (cost[i][s][j] - cost[i][s][0]))
-                saved = bits[j][s] - bits[j + 1][s]
-                if saved > 0 and predicted + step <= target:
-                    options.append((step / saved, i, s, step))
+                step = max(0.0, (cost[i][s][n] - cost[i][s][0]) - (cost[i][s][j] - cost[i][s][0]))
+                if predicted + step <= target:
+                    options.append((step / (bits[s][j] - bits[s][n]), i, s, step, n))
         if not options:
             return lv, predicted, steps
-        _, i, s, step = min(options)
-        lv[i][s] += 1
+        _, i, s, step, n = min(options)
+        lv[i][s] = n
         predicted += step
         steps.append((i, s, step))
 
@@ -467,18 +476,63 @@ def test_a_bits_budget_parses_and_bounds_no_kl():
 def ref_bits_greedy(cands, cost, limit, L):
     """The documented greedy for bits=B, written plainly: the cheapest step per bit saved (negative step costs counted
     0), until the mean pool bits of the (layer, side) storages are at most B."""
-    bits = [{s: getattr(c, s).bits_per_element(HD, c.block_size) for s in "kv"} for c in cands]
+    bits = {s: [getattr(c, s).bits_per_element(HD, c.block_size) for c in cands] for s in "kv"}
     lv = [{"k": 0, "v": 0} for _ in range(L)]
-    while sum(bits[lv[i][s]][s] for i in range(L) for s in "kv") / (2 * L) > limit + 1e-9:
+    while sum(bits[s][lv[i][s]] for i in range(L) for s in "kv") / (2 * L) > limit + 1e-9:
         options = []
         for i in range(L):
             for s in "kv":
                 j = lv[i][s]
-                if j + 1 < len(cands):
-                    options.append((max(0.0, cost[i][s][j + 1] - cost[i][s][j]) / (bits[j][s] - bits[j + 1][s]), i, s))
-        _, i, s = min(options)
-        lv[i][s] += 1
+                n = ref_next(bits[s], cost[i][s], j)
+                if n is not None:
+                    options.append((max(0.0, cost[i][s][n] - cost[i][s][j]) / (bits[s][j] - bits[s][n]), i, s, n))
+        _, i, s, n = min(options)
+        lv[i][s] = n
     return lv
+
+
+# candidates whose sides repeat along their order (by total bits): B keeps A's values, D keeps C's values -- the
+# shape of int3-nuq beside a twin with fewer key outliers; B's and C's keys store as many bits two ways (the cheaper wins)
+SHARED = [fmt("k=int4:token:sym,v=int4:token:sym"), fmt("k=int3:token:sym,v=int4:token:sym"),
+          fmt("k=int3:token:sym:hadamard,v=int2:token:sym"), fmt("k=int2:token:sym,v=int2:token:sym")]
+
+
+def shared_costs(rng, cands, L):
+    """Random costs per (layer, side, candidate), equal where two candidates store a side alike (the score cannot
+    tell them apart), and 0 at the start."""
+    out = []
+    for _ in range(L):
+        layer = {}
+        for s in "kv":
+            sides = [getattr(c, s) for c in cands]
+            by_side = {}
+            layer[s] = [0.0 if j == 0 or sides[j] == sides[0] else by_side.setdefault(sides.index(sides[j]), rng.uniform(-0.003, 0.01))
+                        for j in range(len(cands))]
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_side_that_repeats_along_the_candidates_still_narrows(seed):
+    """Stepping to "the next candidate" saved nothing where a side repeats (B's values are A's) and stopped that side
+    for good: a bits=B budget then ended over B (2.875 for bits=2.5 with int3-nuq and a twin among five candidates)."""
+    rng = random.Random(500 + seed)
+    L = rng.choice([1, 2, 3])
+    cost = shared_costs(rng, SHARED, L)
+    narrowest = SHARED[-1].pool_bits_per_element(HD)
+    choice = choose_layer_bits(Additive(SHARED, cost), SHARED, {}, Budget("bits", narrowest), num_layers=L, head_dim=HD)
+    assert choice.fmt.pool_bits_per_element(HD) <= narrowest + 1e-9
+    assert all(choice.fmt.layer(i).k == SHARED[-1].k and choice.fmt.layer(i).v == SHARED[-1].v for i in range(L))
+    limit = rng.uniform(narrowest, SHARED[0].pool_bits_per_element(HD))
+    choice = choose_layer_bits(Additive(SHARED, cost), SHARED, {}, Budget("bits", limit), num_layers=L, head_dim=HD)
+    want = ref_bits_greedy(SHARED, cost, limit, L)
+    assert [{s: getattr(choice.fmt.layer(i), s) for s in "kv"} for i in range(L)] == [{s: getattr(SHARED[want[i][s]], s) for s in "kv"} for i in range(L)]
+    assert choice.fmt.pool_bits_per_element(HD) <= limit + 1e-9
+    target = rng.uniform(0.005, 0.03)
+    choice = choose_layer_bits(Additive(SHARED, cost), SHARED, {}, Budget("kl", target, margin=0), num_layers=L, head_dim=HD)
+    want, want_pred, _ = ref_greedy(SHARED, cost, 0.001, target, L)
+    assert [{s: getattr(choice.fmt.layer(i), s) for s in "kv"} for i in range(L)] == [{s: getattr(SHARED[want[i][s]], s) for s in "kv"} for i in range(L)]
+    assert choice.predicted == pytest.approx(want_pred, abs=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(6))
