@@ -11,7 +11,6 @@ import http.client
 import json
 import queue
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ pytest.importorskip("tritonclient")
 from trtkv.runtime.config import RuntimeConfig
 from trtkv.triton_repo.client import generate
 from trtkv.triton_repo.repository import RepoOptions, write_repository
-from trtkv.triton_repo.server import TritonServer, free_port
+from trtkv.triton_repo.server import TritonServer, free_port, metric_values
 
 pytestmark = [pytest.mark.server]
 
@@ -31,6 +30,7 @@ PROMPT = "Once upon a time, in a small village,"
 # second, which let requests finish before a disconnect or a drain was noticed under CI's load (no cancel counted,
 # a drain with nothing in flight): 2000 tokens last seconds. The engine's context is 2048.
 LONG = 2000
+SERVE_MAX_SEQS = 4  # the slots of `Serve`'s server
 SIGTERM_PLAIN = 6  # plain requests beside one stream at SIGTERM: 7 for 4 slots, so 3 wait (Triton 2.51 serves 8 HTTP requests at once)
 
 
@@ -331,7 +331,7 @@ class Serve:
         import threading
 
         self.ports = [free_port() for _ in range(3)]
-        cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engine), "--repo", str(tmp / "repo"), "--kv-memory", "0.01", "--max-seqs", "4",
+        cmd = [sys.executable, "-m", "trtkv.cli", "serve", str(engine), "--repo", str(tmp / "repo"), "--kv-memory", "0.01", "--max-seqs", str(SERVE_MAX_SEQS),
                "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
@@ -369,8 +369,7 @@ class Serve:
         url = f"http://127.0.0.1:{self.ports[2]}/metrics"
         deadline = time.monotonic() + timeout
         while True:
-            lines = urllib.request.urlopen(url, timeout=10).read().decode().splitlines()
-            held = sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith("trtkv_sequences{") and ('state="running"' in l or 'state="waiting"' in l))
+            held = sum(sum(metric_values(url, "trtkv_sequences", state=state)) for state in ("running", "waiting"))
             if held >= n:
                 return
             assert time.monotonic() < deadline, f"only {held} of {n} requests reached the model in {timeout} s"
@@ -509,7 +508,7 @@ def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(en
             ended = [how == "end" and len(first) + len(rest) == LONG] + [st == 200 and "text_output" in text for st, text in plain]
             failed = [how == "error" and "shutting down" in rest[-1]["error"]] + [bool(st) and st >= 400 and "shutting down" in text for st, text in plain]
             assert all(e or f for e, f in zip(ended, failed)), ((how, rest[-1:]), [(st, text[-300:]) for st, text in plain])
-            assert sum(failed) >= SIGTERM_PLAIN + 1 - 4, (failed, "the requests waiting for a slot at SIGTERM must fail")
+            assert sum(failed) >= SIGTERM_PLAIN + 1 - SERVE_MAX_SEQS, (failed, "the requests waiting for a slot at SIGTERM must fail")
             assert rc == 4 and any("failed" in line for line in s.out), (rc, s.out)
         else:
             assert how == "end" and len(first) + len(rest) == LONG, (how, len(first) + len(rest))

@@ -123,6 +123,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def metric_values(metrics_url: str, name: str, **labels: str) -> list[float]:
+    """The values of one metric family at ``metrics_url`` (Prometheus text), one per series whose labels include ``labels``."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in want)
+    ]
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver; use as a context manager or call ``stop()``."""
@@ -154,13 +165,7 @@ class TritonServer:
 
     def metric_values(self, name: str, **labels: str) -> list[float]:
         """The values of one metric family from /metrics, one per series whose labels include ``labels``."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        return [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in want)
-        ]
+        return metric_values(self.metrics_url, name, **labels)
 
     def wait_for_metric(self, name: str, at_least: float, timeout: float = 10.0, **labels: str) -> float:
         """Poll until the metric reaches ``at_least`` (custom metrics are pushed asynchronously); its value."""
