@@ -38,14 +38,14 @@ def decode_tok_s(engine_dir: Path, batch: int, context: int, steps: int) -> floa
     """Decode tokens/s of ``batch`` sequences at ``context`` tokens, the engine alone in a fresh process."""
     cmd = [sys.executable, str(BENCH / "torch_engine.py"), "--worker", str(engine_dir), "--batch", str(batch),
            "--context", str(context), "--steps", str(steps)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # its stderr shows a failure
     return json.loads(out.strip().splitlines()[-1])["tok_s"]
 
 
-def prefill_tok_s(fmt: str, tokens: int, reps: int, out: Path) -> float:
+def prefill_tok_s(model: str, fmt: str, tokens: int, reps: int, out: Path) -> float:
     """Prefill tokens/s of one ``tokens``-long prompt in one step plus its pool write (``bench/prefill.py``)."""
-    subprocess.run([sys.executable, str(BENCH / "prefill.py"), "--tokens", str(tokens), "--formats", fmt,
-                    "--reps", str(reps), "--out", str(out)], check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, str(BENCH / "prefill.py"), "--model", model, "--tokens", str(tokens), "--formats", fmt,
+                    "--reps", str(reps), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     data = json.loads(next(out.glob("prefill-*.json")).read_text())
     return tokens / (data["results"][fmt]["stored"]["total_ms"] / 1e3)
 
@@ -55,7 +55,7 @@ def render(r: dict) -> str:
     lines = [f"# Capacity ceiling of the binding load on this machine ({r['date']})", "",
              f"Command: `{r['command']}`  ", f"Machine: {r['machine']}", "",
              f"Load: {r['requests']} requests x {r['prompt']} prompt tokens + {r['new']} new tokens; engine: torch, "
-             f"`{r['format']}` KV, float32 SmolLM2-135M. Prefill {r['prefill_tok_s']:.1f} tok/s "
+             f"`{r['format']}` KV, float32 `{r['model']}`. Prefill {r['prefill_tok_s']:.1f} tok/s "
              f"(one {r['prompt']}-token prompt per step); decode at context {r['context']}:", "",
              "| sequences decoding together | decode tok/s | tok/s per sequence | least time for the load, s | completed / min at most |",
              "|---:|---:|---:|---:|---:|"]
@@ -69,6 +69,7 @@ def render(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a model trtkv loads (default: the builtin SmolLM2-135M)")
     ap.add_argument("--format", default="int4", help="the KV format of the engine measured")
     ap.add_argument("--batches", default="14,64", help="sequences decoding together, smallest first")
     ap.add_argument("--requests", type=int, default=64)
@@ -80,17 +81,18 @@ def main() -> None:
     args = ap.parse_args()
 
     from trtkv.builder.build import build_engine
+    from trtkv.formats import DEFAULT_BLOCK_SIZE, get_format
 
     batches = [int(b) for b in args.batches.split(",")]
-    block = 64
-    context = (args.prompt + args.new // 2) // block * block  # decode_tps needs a whole number of blocks
-    r = {"command": "python " + " ".join(sys.argv), "date": str(date.today()), "machine": machine(), "format": args.format,
+    block = get_format(args.format).block_size or DEFAULT_BLOCK_SIZE
+    context = max(block, (args.prompt + args.new // 2) // block * block)  # decode_tps needs a whole number of blocks
+    r = {"command": "python " + " ".join(sys.argv), "date": str(date.today()), "machine": machine(), "model": args.model, "format": args.format,
          "requests": args.requests, "prompt": args.prompt, "new": args.new, "context": context, "batches": batches, "rows": []}
     tmp = Path(tempfile.mkdtemp(prefix="trtkv-bench-ceiling-"))
     try:
-        engine = build_engine("smollm2-135m", None, args.format, tmp / "engine", backend="torch", max_batch=max(batches),
+        engine = build_engine(args.model, None, args.format, tmp / "engine", backend="torch", max_batch=max(batches),
                               max_seq_len=context + block)
-        r["prefill_tok_s"] = prefill_tok_s(args.format, args.prompt, args.reps, tmp)
+        r["prefill_tok_s"] = prefill_tok_s(args.model, args.format, args.prompt, args.reps, tmp)
         r["prefill_seconds"] = args.requests * args.prompt / r["prefill_tok_s"]
         for b in batches:
             tps = decode_tok_s(engine, b, context, args.steps)
