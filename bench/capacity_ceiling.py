@@ -9,7 +9,7 @@ sequences decode together is
 
 and T(small) / T(large) is the most that admitting ``large`` instead of ``small`` sequences can raise completed requests
 per minute, whatever the scheduler does. Each speed is measured in a fresh process holding one torch engine (as it is
-served): decode through ``bench/torch_engine.py --worker`` over a random-filled paged pool, prefill through
+served): decode through ``bench/torch_engine.py``'s ``measure`` over a random-filled paged pool, prefill through
 ``bench/prefill.py``, both on the same machine in the same run. Results: bench/results/capacity-ceiling-<date>.{json,md}.
 
     .venv/bin/python bench/capacity_ceiling.py [--format int4] [--batches 14,64] [--requests 64] [--prompt 1536] [--new 256]
@@ -29,17 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_engine import machine
 from report import write_report
+from torch_engine import measure
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-
-
-def decode_tok_s(engine_dir: Path, batch: int, context: int, steps: int) -> float:
-    """Decode tokens/s of ``batch`` sequences at ``context`` tokens, the engine alone in a fresh process."""
-    cmd = [sys.executable, str(BENCH / "torch_engine.py"), "--worker", str(engine_dir), "--batch", str(batch),
-           "--context", str(context), "--steps", str(steps)]
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # its stderr shows a failure
-    return json.loads(out.strip().splitlines()[-1])["tok_s"]
 
 
 def prefill_tok_s(model: str, fmt: str, tokens: int, reps: int, out: Path) -> float:
@@ -77,7 +69,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="prefill rounds (the first is a warm-up)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(BENCH / "results"))
     args = ap.parse_args()
 
     from trtkv.builder.build import build_engine
@@ -95,7 +87,7 @@ def main() -> None:
         r["prefill_tok_s"] = prefill_tok_s(args.model, args.format, args.prompt, args.reps, tmp)
         r["prefill_seconds"] = args.requests * args.prompt / r["prefill_tok_s"]
         for b in batches:
-            tps = decode_tok_s(engine, b, context, args.steps)
+            tps = measure(engine, argparse.Namespace(batch=b, context=context, steps=args.steps))
             least = r["prefill_seconds"] + args.requests * args.new / tps
             r["rows"].append({"batch": b, "decode_tok_s": tps, "least_seconds": least, "completed_per_min": args.requests / least * 60})
             print(r["rows"][-1], flush=True)

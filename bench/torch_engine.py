@@ -51,7 +51,7 @@ def measure(engine_dir: Path, args, attention: str = "auto") -> float:
     """Decode tokens/s of ``engine_dir`` alone in a fresh process (``--worker``), with the torch engine's ``attention``."""
     cmd = [sys.executable, __file__, "--worker", str(engine_dir), "--batch", str(args.batch), "--context", str(args.context),
            "--steps", str(args.steps), "--attention", attention]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # its stderr shows a failure
     return json.loads(out.strip().splitlines()[-1])["tok_s"]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trtkv.formats import get_format
 from trtkv.plugins import cpu_attention as ca
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +25,9 @@ def test_the_capacity_ceiling_follows_from_the_measured_speeds(tiny_models, tmp_
                           "--steps", "2", "--reps", "2", "--out", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     [report] = tmp_path.glob("capacity-ceiling-*.json")
+    block = get_format("int4").block_size
     r = json.loads(report.read_text())
-    assert [row["batch"] for row in r["rows"]] == [2, 5] and r["context"] % 64 == 0 and r["context"] >= 64
+    assert [row["batch"] for row in r["rows"]] == [2, 5] and r["context"] % block == 0 and r["context"] >= block
     assert r["prefill_seconds"] == pytest.approx(requests * prompt / r["prefill_tok_s"])
     for row in r["rows"]:
         assert row["decode_tok_s"] > 0
