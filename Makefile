@@ -41,15 +41,16 @@ quickstart: setup
 	$(BIN)/trtkv eval --model smollm2-135m --dataset builtin:pydoc --calibration $(OUT)/calibration \
 		--kv fp16 --kv int8 --kv int4 --windows 16 --json $(OUT)/eval.json
 
-# Two pytest workers, each taking whole modules (module fixtures such as a running server stay in one worker).
+# Two pytest workers, each taking whole modules (module fixtures such as a running server stay in one worker), the
+# longest modules first (tests/conftest.py's LONG_MODULES_FIRST; --no-loadscope-reorder keeps that order).
 # The first tier: everything but the tests marked tier2 (docs/development.md).
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not tier2"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not tier2"
 
 # The second tier, CI's own step after `make test` (.ci/run): the AOT compile of every kernel configuration, the
 # TensorRT-RTX builds of the real network, the prepared GPU run's dry runs, the GGUF conversion into a fresh cache.
 test-tier2: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m tier2
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m tier2
 
 # The inner loop (docs/development.md): everything but the tests marked slow, model (the real SmolLM2) or server
 # (a real tritonserver); under 2 minutes on 2 cores.

@@ -20,10 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# `make test` runs `pytest -n 2 --dist loadfile`: a long module that starts last is the whole run's tail, so these
-# (each over a minute on 2 cores) are handed out first; the order inside a module is kept.
-LONG_MODULES_FIRST = ("test_gpu_engine_dry_run.py", "test_serve.py", "test_serve_faults.py", "test_build_engine.py", "test_openai.py",
-                      "test_torch_engine.py", "test_models.py")
+# `make test` runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`: a long module that starts last is the whole
+# run's tail, so the longest (by their summed test times on 2 cores, 2026-12-06) are handed out first; the order inside
+# a module is kept. Without --no-loadscope-reorder pytest-xdist hands out the modules with the most tests first instead,
+# which put these last (a 70 s tail).
+LONG_MODULES_FIRST = ("test_kernels.py", "test_serve.py", "test_serve_faults.py", "test_families.py", "test_build_engine.py",
+                      "test_families_served.py", "test_torch_engine.py", "test_codebooks_outliers.py", "test_openai.py",
+                      "test_bench_capacity_ceiling.py", "test_gpu_engine_dry_run.py", "test_plugin_contract.py", "test_models.py")
 
 
 @pytest.fixture(autouse=True, scope="session")

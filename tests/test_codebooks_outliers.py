@@ -837,10 +837,13 @@ def test_the_triton_kernels_serve_every_new_feature_like_the_eval_cache(tiny_mod
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _serve_like_the_eval_cache(tiny_models("llama", num_hidden_layers=2, head_dim=32, hidden_size=96), spec, "kernels",
-                               block=16, seal_kernels=True)
+                               block=16, seal_kernels=True, blocks=3, decode_steps=3)
 
 
-def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal_kernels: bool = False) -> None:
+def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal_kernels: bool = False, blocks: int = 5,
+                               decode_steps: int = 7) -> None:
+    """``blocks`` (at least 3) sets the longer prompt's length: the first block sealed with sinks, one sealed after it, the
+    last open until the first decode step fills and seals it, read sealed by the next (``decode_steps`` at least 2); the interpreter's cost grows with both."""
     from conftest import random_kv_params
 
     from trtkv.cache_layout import PagedKVLayout
@@ -857,14 +860,14 @@ def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal
     [fmt], _ = fit_formats([spec], info.head_dim)
     heads, hd = info.num_kv_heads, info.head_dim
     params = random_kv_params(fmt, heads, hd, info.num_layers, seed=37)
-    n = 5 * block - 1  # prompts over several sealed blocks, a first one sealed with sinks
+    n = blocks * block - 1  # prompts over several sealed blocks, a first one sealed with sinks
     prompts = [list(range(3, 3 + n)), list(range(40, 40 + n - block - 3))]
     cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, block, 40, 2), info.num_layers, params)
     cache.seal_with_kernels = seal_kernels  # seal_device.py's path
     engine = TorchEngine(model, attention=attention, device="cpu")
     sb = StaticBatch(cache, len(prompts))
     steps = [sb.prefill(engine, prompts)]
-    for _ in range(7):
+    for _ in range(decode_steps):
         nxt = steps[-1].argmax(-1)
         steps.append(sb.step(engine, {i: [int(nxt[i])] for i in range(len(prompts))}))
     got = torch.stack(steps, 1)
@@ -875,10 +878,10 @@ def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal
     with torch.inference_mode():
         want = model_logits(model, ids, fmt, params)
     for i, p in enumerate(prompts):
-        torch.testing.assert_close(got[i], want[i, len(p) - 1 : len(p) + 7], rtol=0, atol=5e-4)
+        torch.testing.assert_close(got[i], want[i, len(p) - 1 : len(p) + decode_steps], rtol=0, atol=5e-4)
     with torch.inference_mode():
         grid = model_logits(model, ids, get_format("fp16"))
-    assert max((got[i] - grid[i, len(p) - 1 : len(p) + 7]).abs().max() for i, p in enumerate(prompts)) > 5e-3  # really quantized
+    assert max((got[i] - grid[i, len(p) - 1 : len(p) + decode_steps]).abs().max() for i, p in enumerate(prompts)) > 5e-3  # really quantized
 
 
 # --------------------------------------------------------------------------- query-aware smoothing (qsmooth)
