@@ -220,7 +220,7 @@ def run_calibration(
     choice = None
     if want_budget is not None:
         t0 = time.perf_counter()
-        console.print(f"[bold]budget[/] {want_budget}: measuring {loaded.info.num_layers} layers x K/V x {len(candidates) - 1} narrower formats "
+        console.print(f"[bold]budget[/] {want_budget}: measuring {loaded.info.num_layers} layers x K/V x up to {len(candidates) - 1} narrower formats "
                       f"on {min(budget_windows, windows.shape[0])} windows")
         scorer = Scorer(loaded.model, windows[:budget_windows].to(loaded.device), batch_size)
         others = windows[budget_windows : 2 * budget_windows]  # the check's windows: not the search's, when there are enough

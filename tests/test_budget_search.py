@@ -529,10 +529,35 @@ def test_a_side_that_repeats_along_the_candidates_still_narrows(seed):
     assert [{s: getattr(choice.fmt.layer(i), s) for s in "kv"} for i in range(L)] == [{s: getattr(SHARED[want[i][s]], s) for s in "kv"} for i in range(L)]
     assert choice.fmt.pool_bits_per_element(HD) <= limit + 1e-9
     target = rng.uniform(0.005, 0.03)
-    choice = choose_layer_bits(Additive(SHARED, cost), SHARED, {}, Budget("kl", target, margin=0), num_layers=L, head_dim=HD)
+    score = Additive(SHARED, cost)
+    choice = choose_layer_bits(score, SHARED, {}, Budget("kl", target, margin=0), num_layers=L, head_dim=HD)
     want, want_pred, _ = ref_greedy(SHARED, cost, 0.001, target, L)
+    # each side measured once per way of storing it: K 3 narrower (B, C, D), V 1 (B stores A's values, D stores C's)
+    assert score.calls == 1 + L * (3 + 1) + 1 and len(score.seen[1:-1]) == len({str(lv) for lv in score.seen[1:-1]})
     assert [{s: getattr(choice.fmt.layer(i), s) for s in "kv"} for i in range(L)] == [{s: getattr(SHARED[want[i][s]], s) for s in "kv"} for i in range(L)]
     assert choice.predicted == pytest.approx(want_pred, abs=1e-12)
+
+
+def test_a_side_stored_alike_is_measured_once_unless_its_constants_differ():
+    """B stores A's values and D stores C's: with equal constants (here equal tensors, not the same objects) their V
+    costs are A's (0) and C's, unmeasured; where D's V scales differ from C's, D's V is measured."""
+    L = 2
+    names = [c.name for c in SHARED]
+    v_scale = {n: [torch.full((2,), 1.0 + i) for i in range(L)] for n in names}
+    v_scale[names[1]] = [t.clone() for t in v_scale[names[0]]]
+    v_scale[names[3]] = [t.clone() for t in v_scale[names[2]]]
+    params = {n: [LayerParams(v=TensorParams(scale=v_scale[n][i])) for i in range(L)] for n in names}
+    cost = [{"k": [0.0, 0.001, 0.002, 0.003], "v": [0.0, 0.0, 0.004, 0.004]} for _ in range(L)]
+    score = Additive(SHARED, cost)
+    choice = choose_layer_bits(score, SHARED, params, Budget("kl", 0.001, margin=0), num_layers=L, head_dim=HD)
+    assert score.calls == 1 + L * (3 + 1) + 1
+    assert [choice.sensitivity["v"][i] for i in range(L)] == [[0.0, 0.0, 0.004, 0.004]] * L
+    params[names[3]][1].v.scale = torch.full((2,), 9.0)  # layer 1: D's values now carry other constants than C's
+    score = Additive(SHARED, cost)
+    choose_layer_bits(score, SHARED, params, Budget("kl", 0.001, margin=0), num_layers=L, head_dim=HD)
+    assert score.calls == 1 + L * (3 + 1) + 1 + 1
+    # layer 1's V measured for C and again for D (Additive reads a storage as its first candidate's index: C's, 2)
+    assert sum(lv == [{"k": 0, "v": 0}, {"k": 0, "v": 2}] for lv in score.seen) == 2
 
 
 @pytest.mark.parametrize("seed", range(6))
