@@ -25,6 +25,7 @@ writes ``DIR/<arch>/<config>.ptx|.cubin`` and ``DIR/kernels.json`` (one row per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -341,12 +342,28 @@ def compile_for(fmt: KVFormat | str, head_dim: int, gqa_ratio: int, arch: int, q
     return {key: compile_config(c, arch) for key, c in cfgs.items()}
 
 
+def _compile_job(job: tuple[KernelConfig, int]) -> CompiledConfig:
+    return compile_config(*job)
+
+
 def compile_all(configs: list[KernelConfig], archs=ARCHS, out_dir: str | Path | None = None,
-                verbose: bool = False) -> list[CompiledConfig]:
+                verbose: bool = False, workers: int | None = None) -> list[CompiledConfig]:
+    """Every configuration for every arch, in that order, on ``workers`` processes (default: one per core). Each
+    compile is one core's work for about a second when triton's cache is cold, so on a fresh machine the whole
+    table's minutes divide by the cores; forked workers start at once (they compile on the CPU, no CUDA)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(cfg, arch) for arch in archs for cfg in configs]
+    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     results = []
-    for arch in archs:
-        for cfg in configs:
-            res = compile_config(cfg, arch)
+    with contextlib.ExitStack() as stack:
+        if workers == 1:
+            done = map(_compile_job, jobs)
+        else:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")))
+            done = pool.map(_compile_job, jobs)
+        for (cfg, arch), res in zip(jobs, done):  # in order, as they finish
             results.append(res)
             if verbose:
                 print(f"sm_{arch} {cfg.name}: regs {res.n_regs} spills {res.spill_stores}/{res.spill_loads} "

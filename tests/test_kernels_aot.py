@@ -4,8 +4,9 @@ Compiles ``trtkv.plugins.aot.lean_configs()`` (every kernel and preset format at
 int4 preset at head_dim 64, plus its decode / prefill kernels with the sliding window's and soft-cap's code) with triton's compiler for ``GPUTarget("cuda", 80|90, 32)`` and reads the
 ptxas resource usage. A configuration spilling more than ``aot.SPILL_LIMIT_BYTES`` fails: spills on a
 memory-bound decode kernel mean local-memory traffic in the inner loop. The full table (both head dims,
-all GQA buckets) is ``python -m trtkv.plugins.aot --out DIR``. Compiled kernels are cached in the
-repository's ``.triton_cache`` (gitignored), so reruns take seconds; a cold run takes ~2 minutes on 2 cores.
+all GQA buckets) is ``python -m trtkv.plugins.aot --out DIR``. Compiled kernels are cached in ``TRITON_CACHE_DIR``
+(the Makefile's: ``~/.cache/trtkv/triton``), so reruns take seconds; a cold run compiles on one process per core, ~2
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def test_ptxas_usage_is_cached_by_ptx_and_arch(compiled, tmp_path, monkeypatch):
     assert aot._ptxas_usage(r.ptx, f"sm_{r.arch}", tool.path, str(tool.version))["n_regs"] == -1
     aot._ptxas_usage(r.ptx + "\n// another", f"sm_{r.arch}", tool.path, str(tool.version))
     assert len(list((tmp_path / "trtkv-ptxas").glob("*.json"))) == 2 and not list((tmp_path / "trtkv-ptxas").glob("*.tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.tier2
+def test_the_worker_processes_compile_what_one_process_does_in_its_order(compiled):
+    """``compile_all`` on forked workers (the fixture's default, one per core) returns every (arch, config) in the
+    order one process compiles them, with the same resources and code: a few configurations again in-process
+    (triton's cache answers) against the fixture's."""
+    configs = aot.lean_configs()
+    some = [configs[0], configs[len(configs) // 2], configs[-1]]
+    alone = aot.compile_all(some, aot.ARCHS, workers=1)
+    assert [(r.arch, r.config) for r in alone] == [(a, c.name) for a in aot.ARCHS for c in some]
+    by_key = {(r.arch, r.config): r for r in compiled}
+    assert [(r.arch, r.config) for r in compiled] == [(a, c.name) for a in aot.ARCHS for c in configs]
+    for r in alone:
+        twin = by_key[(r.arch, r.config)]
+        assert {k: v for k, v in r.row().items() if k != "compile_s"} == {k: v for k, v in twin.row().items() if k != "compile_s"}
+        assert r.ptx == twin.ptx and r.cubin == twin.cubin
 
 
 @pytest.mark.slow
