@@ -9,7 +9,7 @@ OUT ?= trtkv-out
 export TRITON_CACHE_DIR ?= $(HOME)/.cache/trtkv/triton
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-tier2 test-fast lint aiperf vllm-peer bench-accuracy gpu-check-dry-run clean
+.PHONY: setup quickstart test test-tier2 test-fast lint triton-cache aiperf vllm-peer bench-accuracy gpu-check-dry-run clean
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,12 @@ test: setup
 # TensorRT-RTX builds of the real network, the prepared GPU run's dry runs, the GGUF conversion into a fresh cache.
 test-tier2: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m tier2
+
+# Tier 2's kernels (tests/test_kernels_aot.py's fixture: every lean configuration for sm_80 and sm_90) compiled into
+# the per-user Triton cache and nothing else; .ci/run runs it at the lowest priority beside `make test`, so the compile
+# takes the CPU time the tests leave idle and `make test-tier2` finds the cache warm.
+triton-cache: setup
+	$(BIN)/python -m trtkv.plugins.aot --lean > /dev/null
 
 # The inner loop (docs/development.md): everything but the tests marked slow, model (the real SmolLM2) or server
 # (a real tritonserver); under 2 minutes on 2 cores.
