@@ -16,7 +16,7 @@ from trtkv.calibration.report import render_report
 from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
 from trtkv.calibration.stats import DEFAULT_RESERVOIR, KVStats, collect_stats
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, fit_formats, get_format
+from trtkv.formats import KVFormat, expand_format_sets, fit_formats, get_format
 
 DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
 CODEBOOK_SCOPES = ("head", "layer")  # a nuq format's levels: one table per KV head, or one per layer (heads pooled)
@@ -190,7 +190,7 @@ def run_calibration(
     if want_budget is not None:
         if budget_windows < 1:
             raise TrtkvError(f"--budget-windows must be at least 1, got {budget_windows}", "pass e.g. --budget-windows 4")
-        candidates = check_candidates(resolve_formats(list(budget_formats), info.head_dim)[0])
+        candidates = check_candidates(resolve_formats(expand_format_sets(budget_formats), info.head_dim)[0])
         fmts += [c for c in candidates if c.name not in {f.name for f in fmts}]
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from trtkv.formats import (
     DYNAMIC_GRANULARITIES,
     PRESETS,
     SCALE_BITS,
+    SPEC_HELP,
     STATIC_GRANULARITIES,
     KVFormat,
     TensorFormat,
@@ -541,3 +543,27 @@ def test_check_head_dim_names_each_rule():
 ])
 def test_scale_shape(spec, want):
     assert parse_tensor_spec(spec).scale_shape(("L", 7), 3, 5, 48) == want
+
+
+@pytest.mark.parametrize("name, measured", [("int3-nuq-kout64", "int3-kout64.json"), ("int2-nuq-kout128", "int2-kout128.json")])
+def test_the_named_budget_candidates_are_the_measured_twins(name, measured):
+    """The key-outlier twins ``--budget-formats nuq`` names store what the measured candidates of bench/results stored
+    (docs/calibration.md's best 2.5-bit mix), and differ from their preset only in the keys' outlier count."""
+    twin = get_format(name)
+    file = get_format(str(Path(__file__).resolve().parents[1] / "bench/results/budget-candidates" / measured))
+    assert (twin.k, twin.v, twin.block_size, twin.sink_tokens) == (file.k, file.v, file.block_size, file.sink_tokens)
+    preset = PRESETS[name.rsplit("-kout", 1)[0]]
+    assert twin.v == preset.v and twin.k.outliers != preset.k.outliers
+    assert twin.k.model_copy(update={"outliers": preset.k.outliers}) == preset.k
+    assert name not in PRESETS and name in SPEC_HELP
+
+
+def test_a_candidate_set_name_expands_in_place_and_anything_else_passes_through():
+    from trtkv.formats import BUDGET_FORMAT_SETS, expand_format_sets
+
+    fmt = get_format("int4")
+    assert expand_format_sets(["int8", "nuq", fmt]) == ["int8", *BUDGET_FORMAT_SETS["nuq"], fmt]
+    assert expand_format_sets(["int4", "nuq2", "k=int4:token,v=int4:token"]) == ["int4", "nuq2", "k=int4:token,v=int4:token"]
+    for names in BUDGET_FORMAT_SETS.values():
+        members = [get_format(n) for n in names]
+        assert len({(f.block_size, f.sink_tokens) for f in members}) == 1  # a set the search can mix

@@ -309,3 +309,28 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
     assert 2.5 <= bits <= 3.2 and entry.model_extra["kl_target"] is None and entry.model_extra["budget"] == "bits=3.2"
     assert entry.model_extra["start_bits"] > 3.2 and math.isfinite(entry.model_extra["measured"]["kl"])
     assert "least predicted KL within 3.2 pool bits" in (art / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_calibrate_takes_the_nuq_candidate_set_by_name(tiny_models, tmp_path):
+    """``--budget-formats nuq`` searches the set's five formats (issue 27's and their key-outlier twins, widest first),
+    calibrates each, and the saved mix stores every side as one of them within the bits asked for."""
+    from trtkv.artifacts import load_calibration
+    from trtkv.calibration.run import run_calibration
+    from trtkv.formats import BUDGET_FORMAT_SETS, get_format
+
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       num_hidden_layers=2)
+    art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=288, device="cpu", dtype="float32",
+                          progress=False, budget="bits=3.0", budget_formats=["nuq"], budget_windows=1)
+    recipe = load_calibration(art).recipe
+    members = [get_format(n) for n in BUDGET_FORMAT_SETS["nuq"]]
+    extra = recipe.formats["budget"].model_extra
+    assert sorted(extra["candidates"]) == sorted(f.name for f in members)
+    bits = [get_format(n).pool_bits_per_element(HEAD_DIM) for n in extra["candidates"]]
+    assert bits == sorted(bits, reverse=True)
+    assert {f.name for f in members} <= set(recipe.formats)  # every candidate calibrated beside the asked format
+    mix = recipe.formats["budget"].definition
+    assert mix.pool_bits_per_element(HEAD_DIM) <= 3.0
+    for layer in mix.layers:
+        assert any(layer.k == f.k for f in members) and any(layer.v == f.v for f in members)

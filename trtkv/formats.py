@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -705,7 +706,7 @@ PRESETS: dict[str, KVFormat] = {
         KVFormat(name="int4-b128", k=_t("int4", "per_block_channel", symmetric=False, hadamard=True),
                  v=_t("int4", "per_token_group", group_size=32, hadamard=True), block_size=128, sink_tokens=4,
                  description="the int4 preset in sealed blocks of 128 (4.375 bits at head_dim 64): the widest --budget "
-                 "candidate beside int3-nuq / int2-nuq (--budget-formats int4-b128,int3-nuq,int2-nuq)"),
+                 "candidate beside int3-nuq / int2-nuq (--budget-formats nuq)"),
         KVFormat(name="int3-nuq",
                  k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
                       outliers=128),
@@ -734,10 +735,34 @@ PRESETS: dict[str, KVFormat] = {
     ]
 }
 
+def _key_outlier_twin(preset: str, outliers: int) -> KVFormat:
+    """``preset`` keeping ``outliers`` key outliers per block and head instead of its own: the same values, so a
+    ``--budget`` search beside the preset measures them once and can still move its keys to the other byte count."""
+    base = PRESETS[preset]
+    return KVFormat.model_validate(base.model_dump() | {
+        "name": f"{preset}-kout{outliers}", "k": base.k.model_dump() | {"outliers": outliers},
+        "description": f"{preset} with {outliers} key outliers per block and head instead of {base.k.outliers}: a --budget candidate beside it"})
+
+
+# Formats that go by name without being presets (the presets are what the engine sweeps and the AOT kernel set cover):
+# --budget candidates that differ from a preset in one number.
+NAMED_CANDIDATES: dict[str, KVFormat] = {f.name: f for f in (_key_outlier_twin("int3-nuq", 64), _key_outlier_twin("int2-nuq", 128))}
+
+# Candidate sets ``--budget-formats`` takes by name. ``nuq``: issue 27's formats with their key-outlier twins, the least
+# KL within 2.5 pool bits measured on SmolLM2 (docs/calibration.md); the torch engine reads them, the ONNX and TensorRT
+# paths refuse them.
+BUDGET_FORMAT_SETS: dict[str, tuple[str, ...]] = {"nuq": ("int4-b128", "int3-nuq", "int3-nuq-kout64", "int2-nuq", "int2-nuq-kout128")}
+
+
+def expand_format_sets(specs: Sequence[str | KVFormat]) -> list[str | KVFormat]:
+    """``specs`` with each ``BUDGET_FORMAT_SETS`` name replaced by the names of its formats, in the set's order."""
+    return [one for spec in specs for one in (BUDGET_FORMAT_SETS.get(spec, (spec,)) if isinstance(spec, str) else (spec,))]
+
+
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token", "bchannel": "per_block_channel"}
 SPEC_HELP = (
-    "use a preset (" + ", ".join(PRESETS) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]'"
+    "use a preset (" + ", ".join(PRESETS) + "; --budget candidates: " + ", ".join(NAMED_CANDIDATES) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]'"
 )
 
 
@@ -788,12 +813,14 @@ def parse_tensor_spec(text: str) -> TensorFormat:
 
 
 def get_format(spec: str | KVFormat) -> KVFormat:
-    """Resolve a preset name, a JSON file or an inline spec string to a validated format."""
+    """Resolve a preset or named --budget candidate, a JSON file or an inline spec string to a validated format."""
     if isinstance(spec, KVFormat):
         return spec
     try:
         if spec in PRESETS:
             return PRESETS[spec]
+        if spec in NAMED_CANDIDATES:
+            return NAMED_CANDIDATES[spec]
         if spec.endswith(".json"):
             path = Path(spec)
             if not path.is_file():
