@@ -735,6 +735,7 @@ PRESETS: dict[str, KVFormat] = {
     ]
 }
 
+
 def _key_outlier_twin(preset: str, outliers: int) -> KVFormat:
     """``preset`` keeping ``outliers`` key outliers per block and head instead of its own: the same values, so a
     ``--budget`` search beside the preset measures them once and can still move its keys to the other byte count."""
