@@ -68,26 +68,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    from trtkv.artifacts import load_calibration
+    from screen_setup import load_screened
+
     from trtkv.data import token_windows
     from trtkv.evaluate import _Acc, model_logits, perplexity
     from trtkv.formats import get_format
-    from trtkv.models import load_model, load_tokenizer, model_info
     from trtkv.rope import RopeTable
 
     _patch()
-    art = load_calibration(args.calibration)
-    name = art.recipe.model.name
-    info = model_info(name)
-    tok = load_tokenizer(name)
-    loaded = load_model(name, device="cpu")
-    model = loaded.model if hasattr(loaded, "model") else loaded
+    screened = load_screened(args.calibration)
+    art, info, tok, model = screened.art, screened.info, screened.tokenizer, screened.model
     narrow, wide = get_format(art.definition(args.narrow)), get_format(art.definition(args.wide))
     if (narrow.block_size, narrow.sink_tokens) != (wide.block_size, wide.sink_tokens):
         raise SystemExit("--narrow and --wide must share block size and sinks")
     params = art.params_for(narrow, info)
     WIDE.update(fmt=wide, params=art.params_for(wide, info), rope=RopeTable.of(model) if wide.needs_rope else None)
-    torch.set_grad_enabled(False)
     cfg = model.config
     layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

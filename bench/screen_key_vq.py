@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--fit-dataset", default="builtin:pydoc")
-    p.add_argument("--fit-windows", type=int, default=16)
+    p.add_argument("--fit-windows", type=int, default=11, help="SmolLM2's pydoc calib split holds 11 windows of 2048")
     p.add_argument("--fit-seq-len", type=int, default=2048)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--books", default=str(Path.home() / ".cache/trtkv/screen-key-vq"), help="where fitted codebooks are kept")
@@ -222,24 +222,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    from trtkv.artifacts import load_calibration
+    from screen_setup import load_screened
+
     from trtkv.data import token_windows
     from trtkv.evaluate import _Acc, model_logits, perplexity
     from trtkv.formats import get_format
-    from trtkv.models import load_model, load_tokenizer, model_info
 
     _patch()
-    art = load_calibration(args.calibration)
-    name = art.recipe.model.name
-    info = model_info(name)
-    tok = load_tokenizer(name)
-    loaded = load_model(name, device="cpu")
-    model = loaded.model if hasattr(loaded, "model") else loaded
+    screened = load_screened(args.calibration)
+    art, info, tok, model, name = screened.art, screened.info, screened.tokenizer, screened.model, screened.name
     fmt = get_format(art.definition(args.kv))
     if not fmt.k.pre_rope:
         raise SystemExit(f"--kv {args.kv}: its keys are not prerope; pass a format with prerope keys (int2-nuq)")
     params = art.params_for(fmt, info)
-    torch.set_grad_enabled(False)
     rows = [(r, parse_row(r)) for r in args.rows.split(",")]
     head_dim = info.head_dim if hasattr(info, "head_dim") else model.config.head_dim
 

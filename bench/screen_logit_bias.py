@@ -125,25 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json")
     args = p.parse_args(argv)
 
+    from screen_setup import load_screened
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from trtkv.artifacts import load_calibration
     from trtkv.data import token_windows
     from trtkv.evaluate import _Acc, model_logits, perplexity
     from trtkv.formats import get_format
-    from trtkv.models import load_model, load_tokenizer, model_info
 
     _patch_cache()
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
-    art = load_calibration(args.calibration)
-    model_name = art.recipe.model.name
-    info = model_info(model_name)
-    tok = load_tokenizer(model_name)
-    loaded = load_model(model_name, device="cpu")
-    model = loaded.model if hasattr(loaded, "model") else loaded
+    screened = load_screened(args.calibration)
+    art, info, tok, model = screened.art, screened.info, screened.tokenizer, screened.model
     fmt = get_format(art.definition(args.kv))
     params = art.params_for(fmt, info)
-    torch.set_grad_enabled(False)
 
     calib = token_windows(tok, args.calib_dataset, seq_len=args.seq_len, samples=args.calib_windows, seed=0, split="calib")
     STATE["collect"], STATE["mode"] = {}, None
