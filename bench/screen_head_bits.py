@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--narrow and --wide must share block size and sinks")
     params = art.params_for(narrow, info)
     WIDE.update(fmt=wide, params=art.params_for(wide, info), rope=RopeTable.of(model) if wide.needs_rope else None)
-    cfg = model.config
-    layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, hkv, head_dim = info.num_layers, info.num_kv_heads, info.head_dim
 
     def kl_of(ids, ref, wide_heads) -> float:
         STATE["wide"] = wide_heads

@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 
-STATE: dict = {"row": None, "layer": None, "books": {}}  # books: layer -> (codebooks, sqrt weights) of the row
+STATE: dict = {"row": None, "layer": None, "books": {}}  # books: layer -> fit()'s (codebooks, sqrt weights, sqrt query weights) of the row
 
 
 def parse_row(row: str) -> tuple[int, int, int, bool] | None:
@@ -236,16 +236,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--kv {args.kv}: its keys are not prerope; pass a format with prerope keys (int2-nuq)")
     params = art.params_for(fmt, info)
     rows = [(r, parse_row(r)) for r in args.rows.split(",")]
-    head_dim = info.head_dim if hasattr(info, "head_dim") else model.config.head_dim
+    head_dim = info.head_dim
 
     data = None
-    fitted: dict = {}
-    for _, row in rows:
+    fitted: dict = {}  # tag -> books, one fit per codebook shape
+    books_of: dict = {}  # row -> its books
+    for r, row in rows:
         if row is None:
             continue
         g, bits, _, norm = row
         tag = f"g{g}b{bits}{'n' if norm else ''}"
         if tag in fitted:
+            books_of[r] = fitted[tag]
             continue
         path = Path(args.books) / f"{name.replace('/', '_')}-{args.fit_dataset.replace(':', '_')}-{args.fit_windows}x{args.fit_seq_len}-{tag}-i{args.iters}-v2.pt"
         if path.exists():
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(books, path)
             print(f"fitted {tag} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        fitted[tag] = books
+        fitted[tag] = books_of[r] = books
     data = None
 
     ids = token_windows(tok, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=0, split="eval")
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         base.add(ref, ref, batch[:, 1:])
         for r, row in rows:
             STATE["row"] = row
-            STATE["books"] = {} if row is None else fitted[f"g{row[0]}b{row[1]}{'n' if row[3] else ''}"]
+            STATE["books"] = books_of.get(r, {})
             accs[r].add(ref, model_logits(model, batch, fmt, params)[:, :-1], batch[:, 1:])
         print(f"windows {start + len(batch)}/{ids.shape[0]}", file=sys.stderr, flush=True)
     STATE["row"] = None
