@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 
-STATE: dict = {"row": None, "layer": None, "books": {}}  # books: layer -> fit()'s (codebooks, sqrt weights, sqrt query weights) of the row
+STATE: dict = {"row": None, "books": {}}  # books: layer -> fit()'s (codebooks, sqrt weights, sqrt query weights) of the row
 
 
 def parse_row(row: str) -> tuple[int, int, int, bool] | None:
@@ -173,36 +173,18 @@ def roundtrip(pre: torch.Tensor, book, g: int, n_out: int, norm: bool, sink_rows
     return khat
 
 
-def _patch() -> None:
-    from trtkv.kv_cache import QuantizedKVCache, TensorStore
-    from trtkv.quant import QuantizedTensor
+def seal(store, x: torch.Tensor, start: int, layer: int) -> torch.Tensor | None:
+    """The row's codebook round trip for sealed keys (screen_setup.swap_seal); values and ``base`` keep the format's."""
     from trtkv.rope import rotate
 
-    orig_update, orig_write, orig_deq = QuantizedKVCache.update, TensorStore._write_quantized, TensorStore._dequantized
-
-    def update(self, key_states, value_states, layer_idx, *a, **k):
-        STATE["layer"] = layer_idx
-        return orig_update(self, key_states, value_states, layer_idx, *a, **k)
-
-    def write(self, x):
-        row = STATE["row"]
-        if row is None or self.fmt is not self.kv_fmt.k or x.shape[2] == 0:
-            return orig_write(self, x)
-        g, _bits, n_out, norm = row
-        start = 0 if self.quantized is None else self.quantized.codes.shape[2]
-        cos, sin = self.rope.rows(start, x.shape[2], x.device)
-        pre = rotate(x.float(), cos, sin, inverse=True)
-        hat = roundtrip(pre, STATE["books"][STATE["layer"]], g, n_out, norm, self.sink_tokens if start == 0 else 0)
-        hat = rotate(hat, cos, sin).to(x.dtype)
-        self._vq = True
-        self.quantized = QuantizedTensor(codes=hat if self.quantized is None else torch.cat([self.quantized.codes, hat], dim=2))
-
-    def dequantized(self):
-        if getattr(self, "_vq", False):
-            return self.quantized.codes.to(self.dtype)
-        return orig_deq(self)
-
-    QuantizedKVCache.update, TensorStore._write_quantized, TensorStore._dequantized = update, write, dequantized
+    row = STATE["row"]
+    if row is None or store.fmt is not store.kv_fmt.k:
+        return None
+    g, _bits, n_out, norm = row
+    cos, sin = store.rope.rows(start, x.shape[2], x.device)
+    pre = rotate(x.float(), cos, sin, inverse=True)
+    hat = roundtrip(pre, STATE["books"][layer], g, n_out, norm, store.sink_tokens if start == 0 else 0)
+    return rotate(hat, cos, sin).to(x.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,13 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json")
     args = p.parse_args(argv)
 
-    from screen_setup import load_screened
+    from screen_setup import load_screened, swap_seal
 
     from trtkv.data import token_windows
     from trtkv.evaluate import _Acc, model_logits, perplexity
     from trtkv.formats import get_format
 
-    _patch()
+    swap_seal(seal)
     screened = load_screened(args.calibration)
     art, info, tok, model, name = screened.art, screened.info, screened.tokenizer, screened.model, screened.name
     fmt = get_format(art.definition(args.kv))

@@ -1,9 +1,12 @@
-"""What the issue-27 screens share: the calibrated model loaded on CPU for eval-cache measurements in their own process."""
+"""What the issue-27 screens share: the calibrated model loaded on CPU for eval-cache measurements in their own process,
+and the hook through which a screen swaps the eval cache's seal for its own round trip."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 
 @dataclass
@@ -32,3 +35,33 @@ def load_screened(calibration: str) -> Screened:
     loaded = load_model(name, device="cpu")
     torch.set_grad_enabled(False)
     return Screened(art, model_info(name), load_tokenizer(name), loaded.model if hasattr(loaded, "model") else loaded)
+
+
+def swap_seal(seal: Callable[[Any, Any, int, int], Any]) -> None:
+    """Patch the eval cache (this process only) so that a screen may replace a sealed block's round trip.
+
+    ``seal(store, x, start, layer)`` gets the rows ``x`` [B, H, n, D] being sealed by ``store`` (a TensorStore; its
+    ``fmt`` is the K or V side), the index of their first row and the layer; it returns the rows as the cache should
+    read them back, or None to leave them to the store's own quantizer."""
+    from trtkv.kv_cache import QuantizedKVCache, TensorStore
+    from trtkv.quant import QuantizedTensor
+
+    orig_update, orig_write, orig_deq = QuantizedKVCache.update, TensorStore._write_quantized, TensorStore._dequantized
+    layer = {"index": None}
+
+    def update(self, key_states, value_states, layer_idx, *a, **k):
+        layer["index"] = layer_idx
+        return orig_update(self, key_states, value_states, layer_idx, *a, **k)
+
+    def write(self, x):
+        start = 0 if self.quantized is None else self.quantized.codes.shape[2]
+        hat = None if x.shape[2] == 0 else seal(self, x, start, layer["index"])
+        if hat is None:
+            return orig_write(self, x)
+        self._swapped = True  # the store then holds the read-back rows themselves as its "codes"
+        self.quantized = QuantizedTensor(codes=hat if self.quantized is None else torch.cat([self.quantized.codes, hat], dim=2))
+
+    def dequantized(self):
+        return self.quantized.codes.to(self.dtype) if getattr(self, "_swapped", False) else orig_deq(self)
+
+    QuantizedKVCache.update, TensorStore._write_quantized, TensorStore._dequantized = update, write, dequantized

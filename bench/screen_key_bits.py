@@ -1,0 +1,345 @@
+"""Screen (issue 27): key bits allocated per channel at calibration instead of a Hadamard rotation and equal bits.
+
+The presets rotate pre-RoPE keys by a Hadamard matrix so that every channel has about the same range, and then give
+every channel the same number of bits. Pre-RoPE key channels are far from alike: within a sealed block, the variance of
+the query-weighted channels (the expected squared logit error each one carries per unit of quantization error) spans
+orders of magnitude per KV head. Transform coding's answer is the opposite of equalizing: keep the channels apart and
+give each the bits its variance earns (reverse water-filling). This screen allocates, per layer and KV head, integer
+bits per pre-RoPE channel (0 = the block mean only) greedily by expected error saved per stored bit, from the
+within-block variances of calibration windows; each sealed block then stores per channel an fp16 minimum and step
+(a mean alone at 0 bits) and the codes, plus the ``N`` elements of each block and head that would stretch their
+channel's range most, kept exactly (32 bits each, like ``outN``). Decoding is per element (no rotation to undo), so a
+kernel reads it as cheaply as the presets' grid.
+
+The eval cache's key seal is swapped for this round trip in this process (values stay in ``--kv``'s value format,
+sinks and the open block in fp16), every row from one run on the same windows:
+
+    python bench/screen_key_bits.py --calibration CAL --kv int2-nuq --dataset builtin:pydoc --seq-len 512 --windows 8 \
+        --rows base,fix2o64,cb2.5o64 --json out.json
+
+A row ``cb{K}o{N}``: ``K`` key bits per element in all (codes, per-block minimum / step or mean, outliers), allocated per
+channel within each KV head; ``cbg{K}o{N}``: the same bits allocated over every layer's heads at once; ``fix{b}o{N}``:
+``b`` bits in every channel, no rotation (what allocation is measured against); ``base``: ``--kv`` itself. A suffix
+``+vi{K}`` / ``+vt{K}`` / ``+vtt{K}`` swaps the values too, for ``K`` bits per element, weighted by the squared norms of
+the o_proj columns that read each channel: per-channel bits with per-block grids in the value channels (``vi``) or in
+their KLT basis (``vt``, the eigenvectors of the weighted within-block covariance, which o_proj could absorb), or
+per-token grids in that basis (``vtt``: one fp16 RMS per token and head, each channel through the Lloyd-Max levels of
+a standard normal at its bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+STATE: dict = {"row": None, "bits": {}, "weights": {}, "values": {}}  # bits, weights: layer -> [Hkv, D]; values: layer -> basis etc.
+MAX_BITS = 8
+
+
+def parse_row(row: str) -> tuple[str, float, int, str | None, float] | None:
+    """``cb2.5o64`` -> ("cb", 2.5, 64, None, 0); ``cb2.75o0+vt2.25`` -> (..., "vt", 2.25); ``base`` -> None."""
+    if row == "base":
+        return None
+    m = re.fullmatch(r"(cbg|cb|fix)(\d+(?:\.\d+)?)o(\d+)(?:\+(vtt|vt|vi)(\d+(?:\.\d+)?))?", row)
+    if not m:
+        raise SystemExit(f"bad row {row!r}: base, cb<key bits>o<outliers>[+vt<value bits>|+vi<value bits>] or fix<bits>o<outliers>, e.g. cb2.5o64")
+    return m.group(1), float(m.group(2)), int(m.group(3)), m.group(4), float(m.group(5) or 0)
+
+
+def stored_bits(bits: torch.Tensor, outliers: int, block: int) -> torch.Tensor:
+    """Key bits per element of a block and head with per-channel ``bits`` [..., D]: codes, 32 bits of minimum and step
+    per coded channel or 16 of mean per uncoded one, and ``outliers`` exact elements at 32 bits each."""
+    d = bits.shape[-1]
+    side = torch.where(bits > 0, 32.0, 16.0)
+    return ((bits * block + side).sum(-1) + 32 * outliers) / (block * d)
+
+
+def allocate(var: torch.Tensor, budget: float, outliers: int, block: int) -> torch.Tensor:
+    """Integer bits [Hkv, D] per channel: greedily the next bit where it saves the most expected error per stored bit
+    (error of a channel ~ var * 4^-bits, the mean alone at 0 bits), until ``budget`` bits per element are spent."""
+    hkv, d = var.shape
+    bits = torch.zeros(hkv, d, dtype=torch.long)
+    for h in range(hkv):
+        err = var[h].clone()
+        spent = (16 * d + 32 * outliers) / block  # in bits per channel-row: every channel's mean, the outlier list
+        cap = budget * d
+        while True:
+            cost = torch.where(bits[h] == 0, 1 + 16 / block, 1.0)  # a channel's first bit also buys its step
+            gain = err * 0.75 / cost
+            gain[bits[h] >= MAX_BITS] = -1
+            gain[spent + cost > cap + 1e-9] = -1
+            c = int(gain.argmax())
+            if gain[c] <= 0:
+                break
+            bits[h, c] += 1
+            err[c] *= 0.25
+            spent += float(cost[c])
+    return bits
+
+
+def block_variances(data, block: int, skip: int) -> dict[int, torch.Tensor]:
+    """Per layer: the within-block variance [Hkv, D] of query-weighted pre-RoPE keys over the calibration windows."""
+    out = {}
+    for i, (k, w) in data.items():
+        nw, s, hkv, d = k.shape
+        kb = k[:, : s - s % block].reshape(nw, s // block, block, hkv, d) * w.sqrt()
+        keep = torch.ones(1, s // block, block, 1, 1)
+        keep[:, 0, :skip] = 0  # the first block's sink rows stay fp16
+        n = keep.sum(2, keepdim=True)
+        mu = (kb * keep).sum(2, keepdim=True) / n
+        out[i] = (((kb - mu) ** 2) * keep).sum(dim=(0, 1, 2)) / (nw * n.sum())
+    return out
+
+
+def collect_values(model, ids: torch.Tensor, skip: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: values [W, S, Hkv, D] of the calibration windows and each value channel's weight [Hkv, D] -- the
+    squared norm of the o_proj columns that read it, summed over the query heads sharing the KV head."""
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    vals: dict[int, list] = {}
+    hooks = [layer.self_attn.v_proj.register_forward_hook(
+        lambda _m, _a, out, i=i: vals.setdefault(i, []).append(out.detach().float().reshape(out.shape[0], out.shape[1], hkv, d)))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        for w in range(ids.shape[0]):
+            model(ids[w : w + 1])
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        u = layer.self_attn.o_proj.weight.detach().float().pow(2).sum(0).reshape(hkv, hq // hkv, d).sum(1)
+        out[i] = (torch.cat(vals[i]), u)
+    return out
+
+
+def value_bases(data, block: int, skip: int, rotate: bool, centered: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: (basis [Hkv, D, D], sqrt weights [Hkv, D], variance per basis channel [Hkv, D]) of the weighted values'
+    within-block covariance; ``rotate``: its eigenvectors (the KLT), else the identity."""
+    out = {}
+    for i, (v, u) in data.items():
+        nw, s, hkv, d = v.shape
+        sw = u.clamp_min(1e-12).sqrt()
+        vb = v[:, skip : s - (s - skip) % block].reshape(nw, -1, block, hkv, d) * sw
+        vb = (vb - vb.mean(2, keepdim=True) if centered else vb).reshape(-1, hkv, d)  # per-token grids have no zero-point
+        cov = torch.einsum("nhc,nhe->hce", vb, vb) / vb.shape[0]
+        if rotate:
+            var, basis = torch.linalg.eigh(cov)
+        else:
+            basis, var = torch.eye(d).expand(hkv, d, d).clone(), torch.diagonal(cov, dim1=-2, dim2=-1)
+        out[i] = (basis, sw, var.clamp_min(1e-12))
+    return out
+
+
+def gaussian_levels(bits: int, iters: int = 60) -> torch.Tensor:
+    """The 2^bits Lloyd-Max levels of a standard normal (fixed, not fitted to any text)."""
+    x = torch.linspace(-6, 6, 24001, dtype=torch.float64)
+    p = torch.exp(-x * x / 2)
+    lv = torch.linspace(-2, 2, 1 << bits, dtype=torch.float64) if bits else torch.zeros(1, dtype=torch.float64)
+    for _ in range(iters):
+        idx = (x.unsqueeze(1) - lv).abs().argmin(1)
+        lv = torch.stack([(x * p)[idx == j].sum() / p[idx == j].sum().clamp_min(1e-30) for j in range(len(lv))])
+    return lv.float()
+
+
+LEVELS = {b: gaussian_levels(b) for b in range(0, 6)}
+
+
+def token_roundtrip(z: torch.Tensor, bits: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """Values [B, H, n, D] in the weighted basis, per token: channels standardized by their calibrated std ``sd`` [H, D],
+    one fp16 RMS per token and head over the coded channels, each channel through the Gaussian Lloyd-Max levels of its
+    ``bits`` [H, D] (0 bits: zero)."""
+    y = z / sd.unsqueeze(-2)
+    coded = (bits > 0).unsqueeze(-2)
+    rms = (y.pow(2) * coded).sum(-1, keepdim=True).div(coded.sum(-1, keepdim=True).clamp_min(1)).sqrt().clamp_min(1e-6).half().float()
+    t = y / rms
+    out = torch.zeros_like(t)
+    for b in range(1, int(bits.max()) + 1):
+        sel = (bits == b).unsqueeze(-2).expand_as(t)
+        lv = LEVELS[b] if b in LEVELS else torch.linspace(-3, 3, 1 << b)
+        q = lv[(t.unsqueeze(-1) - lv).abs().argmin(-1)]
+        out = torch.where(sel, q, out)
+    return out * rms * sd.unsqueeze(-2)
+
+
+def roundtrip(pre: torch.Tensor, bits: torch.Tensor, w: torch.Tensor, n_out: int, sink_rows: int) -> torch.Tensor:
+    """Pre-RoPE keys [B, H, n, D] of one sealed block through per-channel grids of ``bits`` [H, D] bits (min / step in
+    fp16, the mean alone at 0 bits) with ``n_out`` exact elements per head; sink rows come back unchanged."""
+    b, h, n, d = pre.shape
+    x = pre.float()
+    bulk = torch.ones(b, h, n, d, dtype=torch.bool)
+    bulk[:, :, :sink_rows] = False
+    cnt = bulk.sum(2, keepdim=True).clamp_min(1)
+    mu = (x * bulk).sum(2, keepdim=True) / cnt
+    bits_v = bits.view(1, h, 1, d)
+    if n_out:
+        # the elements that would stretch their channel's grid most: weighted deviation over the channel's levels
+        score = w.view(1, h, 1, d) * (x - mu) ** 2 / 4.0 ** bits_v
+        score = score.masked_fill(~bulk, -1.0)
+        top = score.reshape(b, h, n * d).topk(n_out, dim=-1).indices
+        out_mask = torch.zeros(b, h, n * d, dtype=torch.bool).scatter_(-1, top, True).view(b, h, n, d)
+        bulk &= ~out_mask
+        cnt = bulk.sum(2, keepdim=True).clamp_min(1)
+        mu = (x * bulk).sum(2, keepdim=True) / cnt
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(bulk, x, big).amin(2, keepdim=True)
+    hi = torch.where(bulk, x, -big).amax(2, keepdim=True)
+    lo = torch.where(cnt > 0, lo, mu).half().float()
+    levels = (2.0**bits_v - 1).clamp_min(1)
+    step = ((hi - lo) / levels).clamp_min(1e-6).half().float()
+    codes = ((x - lo) / step).round().clamp(torch.zeros_like(levels), levels)
+    hat = torch.where(bits_v > 0, lo + codes * step, mu.half().float())
+    if n_out:
+        hat = torch.where(out_mask, x.half().float(), hat)
+    hat[:, :, :sink_rows] = x[:, :, :sink_rows]
+    return hat
+
+
+def seal(store, x: torch.Tensor, start: int, layer: int) -> torch.Tensor | None:
+    """The row's round trip for sealed keys (and values, with a ``+v`` suffix) -- screen_setup.swap_seal's hook."""
+    from trtkv.rope import rotate
+
+    row = STATE["row"]
+    if row is None:
+        return None
+    bs = store.block_size
+    sinks = lambda s: store.sink_tokens if start + s == 0 else 0  # the first block's sink rows stay fp16
+    if store.fmt is store.kv_fmt.v:
+        if not row[3]:
+            return None
+        basis, sw, vbits, vsd = STATE["values"][layer]
+        z = torch.einsum("bhnc,hce->bhne", x.float() * sw.view(1, -1, 1, sw.shape[-1]), basis)
+        if row[3] == "vtt":
+            zhat = token_roundtrip(z, vbits, vsd)
+        else:
+            zhat = torch.cat([roundtrip(z[:, :, s : s + bs], vbits, torch.ones_like(sw), 0, sinks(s)) for s in range(0, z.shape[2], bs)], dim=2)
+        hat = (torch.einsum("bhne,hce->bhnc", zhat, basis) / sw.view(1, -1, 1, sw.shape[-1])).to(x.dtype)
+        hat[:, :, : sinks(0)] = x[:, :, : sinks(0)]
+        return hat
+    cos, sin = store.rope.rows(start, x.shape[2], x.device)
+    pre = rotate(x.float(), cos, sin, inverse=True)
+    parts = [roundtrip(pre[:, :, s : s + bs], STATE["bits"][layer], STATE["weights"][layer], row[2], sinks(s)) for s in range(0, pre.shape[2], bs)]
+    return rotate(torch.cat(parts, dim=2), cos, sin).to(x.dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--kv", default="int2-nuq", help="the format whose values, sinks and blocks the rows keep (its keys must be prerope)")
+    p.add_argument("--dataset", default="builtin:pydoc")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--fit-dataset", default="builtin:pydoc")
+    p.add_argument("--fit-windows", type=int, default=11, help="SmolLM2's pydoc calib split holds 11 windows of 2048")
+    p.add_argument("--fit-seq-len", type=int, default=2048)
+    p.add_argument("--rows", default="base,fix2o64,cb2.5o64")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    from screen_key_vq import collect
+    from screen_setup import load_screened, swap_seal
+
+    from trtkv.data import token_windows
+    from trtkv.evaluate import _Acc, model_logits, perplexity
+    from trtkv.formats import get_format
+
+    swap_seal(seal)
+    screened = load_screened(args.calibration)
+    art, info, tok, model = screened.art, screened.info, screened.tokenizer, screened.model
+    fmt = get_format(art.definition(args.kv))
+    if not fmt.k.pre_rope:
+        raise SystemExit(f"--kv {args.kv}: its keys are not prerope; pass a format with prerope keys (int2-nuq)")
+    params = art.params_for(fmt, info)
+    rows = [(r, parse_row(r)) for r in args.rows.split(",")]
+    head_dim, bs = info.head_dim, fmt.block_size
+
+    t0 = time.perf_counter()
+    fit_ids = token_windows(tok, args.fit_dataset, seq_len=args.fit_seq_len, samples=args.fit_windows, seed=0, split="calib")
+    data = collect(model, fit_ids, fmt.sink_tokens)
+    var = block_variances(data, bs, fmt.sink_tokens)
+    weights = {i: w for i, (_, w) in data.items()}
+    data = None
+    value_kinds = {row[3] for _, row in rows if row is not None and row[3]}
+    bases = {}
+    if value_kinds:
+        vdata = collect_values(model, fit_ids, fmt.sink_tokens)
+        bases = {kind: value_bases(vdata, bs, fmt.sink_tokens, rotate=kind != "vi", centered=kind != "vtt") for kind in value_kinds}
+        vdata = None
+    values_of: dict = {}
+    print(f"statistics of {fit_ids.numel()} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    bits_of: dict = {}
+    for r, row in rows:
+        if row is None:
+            continue
+        kind, k, n_out = row[:3]
+        if kind == "fix":
+            bits_of[r] = {i: torch.full_like(v, int(k), dtype=torch.long) for i, v in var.items()}
+        elif kind == "cbg":  # one pool over every layer's heads: bits go where the weighted variance is, whichever layer
+            layers = sorted(var)
+            pooled = allocate(torch.cat([var[i] for i in layers]).reshape(1, -1), k, n_out * len(layers) * var[layers[0]].shape[0], bs)
+            bits_of[r] = dict(zip(layers, pooled.reshape(len(layers), *var[layers[0]].shape).unbind(0)))
+        else:
+            bits_of[r] = {i: allocate(v, k, n_out, bs) for i, v in var.items()}
+        if row[3]:
+            vb = bases[row[3]]
+            if row[3] == "vtt":  # per token: 16 bits of scale per token and head, no per-channel side data
+                values_of[r] = {i: (basis, sw, allocate(vv, row[4] - 16 / vv.shape[-1], 0, 1 << 30), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
+            else:
+                values_of[r] = {i: (basis, sw, allocate(vv, row[4], 0, bs), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
+
+    ids = token_windows(tok, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=0, split="eval")
+    accs = {r: _Acc.empty() for r, _ in rows}
+    base = _Acc.empty()
+    STATE["weights"] = weights
+    for start in range(0, ids.shape[0], args.batch_size):
+        batch = ids[start : start + args.batch_size]
+        STATE["row"] = None
+        ref = model_logits(model, batch, "fp16")[:, :-1]
+        base.add(ref, ref, batch[:, 1:])
+        for r, row in rows:
+            STATE["row"] = row
+            STATE["bits"] = bits_of.get(r, {})
+            STATE["values"] = values_of.get(r, {})
+            accs[r].add(ref, model_logits(model, batch, fmt, params)[:, :-1], batch[:, 1:])
+        print(f"windows {start + len(batch)}/{ids.shape[0]}", file=sys.stderr, flush=True)
+    STATE["row"] = None
+    base_ppl = perplexity(base.tensors()[0])
+    fmt_v_bits = fmt.v.bits_per_element(head_dim, bs)
+    out = {"args": vars(args), "fp16_ppl": base_ppl, "v_bits": fmt_v_bits, "rows": []}
+    print(f"fp16 ppl {base_ppl:.4f}  values of {args.kv} ({fmt_v_bits:.3f} bits) unless a row says otherwise  {args.dataset} {args.windows}x{args.seq_len}")
+    for r, row in rows:
+        nll, kld, top1 = accs[r].tensors()
+        if row is None:
+            kb = fmt.k.bits_per_element(head_dim, bs)
+            hist = None
+        else:
+            kb = torch.stack([stored_bits(b, row[2], bs) for b in bits_of[r].values()]).mean().item()
+            hist = torch.bincount(torch.stack(list(bits_of[r].values())).flatten(), minlength=MAX_BITS + 1).tolist()
+        v_bits = fmt_v_bits
+        if row is not None and row[3]:
+            per_token = row[3] == "vtt"
+            v_bits = torch.stack([b.sum(-1).float() / b.shape[-1] + 16 / b.shape[-1] if per_token else stored_bits(b, 0, bs)
+                                  for _, _, b, _ in values_of[r].values()]).mean().item()
+        res = {"row": r, "k_bits": kb, "v_bits": v_bits, "pool_bits": (kb + v_bits) / 2, "dppl_pct": 100 * (perplexity(nll) / base_ppl - 1),
+               "kl": kld.mean().item(), "top1": top1.float().mean().item(), "channels_per_bits": hist}
+        out["rows"].append(res)
+        print(f"{r:10s} k {kb:.3f} v {v_bits:.3f} pool {res['pool_bits']:.3f} bits  dppl {res['dppl_pct']:+.3f} %  KL {res['kl']:.5f}  "
+              f"top1 {100 * res['top1']:.2f}  channels at 0..{MAX_BITS} bits {hist}")
+    if args.json:
+        out["bits"] = {r: {i: b.tolist() for i, b in v.items()} for r, v in bits_of.items()}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
