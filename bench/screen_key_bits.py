@@ -18,8 +18,12 @@ sinks and the open block in fp16), every row from one run on the same windows:
         --rows base,fix2o64,cb2.5o64 --json out.json
 
 A row ``cb{K}o{N}``: ``K`` key bits per element in all (codes, per-block minimum / step or mean, outliers), allocated per
-channel within each KV head; ``cbg{K}o{N}``: the same bits allocated over every layer's heads at once; ``fix{b}o{N}``:
-``b`` bits in every channel, no rotation (what allocation is measured against); ``base``: ``--kv`` itself. A suffix
+channel within each KV head from the textbook error model; ``cbe{K}o{N}``: from each channel's error measured through
+this grid on the calibration windows at every bit count; ``cbg{K}o{N}``: the same bits allocated over every layer's heads at once; ``fix{b}o{N}``:
+``b`` bits in every channel, no rotation (what allocation is measured against); ``base``: ``--kv`` itself. An ``m``
+after the outlier count stores 1-bit channels as their mean +- mean absolute deviation instead of their extremes, a ``g`` puts channels of 2+ bits on
+a grid centered on their mean with the Gaussian-optimal step for their std (tails clipped); then
+``s{digits}`` restricts the bit counts a channel may take (``s024``: 0, 2 or 4 -- what a simpler packing would need). A suffix
 ``+vi{K}`` / ``+vt{K}`` / ``+vtt{K}`` swaps the values too, for ``K`` bits per element, weighted by the squared norms of
 the o_proj columns that read each channel: per-channel bits with per-block grids in the value channels (``vi``) or in
 their KLT basis (``vt``, the eigenvectors of the weighted within-block covariance, which o_proj could absorb), or
@@ -45,14 +49,17 @@ STATE: dict = {"row": None, "bits": {}, "weights": {}, "values": {}}  # bits, we
 MAX_BITS = 8
 
 
-def parse_row(row: str) -> tuple[str, float, int, str | None, float] | None:
-    """``cb2.5o64`` -> ("cb", 2.5, 64, None, 0); ``cb2.75o0+vt2.25`` -> (..., "vt", 2.25); ``base`` -> None."""
+def parse_row(row: str) -> tuple | None:
+    """``cb2.5o64`` -> ("cb", 2.5, 64, None, 0, (False, False), None); ``cbe2.75o0ms024+vtt2.25`` -> ("cbe", 2.75, 0,
+    "vtt", 2.25, (True, False), (0, 2, 4)); ``base`` -> None."""
     if row == "base":
         return None
-    m = re.fullmatch(r"(cbg|cb|fix)(\d+(?:\.\d+)?)o(\d+)(?:\+(vtt|vt|vi)(\d+(?:\.\d+)?))?", row)
+    m = re.fullmatch(r"(cbg|cbe|cb|fix)(\d+(?:\.\d+)?)o(\d+)(m?)(g?)(?:s(\d+))?(?:\+(vtt|vt|vi)(\d+(?:\.\d+)?))?", row)
     if not m:
-        raise SystemExit(f"bad row {row!r}: base, cb<key bits>o<outliers>[+vt<value bits>|+vi<value bits>] or fix<bits>o<outliers>, e.g. cb2.5o64")
-    return m.group(1), float(m.group(2)), int(m.group(3)), m.group(4), float(m.group(5) or 0)
+        raise SystemExit(f"bad row {row!r}: base or <cb|cbe|cbg|fix><key bits>o<outliers>[m][g][s<bit counts>][+<vi|vt|vtt><value bits>], e.g. cbe2.75o32")
+    allowed = tuple(int(c) for c in m.group(6)) if m.group(6) else None
+    quantizer = (bool(m.group(4)), bool(m.group(5)))  # (mad1, sigma grid): roundtrip's options
+    return m.group(1), float(m.group(2)), int(m.group(3)), m.group(7), float(m.group(8) or 0), quantizer, allowed
 
 
 def stored_bits(bits: torch.Tensor, outliers: int, block: int) -> torch.Tensor:
@@ -63,27 +70,56 @@ def stored_bits(bits: torch.Tensor, outliers: int, block: int) -> torch.Tensor:
     return ((bits * block + side).sum(-1) + 32 * outliers) / (block * d)
 
 
-def allocate(var: torch.Tensor, budget: float, outliers: int, block: int) -> torch.Tensor:
-    """Integer bits [Hkv, D] per channel: greedily the next bit where it saves the most expected error per stored bit
-    (error of a channel ~ var * 4^-bits, the mean alone at 0 bits), until ``budget`` bits per element are spent."""
-    hkv, d = var.shape
+def model_errors(var: torch.Tensor) -> torch.Tensor:
+    """The textbook error table [..., MAX_BITS + 1] of channels with variance ``var``: var * 4^-bits (the mean alone at 0)."""
+    return var.unsqueeze(-1) * 0.25 ** torch.arange(MAX_BITS + 1, dtype=var.dtype)
+
+
+def allocate(err: torch.Tensor, budget: float, outliers: int, block: int, allowed: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Integer bits [Hkv, D] per channel from each channel's expected error at 0..MAX_BITS bits ``err`` [Hkv, D, MAX_BITS + 1]:
+    greedily the next one or two allowed bit counts (two where a measured table is not convex) that save the most error
+    per stored bit, until ``budget`` bits per element are spent (per-block side data and outlier lists counted).
+    ``allowed``: the bit counts a channel may take (all of 0..MAX_BITS by default)."""
+    hkv, d, _ = err.shape
+    ok = sorted(set(allowed if allowed is not None else range(MAX_BITS + 1)) | {0})
+    # nexts[k][b]: the k-th allowed bit count above b (MAX_BITS + 1: none)
+    nexts = [torch.tensor([([a for a in ok if a > b] + [MAX_BITS + 1] * 2)[k] for b in range(MAX_BITS + 1)]) for k in (0, 1)]
+    padded = torch.cat([err, err[..., -1:]], dim=-1)  # index MAX_BITS + 1: unreachable, masked below
     bits = torch.zeros(hkv, d, dtype=torch.long)
     for h in range(hkv):
-        err = var[h].clone()
         spent = (16 * d + 32 * outliers) / block  # in bits per channel-row: every channel's mean, the outlier list
         cap = budget * d
         while True:
-            cost = torch.where(bits[h] == 0, 1 + 16 / block, 1.0)  # a channel's first bit also buys its step
-            gain = err * 0.75 / cost
-            gain[bits[h] >= MAX_BITS] = -1
-            gain[spent + cost > cap + 1e-9] = -1
-            c = int(gain.argmax())
-            if gain[c] <= 0:
+            best, pick = 0.0, None
+            for nx in nexts:
+                nxt = nx[bits[h]]
+                cost = (nxt - bits[h]).float() + torch.where(bits[h] == 0, 16 / block, 0.0)  # a channel's first bit also buys its step
+                gain = (padded[h].gather(-1, bits[h].unsqueeze(-1)) - padded[h].gather(-1, nxt.unsqueeze(-1))).squeeze(-1) / cost
+                gain[(nxt > MAX_BITS) | (spent + cost > cap + 1e-9)] = -1
+                c = int(gain.argmax())
+                if gain[c] > best * (1 + 1e-9):
+                    best, pick = float(gain[c]), (c, int(nxt[c]), float(cost[c]))
+            if pick is None:
                 break
-            bits[h, c] += 1
-            err[c] *= 0.25
-            spent += float(cost[c])
+            c, b_new, cost_c = pick
+            bits[h, c] = b_new
+            spent += cost_c
     return bits
+
+
+def measured_errors(data, block: int, quantizer: tuple[bool, bool] = (False, False)) -> dict[int, torch.Tensor]:
+    """Per layer: each channel's query-weighted squared error [Hkv, D, MAX_BITS + 1] when the calibration windows' keys
+    go through this screen's block grid at 0..MAX_BITS bits (no outliers; the first block's sink rows counted too)."""
+    out = {}
+    for i, (k, w) in data.items():
+        nw, s, hkv, d = k.shape
+        blocks = k[:, : s - s % block].reshape(nw, s // block, block, hkv, d).reshape(-1, block, hkv, d).permute(0, 2, 1, 3)
+        table = []
+        for b in range(MAX_BITS + 1):
+            hat = roundtrip(blocks, torch.full((hkv, d), b, dtype=torch.long), w, 0, 0, *quantizer)
+            table.append(((hat - blocks) ** 2).mean(dim=(0, 2)) * w)
+        out[i] = torch.stack(table, dim=-1)
+    return out
 
 
 def block_variances(data, block: int, skip: int) -> dict[int, torch.Tensor]:
@@ -172,9 +208,17 @@ def token_roundtrip(z: torch.Tensor, bits: torch.Tensor, sd: torch.Tensor) -> to
     return out * rms * sd.unsqueeze(-2)
 
 
-def roundtrip(pre: torch.Tensor, bits: torch.Tensor, w: torch.Tensor, n_out: int, sink_rows: int) -> torch.Tensor:
+# the MSE-optimal step of a uniform quantizer of 2^b levels for a standard normal (Max, 1960), b = 2..8
+GAUSS_STEP = {2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
+
+
+def roundtrip(pre: torch.Tensor, bits: torch.Tensor, w: torch.Tensor, n_out: int, sink_rows: int, mad1: bool = False,
+              sigma_grid: bool = False) -> torch.Tensor:
     """Pre-RoPE keys [B, H, n, D] of one sealed block through per-channel grids of ``bits`` [H, D] bits (min / step in
-    fp16, the mean alone at 0 bits) with ``n_out`` exact elements per head; sink rows come back unchanged."""
+    fp16, the mean alone at 0 bits) with ``n_out`` exact elements per head; sink rows come back unchanged. ``mad1``:
+    1-bit channels as mean +- mean absolute deviation (the same two fp16 numbers) instead of their extremes;
+    ``sigma_grid``: channels of 2+ bits on a grid centered on the mean with the Gaussian-optimal step for their std
+    (clipping the tails) instead of spanning their extremes."""
     b, h, n, d = pre.shape
     x = pre.float()
     bulk = torch.ones(b, h, n, d, dtype=torch.bool)
@@ -199,6 +243,19 @@ def roundtrip(pre: torch.Tensor, bits: torch.Tensor, w: torch.Tensor, n_out: int
     step = ((hi - lo) / levels).clamp_min(1e-6).half().float()
     codes = ((x - lo) / step).round().clamp(torch.zeros_like(levels), levels)
     hat = torch.where(bits_v > 0, lo + codes * step, mu.half().float())
+    if sigma_grid:
+        sd = (((x - mu) ** 2) * bulk).sum(2, keepdim=True).div(cnt).sqrt().half().float()
+        gstep = torch.zeros_like(bits_v, dtype=torch.float32)
+        for b, c in GAUSS_STEP.items():
+            gstep = torch.where(bits_v == b, c, gstep)
+        gstep = (gstep * sd).clamp_min(1e-6).half().float()
+        half = levels / 2  # levels = 2^b - 1, the largest code
+        j = ((x - mu.half().float()) / gstep + half).round().clamp(torch.zeros_like(levels), levels)
+        hat = torch.where(bits_v >= 2, mu.half().float() + (j - half) * gstep, hat)
+    if mad1:
+        mad = ((x - mu).abs() * bulk).sum(2, keepdim=True).div(cnt).half().float()
+        mh = mu.half().float()
+        hat = torch.where(bits_v == 1, torch.where(x >= mh, mh + mad, mh - mad), hat)
     if n_out:
         hat = torch.where(out_mask, x.half().float(), hat)
     hat[:, :, :sink_rows] = x[:, :, :sink_rows]
@@ -228,7 +285,7 @@ def seal(store, x: torch.Tensor, start: int, layer: int) -> torch.Tensor | None:
         return hat
     cos, sin = store.rope.rows(start, x.shape[2], x.device)
     pre = rotate(x.float(), cos, sin, inverse=True)
-    parts = [roundtrip(pre[:, :, s : s + bs], STATE["bits"][layer], STATE["weights"][layer], row[2], sinks(s)) for s in range(0, pre.shape[2], bs)]
+    parts = [roundtrip(pre[:, :, s : s + bs], STATE["bits"][layer], STATE["weights"][layer], row[2], sinks(s), *row[5]) for s in range(0, pre.shape[2], bs)]
     return rotate(torch.cat(parts, dim=2), cos, sin).to(x.dtype)
 
 
@@ -268,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     fit_ids = token_windows(tok, args.fit_dataset, seq_len=args.fit_seq_len, samples=args.fit_windows, seed=0, split="calib")
     data = collect(model, fit_ids, fmt.sink_tokens)
     var = block_variances(data, bs, fmt.sink_tokens)
+    errors = {q: measured_errors(data, bs, q) for q in {row[5] for _, row in rows if row is not None and row[0] == "cbe"}}
     weights = {i: w for i, (_, w) in data.items()}
     data = None
     value_kinds = {row[3] for _, row in rows if row is not None and row[3]}
@@ -287,16 +345,18 @@ def main(argv: list[str] | None = None) -> None:
             bits_of[r] = {i: torch.full_like(v, int(k), dtype=torch.long) for i, v in var.items()}
         elif kind == "cbg":  # one pool over every layer's heads: bits go where the weighted variance is, whichever layer
             layers = sorted(var)
-            pooled = allocate(torch.cat([var[i] for i in layers]).reshape(1, -1), k, n_out * len(layers) * var[layers[0]].shape[0], bs)
+            pooled = allocate(model_errors(torch.cat([var[i] for i in layers]).reshape(1, -1)), k, n_out * len(layers) * var[layers[0]].shape[0], bs)
             bits_of[r] = dict(zip(layers, pooled.reshape(len(layers), *var[layers[0]].shape).unbind(0)))
+        elif kind == "cbe":
+            bits_of[r] = {i: allocate(e, k, n_out, bs, row[6]) for i, e in errors[row[5]].items()}
         else:
-            bits_of[r] = {i: allocate(v, k, n_out, bs) for i, v in var.items()}
+            bits_of[r] = {i: allocate(model_errors(v), k, n_out, bs, row[6]) for i, v in var.items()}
         if row[3]:
             vb = bases[row[3]]
             if row[3] == "vtt":  # per token: 16 bits of scale per token and head, no per-channel side data
-                values_of[r] = {i: (basis, sw, allocate(vv, row[4] - 16 / vv.shape[-1], 0, 1 << 30), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
+                values_of[r] = {i: (basis, sw, allocate(model_errors(vv), row[4] - 16 / vv.shape[-1], 0, 1 << 30), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
             else:
-                values_of[r] = {i: (basis, sw, allocate(vv, row[4], 0, bs), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
+                values_of[r] = {i: (basis, sw, allocate(model_errors(vv), row[4], 0, bs), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
 
     ids = token_windows(tok, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=0, split="eval")
     accs = {r: _Acc.empty() for r, _ in rows}
