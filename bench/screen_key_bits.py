@@ -290,25 +290,18 @@ def seal(store, x: torch.Tensor, start: int, layer: int) -> torch.Tensor | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from screen_setup import add_screen_args, load_screened, measure_rows, swap_seal
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calibration", required=True)
-    p.add_argument("--kv", default="int2-nuq", help="the format whose values, sinks and blocks the rows keep (its keys must be prerope)")
-    p.add_argument("--dataset", default="builtin:pydoc")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--fit-dataset", default="builtin:pydoc")
-    p.add_argument("--fit-windows", type=int, default=11, help="SmolLM2's pydoc calib split holds 11 windows of 2048")
-    p.add_argument("--fit-seq-len", type=int, default=2048)
+    add_screen_args(p)
     p.add_argument("--rows", default="base,fix2o64,cb2.5o64")
     p.add_argument("--json")
     args = p.parse_args(argv)
 
     from screen_key_vq import collect
-    from screen_setup import load_screened, swap_seal
 
     from trtkv.data import token_windows
-    from trtkv.evaluate import _Acc, model_logits, perplexity
+    from trtkv.evaluate import perplexity
     from trtkv.formats import get_format
 
     swap_seal(seal)
@@ -359,27 +352,18 @@ def main(argv: list[str] | None = None) -> None:
                 values_of[r] = {i: (basis, sw, allocate(model_errors(vv), row[4], 0, bs), vv.sqrt()) for i, (basis, sw, vv) in vb.items()}
 
     ids = token_windows(tok, args.dataset, seq_len=args.seq_len, samples=args.windows, seed=0, split="eval")
-    accs = {r: _Acc.empty() for r, _ in rows}
-    base = _Acc.empty()
+
+    def use(name: str | None) -> None:
+        STATE.update(row=parsed.get(name), bits=bits_of.get(name, {}), values=values_of.get(name, {}))
+
+    parsed = dict(rows)
     STATE["weights"] = weights
-    for start in range(0, ids.shape[0], args.batch_size):
-        batch = ids[start : start + args.batch_size]
-        STATE["row"] = None
-        ref = model_logits(model, batch, "fp16")[:, :-1]
-        base.add(ref, ref, batch[:, 1:])
-        for r, row in rows:
-            STATE["row"] = row
-            STATE["bits"] = bits_of.get(r, {})
-            STATE["values"] = values_of.get(r, {})
-            accs[r].add(ref, model_logits(model, batch, fmt, params)[:, :-1], batch[:, 1:])
-        print(f"windows {start + len(batch)}/{ids.shape[0]}", file=sys.stderr, flush=True)
-    STATE["row"] = None
-    base_ppl = perplexity(base.tensors()[0])
+    base_ppl, measured = measure_rows(model, ids, fmt, params, [r for r, _ in rows], args.batch_size, use)
     fmt_v_bits = fmt.v.bits_per_element(head_dim, bs)
     out = {"args": vars(args), "fp16_ppl": base_ppl, "v_bits": fmt_v_bits, "rows": []}
     print(f"fp16 ppl {base_ppl:.4f}  values of {args.kv} ({fmt_v_bits:.3f} bits) unless a row says otherwise  {args.dataset} {args.windows}x{args.seq_len}")
     for r, row in rows:
-        nll, kld, top1 = accs[r].tensors()
+        nll, kld, top1 = measured[r]
         if row is None:
             kb = fmt.k.bits_per_element(head_dim, bs)
             hist = None

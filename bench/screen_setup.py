@@ -3,6 +3,7 @@ and the hook through which a screen swaps the eval cache's seal for its own roun
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,3 +66,36 @@ def swap_seal(seal: Callable[[Any, Any, int, int], Any]) -> None:
         return self.quantized.codes.to(self.dtype) if getattr(self, "_swapped", False) else orig_deq(self)
 
     QuantizedKVCache.update, TensorStore._write_quantized, TensorStore._dequantized = update, write, dequantized
+
+
+def add_screen_args(p) -> None:
+    """The arguments every seal-swapping screen takes: the artifact, the format it starts from, held-out windows, fit windows."""
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--kv", default="int2-nuq", help="the format whose values, sinks and blocks the rows keep (its keys must be prerope)")
+    p.add_argument("--dataset", default="builtin:pydoc")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--fit-dataset", default="builtin:pydoc")
+    p.add_argument("--fit-windows", type=int, default=11, help="SmolLM2's pydoc calib split holds 11 windows of 2048")
+    p.add_argument("--fit-seq-len", type=int, default=2048)
+
+
+def measure_rows(model, ids, fmt, params, names: list[str], batch_size: int, use: Callable[[str | None], None]) -> tuple[float, dict]:
+    """Every row on the same held-out windows ``ids``: ``use(name)`` sets the screen up for a row (None: no row, while
+    the fp16 reference runs). The fp16 perplexity and, per row, the eval accumulator's (nll, KL, top-1) tensors."""
+    from trtkv.evaluate import _Acc, model_logits, perplexity
+
+    accs = {n: _Acc.empty() for n in names}
+    base = _Acc.empty()
+    for start in range(0, ids.shape[0], batch_size):
+        batch = ids[start : start + batch_size]
+        use(None)
+        ref = model_logits(model, batch, "fp16")[:, :-1]
+        base.add(ref, ref, batch[:, 1:])
+        for n in names:
+            use(n)
+            accs[n].add(ref, model_logits(model, batch, fmt, params)[:, :-1], batch[:, 1:])
+        print(f"windows {start + len(batch)}/{ids.shape[0]}", file=sys.stderr, flush=True)
+    use(None)
+    return perplexity(base.tensors()[0]), {n: a.tensors() for n, a in accs.items()}
