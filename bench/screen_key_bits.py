@@ -136,27 +136,11 @@ def block_variances(data, block: int, skip: int) -> dict[int, torch.Tensor]:
     return out
 
 
-def collect_values(model, ids: torch.Tensor, skip: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: values [W, S, Hkv, D] of the calibration windows and each value channel's weight [Hkv, D] -- the
-    squared norm of the o_proj columns that read it, summed over the query heads sharing the KV head."""
-    cfg = model.config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    vals: dict[int, list] = {}
-    hooks = [layer.self_attn.v_proj.register_forward_hook(
-        lambda _m, _a, out, i=i: vals.setdefault(i, []).append(out.detach().float().reshape(out.shape[0], out.shape[1], hkv, d)))
-        for i, layer in enumerate(model.model.layers)]
-    try:
-        for w in range(ids.shape[0]):
-            model(ids[w : w + 1])
-    finally:
-        for h in hooks:
-            h.remove()
-    out = {}
-    for i, layer in enumerate(model.model.layers):
-        u = layer.self_attn.o_proj.weight.detach().float().pow(2).sum(0).reshape(hkv, hq // hkv, d).sum(1)
-        out[i] = (torch.cat(vals[i]), u)
-    return out
+def value_weights(model, num_kv_heads: int, head_dim: int) -> dict[int, torch.Tensor]:
+    """Per layer: each value channel's weight [Hkv, D] -- the squared norm of the o_proj columns that read it, summed
+    over the query heads sharing the KV head."""
+    return {i: layer.self_attn.o_proj.weight.detach().float().pow(2).sum(0).reshape(num_kv_heads, -1, head_dim).sum(1)
+            for i, layer in enumerate(model.model.layers)}
 
 
 def value_bases(data, block: int, skip: int, rotate: bool, centered: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -316,17 +300,20 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     fit_ids = token_windows(tok, args.fit_dataset, seq_len=args.fit_seq_len, samples=args.fit_windows, seed=0, split="calib")
-    data = collect(model, fit_ids, fmt.sink_tokens)
+    value_kinds = {row[3] for _, row in rows if row is not None and row[3]}
+    vals: dict[int, list] = {}  # value rows: the values of the same pass over the calibration windows
+    also = {"v_proj": lambda i, out: vals.setdefault(i, []).append(out.float().reshape(out.shape[0], out.shape[1], info.num_kv_heads, head_dim))}
+    data = collect(model, fit_ids, fmt.sink_tokens, also if value_kinds else None)
     var = block_variances(data, bs, fmt.sink_tokens)
     errors = {q: measured_errors(data, bs, q) for q in {row[5] for _, row in rows if row is not None and row[0] == "cbe"}}
     weights = {i: w for i, (_, w) in data.items()}
     data = None
-    value_kinds = {row[3] for _, row in rows if row is not None and row[3]}
     bases = {}
     if value_kinds:
-        vdata = collect_values(model, fit_ids, fmt.sink_tokens)
+        u = value_weights(model, info.num_kv_heads, head_dim)
+        vdata = {i: (torch.cat(v), u[i]) for i, v in vals.items()}
         bases = {kind: value_bases(vdata, bs, fmt.sink_tokens, rotate=kind != "vi", centered=kind != "vtt") for kind in value_kinds}
-        vdata = None
+        vdata = vals = None
     values_of: dict = {}
     print(f"statistics of {fit_ids.numel()} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     bits_of: dict = {}

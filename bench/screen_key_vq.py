@@ -91,31 +91,25 @@ def nearest(y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm((c * c).sum(-1).unsqueeze(1), y, c.transpose(1, 2), alpha=-2).argmin(-1)
 
 
-def collect(model, ids: torch.Tensor, skip: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: pre-RoPE keys [W, S, Hkv, D] of each window and the mean square of the queries per KV head and channel [Hkv, D]."""
+def collect(model, ids: torch.Tensor, skip: int, also: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: pre-RoPE keys [W, S, Hkv, D] of each window and the mean square of the queries per KV head and channel
+    [Hkv, D]. ``also``: more projection hooks for the same pass (screen_setup.run_with_hooks)."""
+    from screen_setup import run_with_hooks
+
     cfg = model.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     keys: dict[int, list] = {}
     qsq: dict[int, list] = {}
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        att = layer.self_attn
 
-        def k_hook(_m, _a, out, i=i):
-            keys.setdefault(i, []).append(out.detach().float().reshape(out.shape[0], out.shape[1], hkv, d))
+    def k_hook(i, out):
+        keys.setdefault(i, []).append(out.float().reshape(out.shape[0], out.shape[1], hkv, d))
 
-        def q_hook(_m, _a, out, i=i):
-            q = out.detach().float().reshape(out.shape[0], out.shape[1], hkv, hq // hkv, d)[:, skip:]
-            qsq.setdefault(i, []).append((q.pow(2).sum(dim=(0, 1, 3)), q.shape[0] * q.shape[1] * q.shape[3]))
+    def q_hook(i, out):
+        q = out.float().reshape(out.shape[0], out.shape[1], hkv, hq // hkv, d)[:, skip:]
+        qsq.setdefault(i, []).append((q.pow(2).sum(dim=(0, 1, 3)), q.shape[0] * q.shape[1] * q.shape[3]))
 
-        hooks += [att.k_proj.register_forward_hook(k_hook), att.q_proj.register_forward_hook(q_hook)]
-    try:
-        for w in range(ids.shape[0]):
-            model(ids[w : w + 1])
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_hooks(model, ids, {"k_proj": k_hook, "q_proj": q_hook, **(also or {})})
     out = {}
     for i in keys:
         w = sum(s for s, _ in qsq[i]) / sum(n for _, n in qsq[i])

@@ -99,3 +99,16 @@ def measure_rows(model, ids, fmt, params, names: list[str], batch_size: int, use
         print(f"windows {start + len(batch)}/{ids.shape[0]}", file=sys.stderr, flush=True)
     use(None)
     return perplexity(base.tensors()[0]), {n: a.tensors() for n, a in accs.items()}
+
+
+def run_with_hooks(model, ids, hooks: dict[str, Callable[[int, torch.Tensor], None]]) -> None:
+    """Run the windows ``ids`` [W, S] through ``model`` one at a time with ``hooks[name](layer, output)`` called on each
+    layer's ``self_attn.<name>`` projection (``"k_proj"``, ``"q_proj"``, ``"v_proj"``); the hooks are removed after."""
+    handles = [getattr(layer.self_attn, name).register_forward_hook(lambda _m, _a, out, i=i, fn=fn: fn(i, out.detach()))
+               for i, layer in enumerate(model.model.layers) for name, fn in hooks.items()]
+    try:
+        for w in range(ids.shape[0]):
+            model(ids[w : w + 1])
+    finally:
+        for h in handles:
+            h.remove()
