@@ -1,7 +1,7 @@
 """CPU decode throughput of the below-4-bit presets against the int4 preset, through the torch engine's C kernels.
 
-Issue 27's speed target: the new formats (codebooks, outlier lists, keys stored before RoPE: ``int3-nuq`` /
-``int2-nuq``) decode at >= 0.9x the int4 preset in the torch engine on CPU (batch 8, ~2048-token contexts). Builds one
+Issue 27's speed target: the new formats (codebooks, outlier lists, keys stored before RoPE, bits per channel:
+``int3-nuq`` / ``int2-nuq`` / ``int3-alloc`` / ``int2-alloc``) decode at >= 0.9x the int4 preset in the torch engine on CPU (batch 8, ~2048-token contexts). Builds one
 torch engine per preset with the ``trtkv`` CLI as a user would (``calibrate --kv P`` for the presets that need
 calibrated constants, then ``build-engine --backend torch``), then measures each alone in a fresh process over a
 random paged cache (``bench/torch_engine.py --worker``), rounds alternating the engines; the median of ``--reps`` runs,
@@ -29,7 +29,6 @@ from report import write_report
 from torch_engine import measure
 
 ROOT = Path(__file__).resolve().parents[1]
-CALIBRATED = ("int3-nuq", "int2-nuq")  # presets whose codebooks / smoothing factors come from `trtkv calibrate`
 
 
 def build(preset: str, out: Path, samples: int, max_seq_len: int) -> Path:
@@ -38,7 +37,9 @@ def build(preset: str, out: Path, samples: int, max_seq_len: int) -> Path:
     engine = out / f"engine-{preset}"
     cmd = [cli, "build-engine", "--model", "smollm2-135m", "--backend", "torch", "--kv", preset, "--out", str(engine),
            "--max-seq-len", str(max_seq_len), "--force"]
-    if preset in CALIBRATED:
+    from trtkv.formats import get_format
+
+    if get_format(preset).needs_calibration:  # codebooks, smoothing factors, per-channel bits: `trtkv calibrate`
         cal = out / f"calibration-{preset}"
         subprocess.run([cli, "calibrate", "--model", "smollm2-135m", "--kv", preset, "--samples", str(samples), "--out", str(cal)],
                        check=True, capture_output=True, text=True)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS
+from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS, DEFAULT_FIT_WINDOWS
 from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, StreamOpt, TextFieldOpt, TokenizerOpt
 from trtkv.errors import TrtkvError
 
@@ -42,6 +42,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
         budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",
         codebooks: Annotated[str, typer.Option(help="nuq formats: fit the levels per KV head (head) or once per layer, heads pooled (layer)")] = "head",
+        fit_windows: Annotated[int, typer.Option(help="whole calibration windows kept (in the artifact's statistics) to fit nuq codebooks and alloc bits on")] = DEFAULT_FIT_WINDOWS,
         debug: DebugOpt = False,
     ) -> None:
         """Collect K/V statistics on calibration text and choose scales for each KV format (and, with --budget, per-layer bits)."""
@@ -70,6 +71,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             budget_margin=budget_margin,
             stream=stream,
             codebooks=codebooks,
+            fit_windows=fit_windows,
         )
         console.print(f"calibration written to [bold]{path}[/]")
 

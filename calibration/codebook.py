@@ -120,6 +120,15 @@ def spread_levels(u: torch.Tensor, n: int) -> torch.Tensor:
     return torch.linspace(float(u.min()), float(u.max()), n)
 
 
+def layer_query_moment(query_moment: torch.Tensor | None, layer: int, what: str) -> torch.Tensor:
+    """Layer ``layer``'s ``E[q q^T]`` [H, D, D] of ``query_moment`` [L, H, D, D]; one line naming ``what`` is weighted by
+    it when the statistics hold none."""
+    if query_moment is None:
+        raise TrtkvError(f"{what} are weighted by the queries, and the statistics hold no query moments",
+                         "recollect the statistics (trtkv calibrate collects them)")
+    return query_moment[layer]
+
+
 def fit_codebooks(windows: dict[str, torch.Tensor], fmt: KVFormat, params: list, query_moment: torch.Tensor | None, *,
                   per_head: bool = True, weight_keys: bool = True, layers: range | None = None) -> None:
     """Fit and set ``params[i].k/v.codebook`` for every layer of ``fmt`` whose K or V is ``nuq``, in place.
@@ -132,11 +141,6 @@ def fit_codebooks(windows: dict[str, torch.Tensor], fmt: KVFormat, params: list,
             if not tf.codebook:
                 continue
             tp: TensorParams = getattr(params[i], kind)
-            weight = None
-            if kind == "k" and weight_keys:
-                if query_moment is None:
-                    raise TrtkvError("key codebooks are weighted by the queries, and the statistics hold no query moments",
-                                     "recollect the statistics (trtkv calibrate collects them)")
-                weight = key_channel_weights(query_moment[i], tf, tp.smooth)
+            weight = key_channel_weights(layer_query_moment(query_moment, i, "key codebooks"), tf, tp.smooth) if kind == "k" and weight_keys else None
             blocks = sealed_blocks(windows[kind][i].float(), fmt)
             tp.codebook = fit_codebook(blocks, tf, tp, weight, per_head=per_head)

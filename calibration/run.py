@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from trtkv import __version__
 from trtkv.artifacts import CalibrationRecipe, FormatCalibration, LayerChoice, LayerParams, ModelIdentity, json_floats, save_calibration
-from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS
+from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS, DEFAULT_FIT_WINDOWS
 from trtkv.calibration.budget import Budget, Scorer, check_candidates, choose_layer_bits, render_choice
 from trtkv.calibration.export import export_all
 from trtkv.calibration.report import render_report
@@ -55,6 +55,8 @@ def _summary(t) -> list[float] | float | None:
 
 
 def layer_choices(params: Sequence[LayerParams], ratios: dict[str, list[float | None]]) -> list[LayerChoice]:
+    import torch
+
     out = []
     for i, lp in enumerate(params):
         out.append(LayerChoice(
@@ -67,6 +69,8 @@ def layer_choices(params: Sequence[LayerParams], ratios: dict[str, list[float | 
             v_clip_ratio=(ratios.get("v") or [None] * len(params))[i],
             k_codebook=None if lp.k.codebook is None else [json_floats(row, 5) for row in lp.k.codebook.reshape(-1, lp.k.codebook.shape[-1])],
             v_codebook=None if lp.v.codebook is None else [json_floats(row, 5) for row in lp.v.codebook.reshape(-1, lp.v.codebook.shape[-1])],
+            k_channels_at_bits=None if lp.k.bits is None else torch.bincount(lp.k.bits.long().flatten()).tolist(),
+            v_channels_at_bits=None if lp.v.bits is None else torch.bincount(lp.v.bits.long().flatten()).tolist(),
         ))
     return out
 
@@ -76,11 +80,13 @@ def calibrate_formats(
     formats: Sequence[KVFormat],
     method: str = "mse",
     progress: Any = None,
+    rope: Any = None,
     **knobs: Any,
 ) -> tuple[dict[str, list[LayerParams]], dict[str, FormatCalibration], dict[str, dict], dict[str, dict]]:
     """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors).
 
-    ``progress(line)``, when given, gets one line per format as its search ends (it takes minutes on an 8B model)."""
+    ``progress(line)``, when given, gets one line per format as its search ends (it takes minutes on an 8B model);
+    ``rope`` (the model's ``trtkv.rope.RopeTable``): for formats that allocate bits to keys stored before RoPE."""
     params: dict[str, list[LayerParams]] = {}
     entries: dict[str, FormatCalibration] = {}
     ratios: dict[str, dict] = {}
@@ -89,12 +95,12 @@ def calibrate_formats(
         if not wants_params(fmt, method):
             continue
         t0 = time.perf_counter()
-        p = choose_params(stats, fmt, method, **knobs)
+        p = choose_params(stats, fmt, method, rope=rope, **knobs)
         params[fmt.name] = p
         ratios[fmt.name] = clip_ratio(stats, fmt, p)
         err = reservoir_error(stats, fmt, p)
         if method != "max":
-            base = reservoir_error(stats, fmt, choose_params(stats, fmt, "max", smooth_alpha=knobs.get("smooth_alpha", 0.5)))
+            base = reservoir_error(stats, fmt, choose_params(stats, fmt, "max", smooth_alpha=knobs.get("smooth_alpha", 0.5), rope=rope))
             err.update({"k_max": base["k"], "v_max": base["v"]})
         errors[fmt.name] = err
         entries[fmt.name] = FormatCalibration(definition=fmt, method=method, layers=layer_choices(p, ratios[fmt.name]), mse=err)
@@ -154,6 +160,7 @@ def run_calibration(
     budget_name: str = "budget",
     budget_margin: float = DEFAULT_BUDGET_MARGIN,
     stream: str = "auto",
+    fit_windows: int = DEFAULT_FIT_WINDOWS,
 ) -> Path:
     """Calibrate ``model`` on the calib split of ``dataset`` and write the artifact to ``out``.
 
@@ -165,6 +172,8 @@ def run_calibration(
     ``budget_name``. ``stream`` (auto | always | never): the layers are streamed from the checkpoint one at a time
     (trtkv.streaming; the same statistics) when the memory plan says the resident model does not fit, always, or never.
     ``codebooks`` (head | layer): a ``nuq`` format's levels are fitted per KV head or once per layer (heads pooled).
+    ``fit_windows``: whole calibration windows kept in the statistics, which ``nuq`` codebooks and ``allocB`` bits are
+    fitted on.
 
     Everything knowable without the weights (formats vs head_dim, ``out``, the tokenizer, the number
     of windows) is checked before the weights are loaded.
@@ -181,6 +190,8 @@ def run_calibration(
     out_path = Path(out).expanduser()
     if out_path.exists() and not out_path.is_dir():
         raise TrtkvError(f"--out {out} exists and is not a directory", "pass a directory path for the artifact (an existing artifact directory is replaced)")
+    if fit_windows < 1:
+        raise TrtkvError(f"--fit-windows must be at least 1, got {fit_windows}", f"pass e.g. --fit-windows {DEFAULT_FIT_WINDOWS}")
     if codebooks not in CODEBOOK_SCOPES:
         raise TrtkvError(f"unknown --codebooks {codebooks!r}", f"use one of: {', '.join(CODEBOOK_SCOPES)}")
     info = loaded.info if loaded is not None else model_info(model)
@@ -208,14 +219,20 @@ def run_calibration(
     how = ", streamed layer by layer" if loaded.streamer is not None else ""
     console.print(f"[bold]calibrating[/] {loaded.info.name} on {windows.shape[0]} x {seq_len} tokens ({loaded.device}, {loaded.dtype}{how})")
 
-    stats = collect_stats(loaded, windows, batch_size=batch_size, progress=progress, reservoir=reservoir, seed=seed)
+    stats = collect_stats(loaded, windows, batch_size=batch_size, progress=progress, reservoir=reservoir, seed=seed, sample_windows=fit_windows)
     tokens_per_s = stats.count / stats.seconds if stats.seconds else 0.0
 
     t0 = time.perf_counter()
     knobs = dict(percentile=percentile, smooth_alpha=smooth_alpha, codebook_per_head=codebooks == "head")
     console.print(f"{stats.count:,} tokens through the model in {stats.seconds:.1f} s; choosing scales ({method}, "
                   f"{stats.reservoir_size} sampled rows per layer)", highlight=False)
-    params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False), **knobs)
+    rope = None
+    if any(t.allocated_bits is not None and t.pre_rope for f in fmts for lf in f.layer_formats() for t in (lf.k, lf.v)):
+        from trtkv.rope import RopeTable
+
+        rope = RopeTable.of(loaded.model)
+    params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False),
+                                                        rope=rope, **knobs)
     search_s = time.perf_counter() - t0
     choice = None
     if want_budget is not None:
@@ -255,7 +272,7 @@ def run_calibration(
         seed=seed,
         tokens=stats.count,
         method=method,
-        options={**knobs, "reservoir": stats.reservoir_size, "batch_size": batch_size, "device": str(loaded.device),
+        options={**knobs, "reservoir": stats.reservoir_size, "fit_windows": stats.sample_windows, "batch_size": batch_size, "device": str(loaded.device),
                  "streamed": loaded.streamer is not None,
                  "dtype": str(loaded.dtype).replace("torch.", ""),
                  "static_grid": [round(x, 4) for x in default_static_grid().tolist()],

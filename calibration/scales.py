@@ -19,7 +19,7 @@ channel), divided by their geometric mean over the head's channels. Dynamic form
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -246,6 +246,7 @@ def choose_params(
     refine: int = DEFAULT_REFINE,
     codebook_per_head: bool = True,
     codebook_weight_keys: bool = True,
+    rope: Any = None,
 ) -> list[LayerParams]:
     """Per-layer parameters of ``fmt`` from ``stats`` (see the module docstring for the methods).
 
@@ -255,6 +256,8 @@ def choose_params(
     side of the coarse optimum, at 1/(refine+1) of the grid step; 0: grid only). ``nuq`` sides get a codebook
     (calibration/codebook.py: one per KV head, or with ``codebook_per_head`` False one per layer; key errors weighted by
     the queries unless ``codebook_weight_keys`` is False) and no clip: the outer levels are where the range is cut.
+    ``allocB`` sides get their bits per channel (calibration/channel_bits.py; ``rope``, the model's
+    ``trtkv.rope.RopeTable``, for keys stored before RoPE).
     """
     if method not in METHODS:
         raise TrtkvError(f"unknown calibration method {method!r}", f"use one of {', '.join(METHODS)}")
@@ -319,6 +322,11 @@ def choose_params(
 
         fit_codebooks(stats.windows, fmt, out, stats.query if stats.query is None else stats.query_moment(),
                       per_head=codebook_per_head, weight_keys=codebook_weight_keys)
+    if any(t.allocated_bits is not None for f in fmt.layer_formats() for t in (f.k, f.v)):
+        from trtkv.calibration.channel_bits import allocate_channel_bits
+
+        allocate_channel_bits(stats.windows, fmt, out, stats.query if stats.query is None else stats.query_moment(), rope,
+                              weight_keys=codebook_weight_keys)
     return out
 
 

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
+from trtkv.calibration import DEFAULT_FIT_WINDOWS
 from trtkv.errors import TrtkvError
 
 KINDS = ("k", "k_pre", "v")
@@ -44,7 +45,7 @@ HIST_LOG2_MAX = 16
 HIST_BINS_PER_OCTAVE = 32
 HIST_BINS = (HIST_LOG2_MAX - HIST_LOG2_MIN) * HIST_BINS_PER_OCTAVE + 2
 DEFAULT_RESERVOIR = 512
-DEFAULT_SAMPLE_WINDOWS = 4  # whole calibration windows kept for fitting codebooks over real sealed blocks
+DEFAULT_SAMPLE_WINDOWS = DEFAULT_FIT_WINDOWS  # whole calibration windows kept for fitting codebooks and alloc bits (trtkv.calibration)
 
 
 def hist_edges() -> torch.Tensor:

@@ -59,6 +59,7 @@ FEATURE_SPECS = {
     "codebooks": ("nuq", "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard:nuq,block=64,sink=4"),
     "outliers": ("outN", "k=int3:bchannel:asym:hadamard:out32,v=int3:g64:sym:hadamard,block=64,sink=4"),
     "pre_rope": ("prerope", "k=int3:bchannel:asym:prerope:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4"),
+    "channel_bits": ("allocB", "k=int8:bchannel:asym:alloc2.5,v=int3:g32:sym:hadamard,block=64,sink=4"),
 }
 assert set(FEATURE_SPECS) == {flag for _, _, flag in FEATURES}, "a FEATURES row without a format to ask it with"
 
@@ -69,7 +70,7 @@ def _features_cell(p: ExecutionPath) -> str:
 
 
 def table() -> str:
-    cols = [*FAMILIES, "codebooks / outliers / pre-RoPE keys", "per-layer / budget", "sliding windows", "soft-cap", "prefix cache",
+    cols = [*FAMILIES, "codebooks / outliers / pre-RoPE keys / per-channel bits", "per-layer / budget", "sliding windows", "soft-cap", "prefix cache",
             "block sizes", "head dims"]
     lines = ["| path | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for p in CAPABILITIES.values():

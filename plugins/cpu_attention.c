@@ -66,7 +66,7 @@ static inline void half_to_float(const half *restrict src, float *restrict dst, 
 }
 #endif
 
-enum { KIND_FP16 = 0, KIND_LUT = 1 };
+enum { KIND_FP16 = 0, KIND_LUT = 1, KIND_CHANNELS = 2 };
 enum { GRAN_NONE = 0, GRAN_STATIC = 1, GRAN_TOKEN = 2, GRAN_BLOCK_CHANNEL = 3 };
 #define MAX_PLANES 4
 #define MAX_HEAD_DIM 1024
@@ -93,6 +93,10 @@ typedef struct {
        decoded codes; pre_rope: keys stored before RoPE, which a read brings back to model space (the transforms undone,
        RoPE at each row's position: Ctx.rope_*) */
     int64_t outliers, pre_rope;
+    /* KIND_CHANNELS (allocB formats): channel d of head h has its own code width; its code is the bits
+       chan_off[h * D + d] .. + width of the row (read from that byte and the next, the row's last byte standing in for
+       the one past it), masked by chan_mask[h * D + d] = 2^width - 1 (0: no code, the block's zero-point alone) */
+    const int32_t *chan_off, *chan_mask;
 } Fmt;
 
 typedef struct {
@@ -325,6 +329,31 @@ static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h
     const uint8_t *data = c->data + bh * bs * f->row_bytes;
     if (f->kind == KIND_FP16) {
         half_to_float((const half *)data, out, bs * D);
+        return;
+    }
+    if (f->kind == KIND_CHANNELS) {
+        /* each code from a 16-bit load at its byte: the rows of a block are contiguous, so every row but the block's
+           last may read one byte past its end (masked off); the last row reads its own last byte twice instead */
+        const int32_t *restrict off = f->chan_off + h * D, *restrict mask = f->chan_mask + h * D;
+        const int64_t rb = f->row_bytes, last = rb - 1;
+        int32_t at[MAX_HEAD_DIM], sh[MAX_HEAD_DIM];
+        for (int64_t d = 0; d < D; d++) at[d] = off[d] >> 3, sh[d] = off[d] & 7;
+        for (int64_t t = 0; t < bs - 1; t++) {
+            const uint8_t *restrict row = data + t * rb;
+            float *restrict x = out + t * D;
+            for (int64_t d = 0; d < D; d++) {
+                uint16_t pair;
+                __builtin_memcpy(&pair, row + at[d], sizeof pair);  /* little-endian: byte at[d] low */
+                x[d] = (float)(((uint32_t)pair >> sh[d]) & (uint32_t)mask[d]);
+            }
+        }
+        const uint8_t *restrict row = data + (bs - 1) * rb;
+        float *restrict x = out + (bs - 1) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const int32_t byte = at[d];
+            const uint32_t pair = (uint32_t)row[byte] | ((uint32_t)row[byte < last ? byte + 1 : last] << 8);
+            x[d] = (float)((pair >> sh[d]) & (uint32_t)mask[d]);
+        }
         return;
     }
     const float *restrict cb = f->codebook ? f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0) : 0;

@@ -38,7 +38,8 @@ import torch
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
-from trtkv.quant import QuantizedTensor, codebook_of, hadamard_matrix, non_finite, per_channel
+from trtkv.formats import channel_offsets
+from trtkv.quant import QuantizedTensor, codebook_of, hadamard_matrix, non_finite, per_channel, widths_of
 
 from .contract.capabilities import CPU_KERNELS, CPU_SEAL, LACKS_HINT
 
@@ -48,7 +49,7 @@ LIBS = ("-lm",)
 OPENMP = ("-fopenmp",)  # the decode's threads (torch's libgomp, already loaded); a compiler without it builds a one-thread library
 MAX_PLANES = 4  # as in the C source
 MAX_HEAD_DIM = CPU_KERNELS.head_dim_max  # the C source's MAX_HEAD_DIM
-KIND_FP16, KIND_LUT = 0, 1
+KIND_FP16, KIND_LUT, KIND_CHANNELS = 0, 1, 2
 GRAN = {"none": 0, "per_tensor": 1, "per_head": 1, "per_channel": 1, "per_token": 2, "per_token_group": 2, "per_block_channel": 3}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -59,7 +60,8 @@ class _Fmt(ctypes.Structure):
                 ("n_planes", _i64), ("byte_off", _i64 * MAX_PLANES), ("per", _i64 * MAX_PLANES), ("table", _ptr * MAX_PLANES),
                 ("linear", _i64), ("width", _i64 * MAX_PLANES), ("low", _i64 * MAX_PLANES), ("signed_bytes", _i64), ("offset", ctypes.c_float),
                 ("gran", _i64), ("groups", _i64), ("static_scale", _ptr), ("smooth", _ptr), ("rot", _ptr),
-                ("codebook", _ptr), ("levels", _i64), ("codebook_heads", _i64), ("outliers", _i64), ("pre_rope", _i64)]
+                ("codebook", _ptr), ("levels", _i64), ("codebook_heads", _i64), ("outliers", _i64), ("pre_rope", _i64),
+                ("chan_off", _ptr), ("chan_mask", _ptr)]
 
 
 class _Ctx(ctypes.Structure):
@@ -171,6 +173,12 @@ class RowCodec:
         keep: list[torch.Tensor] = []
         if not tf.is_quantized:
             f.kind, f.row_bytes = KIND_FP16, head_dim * 2
+        elif tf.allocated_bits is not None:  # allocB: each channel's code at its own offset and width (formats.channel_offsets)
+            widths = widths_of(tf, params, num_heads)  # the reference's own check: one line when there are none
+            offsets = channel_offsets(widths).to(torch.int32).contiguous()
+            masks = ((1 << widths) - 1).to(torch.int32).contiguous()
+            keep += [offsets, masks]
+            f.kind, f.row_bytes, f.chan_off, f.chan_mask = KIND_CHANNELS, tf.packed_dim(head_dim), offsets.data_ptr(), masks.data_ptr()
         else:
             sym = tf.code_symmetric  # how the codes are stored (a codebook's are unsigned table indices)
             f.kind, f.row_bytes = KIND_LUT, traits.packed_dim(head_dim) * traits.storage.itemsize

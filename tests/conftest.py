@@ -102,9 +102,27 @@ def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key
 
     def tensor(tf, per_layer: bool):
         book = torch.sort(torch.randn(tf.codebook_levels if per_layer else (heads, tf.codebook_levels), generator=g) * 1.5, -1).values
-        return TensorParams(smooth=torch.rand(heads, head_dim, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None)
+        return TensorParams(smooth=torch.rand(heads, head_dim, generator=g) + 0.5 if tf.smooth else None, codebook=book if tf.codebook else None,
+                            bits=random_widths(tf, heads, head_dim, g) if tf.allocated_bits is not None else None)
 
     return [LayerParams(k=tensor(fmt.k, key_books_per_layer), v=tensor(fmt.v, False)) for _ in range(layers)]
+
+
+def random_widths(tf, heads: int, head_dim: int, g: torch.Generator) -> torch.Tensor:
+    """Random per-channel code widths [heads, head_dim] an ``allocB`` format ``tf`` may take (its ``channel_widths``):
+    head 0 starts with every width once, the other channels are random, lowered one bit at a time at random until each
+    head's row fits the format's bits (float32, as the artifact stores them)."""
+    choices = torch.tensor(tf.channel_widths)
+    w = choices[torch.randint(0, len(choices), (heads, head_dim), generator=g)]
+    fixed = min(len(choices), head_dim)
+    w[0, :fixed] = choices[:fixed]
+    budget = tf.row_code_bits(head_dim)
+    for h in range(heads):
+        free = torch.arange(fixed if h == 0 else 0, head_dim)
+        while int(w[h].sum()) > budget:
+            c = int(free[torch.randint(0, len(free), (1,), generator=g)])
+            w[h, c] = max(0, int(w[h, c]) - 1)
+    return w.float()
 
 
 def naive_mse_range(col: torch.Tensor, qmax: int) -> tuple[float, float, float]:

@@ -618,13 +618,15 @@ NEW_FEATURES = [
     (f"k=int3:bchannel:asym:hadamard,v=int3:g64:sym:hadamard:out16{_S4}", "outlier lists (outN)", "v"),
     (f"k=int2:bchannel:asym:hadamard:out32,v=int2:token:sym:hadamard{_S4}", "outlier lists (outN)", "k"),
     (f"k=int3:bchannel:asym:prerope:qsmooth:hadamard,v=int3:g32:sym:hadamard{_S4}", "keys before RoPE (prerope)", "k"),
+    (f"k=int8:bchannel:asym:alloc2.5,v=int3:g32:sym:hadamard{_S4}", "bits allocated per channel (allocB)", "k"),
 ]
 READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
 
 # the paths that read a feature (the torch ops, the C decode kernels and the Triton kernels read them all); others: none
 _ALL = {"cpu", "torch", "kernels", "seal"}
-READERS = {"codebooks (nuq)": _ALL, "outlier lists (outN)": _ALL, "keys before RoPE (prerope)": _ALL}
+READERS = {"codebooks (nuq)": _ALL, "outlier lists (outN)": _ALL, "keys before RoPE (prerope)": _ALL,
+           "bits allocated per channel (allocB)": {"torch", "cpu"}}
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -643,7 +645,7 @@ def test_every_path_of_the_capability_table_refuses_each_new_feature_in_one_line
         # the hint names a torch-engine path that reads it, where there is one
         assert ("--backend torch" in reasons[0].hint) == bool(readers), (path.name, reasons[0].hint)
         assert all(CAPABILITIES[r].title in reasons[0].hint for r in readers if r in ("torch", "cpu", "kernels"))
-    assert kernels_take(fmt)  # the AOT list asks this: the Triton kernels take it
+    assert kernels_take(fmt) == ("seal" in readers)  # the AOT list asks this: the Triton kernels take what they read
 
 
 @pytest.mark.parametrize("spec", READ_EVERYWHERE)
@@ -665,7 +667,9 @@ def test_aot_configurations_take_the_issue_27_presets_and_the_op_contract_does_n
 
     taken = {n for n, f in PRESETS.items() if kernels_take(f)}
     assert {"int3-nuq", "int2-nuq", "int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
-    assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v))
+    # every preset but those with per-channel bits (read by the torch ops only, docs/kv-formats.md)
+    assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v) if t.allocated_bits is None)
+    assert {n for n, f in PRESETS.items() if not kernels_take(f)} == {"int3-alloc", "int2-alloc"}
     assert all(op_refusal(PRESETS[n].k) for n in ("int3-nuq", "int2-nuq"))
     names = {c.name for c in aot.lean_configs()}
     assert any("prerope" in n and f"out{PRESETS['int3-nuq'].k.outliers}" in n and n.startswith("seal.") for n in names)
@@ -714,7 +718,7 @@ def test_the_triton_launchers_refuse_what_they_cannot_read_in_one_line():
         ops.launch_seal_pool(rows, pre, interpret=True, rope=(rope.cos, rope.sin), first_positions=torch.tensor([0, 64]))
 
 
-@pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
+@pytest.mark.parametrize("spec,words,side", [f for f in NEW_FEATURES if "cpu" in READERS[f[1]]])
 def test_the_cpu_c_kernels_read_each_new_feature_and_the_c_seal_leaves_it_to_the_reference(spec, words, side):
     """trtkv's C kernels: the decode codec takes every new feature (a codebook format refuses in one line when no
     codebook was calibrated); the C seal says why it leaves the format to the reference quantizer."""
@@ -728,6 +732,11 @@ def test_the_cpu_c_kernels_read_each_new_feature_and_the_c_seal_leaves_it_to_the
             cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
         assert "\n" not in str(e.value)
         codec = cpu_attention.RowCodec.of(tf, TensorParams(codebook=torch.linspace(-4, 3, tf.codebook_levels)), 3, 64, 64)
+    elif tf.allocated_bits is not None:  # per-channel bits: missing widths are the refusal, calibrated ones are taken
+        with pytest.raises(TrtkvError, match="none were given") as e:
+            cpu_attention.RowCodec.of(tf, None, 3, 64, 64)
+        assert "\n" not in str(e.value)
+        codec = cpu_attention.RowCodec.of(tf, TensorParams(bits=torch.full((3, 64), 2.0)), 3, 64, 64)
     elif tf.smooth:  # keys before RoPE are smoothed: missing factors are the refusal, calibrated ones are taken
         with pytest.raises(TrtkvError, match="no smoothing factors were given") as e:
             cpu_attention.RowCodec.of(tf, None, 3, 64, 64)

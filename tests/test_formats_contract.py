@@ -317,6 +317,8 @@ def test_bits_per_element_is_the_naive_count(D, bs):
     ("int4-b128", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=128,sink=4", 4.375),
     ("int4-token", "k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard", 4.5),
     ("int4-g32", "k=int4:g32:sym,v=int4:g32:sym", 4.5),
+    ("int3-alloc", "k=int8:bchannel:asym:prerope:alloc3.5,v=int3:token:sym:hadamard:nuq,block=128,sink=4", 3.5),
+    ("int2-alloc", "k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=128,sink=4", 2.5),
 ])
 def test_presets(name, spec, pool_bits):
     p = get_format(name)
@@ -324,7 +326,8 @@ def test_presets(name, spec, pool_bits):
     assert p.pool_bits_per_element(64) == pytest.approx(pool_bits)
     assert get_format(spec).model_copy(update={"name": name, "description": p.description}) == p
     assert list(PRESETS)[:1] == ["fp16"] and set(PRESETS) == {"fp16", "int8", "int8-token", "int8-static", "fp8", "int4", "int3", "int2",
-                                                              "int3-qs", "int2-qs", "int4-b128", "int3-nuq", "int2-nuq", "int4-token", "int4-g32"}
+                                                              "int3-qs", "int2-qs", "int4-b128", "int3-nuq", "int2-nuq", "int3-alloc", "int2-alloc",
+                                                              "int4-token", "int4-g32"}
 
 
 def random_kv_spec(rng: random.Random) -> str:

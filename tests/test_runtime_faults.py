@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trtkv.formats import PRESETS, get_format
+from trtkv.formats import PRESETS
 from trtkv.plugins.contract.capabilities import TORCH_OPS
 from trtkv.runtime.block_manager import CacheBudget
 from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
@@ -35,16 +35,19 @@ def model(small_llama):
 
 def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, max_batched_tokens=64, max_seq_len=256, **config) -> LLMEngine:
     """An LLMEngine over the torch reference engine; static formats get a fixed scale, smoothing formats unit factors,
-    codebook formats their dtype's uniform levels."""
+    codebook formats their dtype's uniform levels, alloc formats random widths; presets fitted to the model's head_dim."""
+    from conftest import random_widths
+
     from trtkv.artifacts import LayerParams
     from trtkv.cache_layout import PagedKVLayout
+    from trtkv.formats import fit_formats
     from trtkv.quant import TensorParams
     from trtkv.runtime.backends import TorchReferenceEngine
     from trtkv.runtime.kv_pool import PagedKVCache
 
-    fmt = get_format(fmt_name).with_block_size(BS)
     cfg = model.config
     H, D = cfg.num_key_value_heads, cfg.head_dim
+    fmt = fit_formats([fmt_name], D)[0][0].with_block_size(BS)
     manifest = SimpleNamespace(
         limits=SimpleNamespace(max_batch=num_slots, max_seq_len=max_seq_len, block_size=BS, max_new_tokens_per_step=BS, max_num_blocks=10**6, max_num_slots=64),
         model=SimpleNamespace(eos_token_ids=[0], vocab_size=cfg.vocab_size),
@@ -54,7 +57,8 @@ def make_llm(model, tokenizer, fmt_name="fp16", *, num_blocks=256, num_slots=4, 
 
     def params(t):
         levels = (torch.arange(t.codebook_levels) - t.codebook_levels // 2).float().expand(H, -1).clone() if t.codebook else None
-        return TensorParams(scale=None if t.is_dynamic else torch.tensor(0.05), smooth=torch.ones(H, D), codebook=levels)
+        bits = random_widths(t, H, D, torch.Generator().manual_seed(0)) if t.allocated_bits is not None else None
+        return TensorParams(scale=None if t.is_dynamic else torch.tensor(0.05), smooth=torch.ones(H, D), codebook=levels, bits=bits)
 
     layout = PagedKVLayout(fmt, H, D, BS, num_blocks, num_slots)
     cache = PagedKVCache(layout, cfg.num_hidden_layers, [LayerParams(params(fmt.k), params(fmt.v)) for _ in range(cfg.num_hidden_layers)])

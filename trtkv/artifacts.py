@@ -85,6 +85,8 @@ class LayerChoice(BaseModel):
     v_clip_ratio: float | None = None
     k_codebook: list[list[float]] | None = None  # nuq formats: the levels per KV head, in code units (the full table)
     v_codebook: list[list[float]] | None = None
+    k_channels_at_bits: list[int] | None = None  # alloc formats: how many channels of the layer's heads got 0, 1, 2 ... bits
+    v_channels_at_bits: list[int] | None = None
 
 
 class FormatCalibration(BaseModel):

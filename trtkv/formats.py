@@ -38,6 +38,9 @@ OUTLIER_INDEX_BITS = 16
 OUTLIER_BITS = OUTLIER_VALUE_BITS + OUTLIER_INDEX_BITS
 MAX_OUTLIER_POSITIONS = 1 << 15  # positions are int16: block_size * head_dim must stay below this
 CODEBOOK_BITS = 32  # a codebook level is a float32 layer constant (counted beside the pools, not per element)
+# Per-channel code widths (spec word ``allocB``): 0 keeps the block's mean alone; a code may span two bytes (a reader loads
+# the byte pair). A format's own set is those up to its dtype's bits (``TensorFormat.channel_widths``).
+CHANNEL_WIDTHS = tuple(range(9))
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,43 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_int4``: bytes [..., D/2] to unsigned codes [..., D] (uint8)."""
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def channel_offsets(widths: torch.Tensor) -> torch.Tensor:
+    """Bit offset [..., D] (int64) of each channel's code in a token row of per-channel ``widths`` [..., D] (``allocB``
+    formats): channels are laid out widest first, ties by channel index, so that codes of widths 1, 2, 4 and 8 never
+    span two bytes (the others may: readers load the byte pair); a 0-width channel (no code) is given offset 0. The
+    one layout every packer and reader of such rows uses."""
+    w = widths.long()
+    d = w.shape[-1]
+    order = torch.sort(-w * (d + 1) + torch.arange(d, device=w.device), dim=-1).indices  # widest first, stable by index
+    starts = torch.cumsum(w.gather(-1, order), -1) - w.gather(-1, order)
+    return torch.empty_like(w).scatter_(-1, order, starts).masked_fill_(w == 0, 0)
+
+
+def pack_channel_codes(codes: torch.Tensor, widths: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """Unsigned codes [..., D] (each below ``2 ** width``) to token rows of ``row_bytes`` bytes [..., row_bytes] by
+    ``channel_offsets(widths)``; ``widths`` [..., D] broadcasts against ``codes`` (per KV head: [H, 1, D] for rows
+    [..., H, n, D]). Unused bits stay 0."""
+    off = channel_offsets(widths)
+    byte = (off >> 3).expand(codes.shape)
+    shifted = codes.to(torch.int32) << (off & 7).to(torch.int32)  # at most 15 bits: this byte and the next
+    out = torch.zeros(*codes.shape[:-1], row_bytes + 1, dtype=torch.int32, device=codes.device)  # + 1: a spill slot
+    out.scatter_add_(-1, byte, shifted & 0xFF).scatter_add_(-1, byte + 1, shifted >> 8)  # codes never overlap: sums are ORs
+    return out[..., :row_bytes].to(torch.uint8)  # the spill slot only ever holds zeros (the last code ends in the row)
+
+
+def unpack_channel_codes(rows: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_channel_codes``: rows [..., row_bytes] to unsigned codes [..., D] (uint8; a 0-width channel
+    reads 0); ``widths`` [..., D] broadcasts against the rows' leading axes. Each code is read from its byte and the next
+    (the last byte of a row stands in for the one past it: a code that starts there ends there)."""
+    w = widths.long()
+    off = channel_offsets(w)
+    shape = (*torch.broadcast_shapes(rows.shape[:-1], w.shape[:-1]), w.shape[-1])
+    rows = rows.expand(*shape[:-1], rows.shape[-1])
+    byte = (off >> 3).expand(shape)
+    pair = rows.gather(-1, byte).to(torch.int32) | (rows.gather(-1, (byte + 1).clamp_max(rows.shape[-1] - 1)).to(torch.int32) << 8)
+    return ((pair >> (off & 7).to(torch.int32)) & ((1 << w) - 1).to(torch.int32)).to(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -299,6 +339,12 @@ class TensorFormat(BaseModel):
     # Dense-and-sparse (spec word ``outN``): per sealed block and KV head, the N elements farthest from their group's
     # centre are kept exactly beside the codes (sealed-block formats only) and set no range.
     outliers: int = Field(default=0, ge=0)
+    # Per-channel bits (spec word ``allocB``): each channel of a KV head has its own code width (``channel_widths``:
+    # 0 .. the dtype's bits, 0 = the block's mean alone), allocated at calibration from the queries' weight of its measured error
+    # (``TensorParams.bits``, calibration/channel_bits.py) so that a token row's codes take ``B`` bits per element; the
+    # dtype is the widest code. Rows are packed by ``channel_offsets``; per block and channel an fp16 step and minimum
+    # as ``bchannel:asym`` (a 0-bit channel: step 0 and its mean), so ``code * s + z`` decodes every channel.
+    allocated_bits: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TensorFormat":
@@ -331,6 +377,13 @@ class TensorFormat(BaseModel):
             raise ValueError("prerope needs dynamic scales (token, gN or bchannel): calibrated static ranges are of keys after RoPE")
         if self.pre_rope and self.codebook:
             raise ValueError("prerope with nuq: key codebooks are fitted to keys after RoPE; give one")
+        if self.allocated_bits is not None:
+            if not self.traits.is_int or self.granularity != "per_block_channel" or self.symmetric:
+                raise ValueError(f"alloc (bits per channel) needs int codes with asymmetric block-channel scales (e.g. int8:bchannel:asym:alloc2.5), not {self.short()}")
+            if self.codebook or self.mse or self.hadamard:
+                raise ValueError("alloc gives each channel its own bits: it takes no nuq, mse or hadamard (a rotation spreads what it allocates)")
+            if self.allocated_bits > self.traits.bits:
+                raise ValueError(f"alloc{self.allocated_bits:g} spends more bits than {self.dtype}'s widest code: use a wider dtype (int8)")
         return self
 
     @property
@@ -373,9 +426,29 @@ class TensorFormat(BaseModel):
             return head_dim // self.group_size
         return 0
 
+    @property
+    def channel_widths(self) -> tuple[int, ...]:
+        """The code widths a channel of an ``allocB`` format may take: ``CHANNEL_WIDTHS`` up to the dtype's bits."""
+        return tuple(w for w in CHANNEL_WIDTHS if w <= self.traits.bits)
+
+    def row_code_bits(self, head_dim: int) -> int:
+        """Bits of one token row's codes (``allocB``: B per element, whatever the calibrated widths)."""
+        if self.allocated_bits is None:
+            return head_dim * self.traits.bits
+        bits = self.allocated_bits * head_dim
+        if bits != int(bits) or int(bits) % 8:
+            fits = [n / 8 for n in range(1, 8 * self.traits.bits + 1) if n * head_dim % 64 == 0]  # eighths: exact decimals
+            near = min(fits, key=lambda b: abs(b - self.allocated_bits)) if fits else None
+            raise TrtkvError(f"alloc{self.allocated_bits:g} x head_dim {head_dim} is {bits:g} bits, not whole bytes per token row",
+                             f"pick alloc bits whose product with {head_dim} is a multiple of 8" + (f" (e.g. alloc{near:g})" if near else ""))
+        return int(bits)
+
     def check_head_dim(self, head_dim: int) -> None:
         """The one place that says whether this storage fits a head_dim: TrtkvError naming the rule, else None."""
         self.groups(head_dim)  # a group size must divide head_dim
+        if self.allocated_bits is not None:
+            self.row_code_bits(head_dim)
+            return
         align = self.traits.row_align
         if head_dim % align:
             what = "two codes per byte and needs an even head_dim" if align == 2 else \
@@ -385,7 +458,10 @@ class TensorFormat(BaseModel):
             raise TrtkvError(f"a Hadamard rotation needs an even head_dim, got {head_dim}", "drop the hadamard transform for this model")
 
     def packed_dim(self, head_dim):
-        """Storage elements per token and head in a pool (the ``DTYPES`` row's packing: int4 D/2, int3 3D/8, int2 D/4)."""
+        """Storage elements per token and head in a pool (the ``DTYPES`` row's packing: int4 D/2, int3 3D/8, int2 D/4;
+        ``allocB``: B x D / 8 bytes)."""
+        if self.allocated_bits is not None:
+            return self.row_code_bits(head_dim) // 8
         return self.traits.packed_dim(head_dim)
 
     def scale_shape(self, lead: tuple, num_kv_heads, block_size, head_dim: int) -> tuple | None:
@@ -404,7 +480,7 @@ class TensorFormat(BaseModel):
         kept element). The one byte count: ``bits_per_element`` and ``PagedKVLayout``'s bytes per block are this over
         the block's elements / times the KV heads, and the layout allocates its tensors from the same shapes. A
         codebook (``nuq``) is a per-layer constant, not in the block (``KVFormat.constant_bytes``)."""
-        bits = block_size * head_dim * self.traits.bits
+        bits = block_size * self.row_code_bits(head_dim)
         if (shape := self.scale_shape((), 1, block_size, head_dim)) is not None:
             bits += math.prod(shape) * SCALE_BITS * (1 if self.symmetric else 2)
         if (shape := self.outlier_shape((), 1)) is not None:
@@ -451,6 +527,8 @@ class TensorFormat(BaseModel):
         smooth = "qsmooth" if self.smooth_by == "queries" else "smooth"
         parts += [t for t, on in (("prerope", self.pre_rope), (smooth, self.smooth), ("hadamard", self.hadamard), ("mse", self.mse),
                                   ("nuq", self.codebook)) if on]
+        if self.allocated_bits is not None:
+            parts.append(f"alloc{self.allocated_bits:g}")
         if self.outliers:
             parts.append(f"out{self.outliers}")
         return ":".join(parts)
@@ -575,7 +653,7 @@ class KVFormat(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(t.is_static or t.smooth or t.codebook for f in self.layer_formats() for t in (f.k, f.v))
+        return any(t.is_static or t.smooth or t.codebook or t.allocated_bits is not None for f in self.layer_formats() for t in (f.k, f.v))
 
     def constant_bytes(self, num_layers: int, num_kv_heads: int) -> int:
         """Bytes of the per-layer constants the pools are read with that the format itself fixes, over ``num_layers``
@@ -724,6 +802,20 @@ PRESETS: dict[str, KVFormat] = {
                  "mix beats 128 outliers everywhere); values rotated, symmetric per token through a "
                  "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its Triton kernels "
                  "on CUDA, its torch ops anywhere)"),
+        # issue 27 round 10: keys before RoPE with bits allocated per channel at calibration (no rotation), the values of
+        # the -nuq presets (int2: with value outliers, bought with key bits and key outliers: docs/accuracy.md); read by eval, the
+        # reference paged cache and the torch engine (torch ops, C kernels)
+        KVFormat(name="int3-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=3.5),
+                 v=_t("int3", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
+                 description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
+                 "channel's bits (0 to 8; 3.5 on average) allocated at calibration, asymmetric per channel over "
+                 "each block; values as int3-nuq (served by the torch engine: its C kernels on CPU, its torch ops anywhere)"),
+        KVFormat(name="int2-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=2.25, outliers=16),
+                 v=_t("int2", "per_token", hadamard=True, codebook=True, outliers=48), block_size=128, sink_tokens=4,
+                 description="int2, 2.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
+                 "channel's bits (0 to 8; 2.25 on average) allocated at calibration, asymmetric per channel over "
+                 "each block, 16 outliers per block and head kept exactly; values as int2-nuq with 48 outliers per block "
+                 "and head (served by the torch engine: its C kernels on CPU, its torch ops anywhere)"),
         KVFormat(
             name="int4-token",
             k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
@@ -768,7 +860,7 @@ SPEC_HELP = (
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
-    """Parse ``dtype[:granularity][:sym|asym][:prerope][:smooth|qsmooth][:hadamard][:mse][:nuq][:outN]`` (granularity: tensor|head|channel|token|gN|bchannel).
+    """Parse ``dtype[:granularity][:sym|asym][:prerope][:smooth|qsmooth][:hadamard][:mse][:nuq][:allocB][:outN]`` (granularity: tensor|head|channel|token|gN|bchannel).
 
     Each field is given at most once: two granularities, two symmetries or a repeated word are errors.
     """
@@ -788,6 +880,8 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             field = word
         elif re.fullmatch(r"out\d+", word):
             field = "outliers"
+        elif re.fullmatch(r"alloc\d+(?:\.\d+)?", word):
+            field = "alloc"
         else:
             raise ValueError(f"unknown word {word!r}")
         if field in seen:
@@ -802,6 +896,8 @@ def parse_tensor_spec(text: str) -> TensorFormat:
             fields["symmetric"] = word == "sym"
         elif field == "outliers":
             fields["outliers"] = int(word[3:])
+        elif field == "alloc":
+            fields["allocated_bits"] = float(word[5:])
         elif word == "nuq":
             fields["codebook"] = True
         elif word == "qsmooth":
@@ -882,7 +978,8 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
     """Fit ``fmt`` to a model's ``head_dim``: ``(format, note)``, or ``(None, why)`` when it cannot fit.
 
     A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
-    (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80). Hadamard rotations use blocks of the largest
+    (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80); per-channel bits (``allocB``) that do not fill whole bytes
+    per token row become the most that do (``alloc2.25`` -> ``alloc2`` at 24). Hadamard rotations use blocks of the largest
     power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
     smaller than ``head_dim``. Anything else ``TensorFormat.check_head_dim`` rejects (int4 packing and
     Hadamard rotations need an even ``head_dim``) cannot fit: its problem is the note.
@@ -897,6 +994,13 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
                 return None, f"{fmt.name}: no group size from 2 to {g} divides head_dim {head_dim}"
             tf = parts[side] = tf.model_copy(update={"group_size": fit})
             changes.append(f"{side.upper()} g{g}->g{fit}")
+        b = tf.allocated_bits
+        if b is not None and (b * head_dim) % 8:  # whole bytes per token row: the most bits that are, never more
+            fit_bits = math.floor(b * head_dim / 8) * 8 / head_dim
+            if fit_bits <= 0:
+                return None, f"{fmt.name}: alloc{b:g} x head_dim {head_dim} is less than a byte per token row"
+            tf = parts[side] = tf.model_copy(update={"allocated_bits": fit_bits})
+            changes.append(f"{side.upper()} alloc{b:g}->alloc{fit_bits:g}")
         try:
             tf.check_head_dim(head_dim)
         except TrtkvError as e:
@@ -940,6 +1044,8 @@ def fit_formats(specs: list[str | KVFormat], head_dim: int, *, optional: bool = 
         fmt = get_format(spec)
         preset = PRESETS.get(fmt.name) == fmt
         if not (preset or optional):
+            for t in (fmt.k, fmt.v):  # the bits per channel the user wrote must fill whole bytes as written
+                t.row_code_bits(head_dim)
             bad = [t.group_size for t in (fmt.k, fmt.v) if t.group_size and head_dim % t.group_size]
             if bad:
                 divisors = [str(d) for d in range(2, head_dim + 1) if head_dim % d == 0 and d <= max(bad)]

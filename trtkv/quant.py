@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import CLIP_GRID, TensorFormat, pack_int4, unpack_int4  # noqa: F401  (re-exported: the codec lives in the DTYPES rows)
+from trtkv.formats import CLIP_GRID, TensorFormat, pack_channel_codes, pack_int4, unpack_channel_codes, unpack_int4  # noqa: F401  (re-exported: the codec lives in the DTYPES rows)
 
 FP16_MAX = 65504.0
 
@@ -34,6 +34,7 @@ class TensorParams:
     smooth: torch.Tensor | None = None  # [H, D] per-channel divisor, > 0
     clip: torch.Tensor | None = None  # dynamic formats: [] or [H] range multiplier in (0, 1]
     codebook: torch.Tensor | None = None  # nuq formats: [2**bits] or [H, 2**bits] levels in code units, ascending
+    bits: torch.Tensor | None = None  # alloc formats: [H, D] code width of each channel (``TensorFormat.channel_widths``)
 
     def map(self, fn) -> "TensorParams":
         """A copy with ``fn`` applied to every tensor that is set (``lambda t: t.to(device)``, ``torch.Tensor.clone``):
@@ -285,6 +286,52 @@ def codebook_of(fmt: TensorFormat, params: TensorParams | None) -> torch.Tensor 
     return params.codebook
 
 
+def widths_of(fmt: TensorFormat, params: TensorParams | None, num_kv_heads: int | None = None) -> torch.Tensor | None:
+    """An ``allocB`` format's calibrated code width per channel [H, D] (int64) from ``params`` (None for other formats);
+    one line when it is missing, of another number of heads, or spends more than the format's bits."""
+    if fmt.allocated_bits is None:
+        return None
+    if params is None or params.bits is None:
+        raise TrtkvError(f"format {fmt.short()} reads each channel's bits from calibration (alloc) but none were given",
+                         "run `trtkv calibrate --kv FORMAT` and pass --calibration")
+    w = params.bits.long()
+    if not torch.equal(w.to(params.bits.dtype), params.bits) or w.dim() != 2 or (num_kv_heads is not None and w.shape[0] != num_kv_heads):
+        raise TrtkvError(f"per-channel bits of shape {tuple(w.shape)} do not fit {num_kv_heads} KV heads (whole bits, [KV heads, head_dim])",
+                         "pass the calibration made for this model")
+    if bool((w.sum(-1) > fmt.row_code_bits(w.shape[-1])).any()) or not bool(torch.isin(w, torch.tensor(fmt.channel_widths, device=w.device)).all()):
+        raise TrtkvError(f"per-channel bits {sorted(set(w.flatten().tolist()))} (at most {int(w.sum(-1).max())} per row) do not fit {fmt.short()}",
+                         "recalibrate with this format (`trtkv calibrate --kv FORMAT`)")
+    return w
+
+
+def head_widths(widths: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
+    """Per-channel widths [H, D] shaped to broadcast against a tensor of ``ndim`` axes with its KV-head axis at
+    ``head_axis`` (int64)."""
+    between = ndim - 1 - head_axis % ndim - 1  # axes between head and head_dim
+    return widths.long().reshape(widths.shape[0], *([1] * between), widths.shape[1])
+
+
+def channel_codes(xf: torch.Tensor, widths: torch.Tensor, mask: torch.Tensor | None = None) -> QuantizedTensor:
+    """Codes (float, unpacked) of sealed blocks ``xf`` [..., bs, D] (tokens on axis -2) at per-channel ``widths``
+    (broadcast against ``xf``, ``head_widths``), with scale and zero [..., 1, D]: per block and channel an fp16 minimum
+    and step over the channel's ``2 ** width - 1`` codes; a 0-width channel stores step 0 and its (fp16) mean as the
+    minimum, so that ``code * s + z`` decodes it. ``mask``: outliers, which set no range and no mean."""
+    w = widths
+    top = (2.0 ** w - 1).to(xf.dtype)
+    keep = torch.ones_like(xf, dtype=torch.bool) if mask is None else ~mask
+    n = keep.sum(-2, keepdim=True)
+    mn = xf.masked_fill(~keep, torch.inf).amin(-2, keepdim=True)
+    mx = xf.masked_fill(~keep, -torch.inf).amax(-2, keepdim=True)
+    empty = n == 0
+    mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+    mean = (xf * keep).sum(-2, keepdim=True) / n.clamp_min(1)
+    zero = _to_fp16(torch.where(w > 0, mn, mean))
+    scale = _to_fp16(torch.where(w > 0, (mx - mn) / top.clamp_min(1), torch.zeros_like(mn)))
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.minimum(torch.round((xf - zero) * inv).clamp_min(0), top)
+    return QuantizedTensor(codes=q, scale=scale, zero=zero)
+
+
 def quantize(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -2,
              rope: Rope | None = None) -> QuantizedTensor:
     """Quantize K or V (head_dim last) into its stored form, each token on its own (see ``quantize_block``); ``rope``: the
@@ -322,25 +369,27 @@ def _quantize_rows(xf: torch.Tensor, fmt: TensorFormat, params: TensorParams | N
     )
 
 
-def _deviation(xf: torch.Tensor, fmt: TensorFormat) -> torch.Tensor:
+def _deviation(xf: torch.Tensor, fmt: TensorFormat, widths: torch.Tensor | None = None) -> torch.Tensor:
     """Each element's outlier score in blocks ``xf`` [..., bs, D]: its distance from its group's centre -- its channel's
-    mean over the block (per_block_channel, asymmetric), its token group's mean (per token / group, asymmetric), or 0
-    (symmetric and static scales)."""
+    mean over the block (per_block_channel, asymmetric; ``allocB``: in units of its channel's ``2 ** width`` levels, the
+    error it would leave), its token group's mean (per token / group, asymmetric), or 0 (symmetric and static scales)."""
     if fmt.symmetric or fmt.is_static:
         return xf.abs()
     if fmt.is_block_wise:
-        return (xf - xf.mean(-2, keepdim=True)).abs()
+        dev = (xf - xf.mean(-2, keepdim=True)).abs()
+        return dev if widths is None else dev / (2.0 ** widths).to(dev.dtype)
     g = _group(xf, fmt)
     return (g - g.mean(-1, keepdim=True)).abs().flatten(-2)
 
 
-def block_outliers(xf: torch.Tensor, fmt: TensorFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_outliers(xf: torch.Tensor, fmt: TensorFormat, widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outliers of sealed blocks ``xf`` [..., H, bs, D] (transformed): per (block, head), the ``fmt.outliers`` elements
-    farthest from their group's centre (``_deviation``; ties: the lower position first). Returns the mask [..., H, bs, D]
-    (True where kept aside), the positions ``token * D + channel`` [..., H, N] int16, ascending, and their fp16 values."""
+    farthest from their group's centre (``_deviation``; ``widths``: an ``allocB`` format's, ``head_widths``; ties: the lower
+    position first). Returns the mask [..., H, bs, D] (True where kept aside), the positions ``token * D + channel``
+    [..., H, N] int16, ascending, and their fp16 values."""
     bs, D = xf.shape[-2:]
     fmt.check_block(bs, D)
-    score = _deviation(xf, fmt).flatten(-2)
+    score = _deviation(xf, fmt, widths).flatten(-2)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., : fmt.outliers]
     idx = order.sort(-1).values
     mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True).view(xf.shape)
@@ -361,9 +410,15 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
         return quantize(x, fmt, params, head_axis, rope)
     check_finite(x, "K/V input")
     xf = forward_transform(x.float(), fmt, params, head_axis, rope)
+    widths = widths_of(fmt, params, x.shape[head_axis])
     mask = oidx = oval = None
     if fmt.outliers:
-        mask, oidx, oval = block_outliers(xf, fmt)
+        mask, oidx, oval = block_outliers(xf, fmt, None if widths is None else head_widths(widths, xf.dim(), head_axis))
+    if widths is not None:
+        wb = head_widths(widths, xf.dim(), head_axis)
+        qt = channel_codes(xf, wb, mask)
+        return QuantizedTensor(codes=pack_channel_codes(qt.codes.to(torch.uint8), wb, fmt.packed_dim(xf.shape[-1])),
+                               scale=qt.scale.squeeze(-2).half(), zero=qt.zero.squeeze(-2).half(), outlier_index=oidx, outlier_value=oval)
     if not fmt.is_block_wise:
         qt = _quantize_rows(xf, fmt, params, head_axis, mask)
         return dataclasses.replace(qt, outlier_index=oidx, outlier_value=oval)
@@ -423,7 +478,10 @@ def dequantize(
     if not fmt.is_quantized:
         return qt.codes.to(dtype)
     sym = fmt.symmetric or fmt.is_static
-    c = fmt.traits.stored_values(qt.codes)  # codes + offset: the offset is folded into the zero-point below
+    if fmt.allocated_bits is not None:  # per-channel widths: the codes of a row by ``channel_offsets``
+        c = unpack_channel_codes(qt.codes, head_widths(widths_of(fmt, params), qt.codes.dim(), head_axis)).float()
+    else:
+        c = fmt.traits.stored_values(qt.codes)  # codes + offset: the offset is folded into the zero-point below
     if fmt.codebook:  # a code is a table index: its value is the level (no offset)
         c, off = lookup_levels(c, codebook_of(fmt, params), head_axis), 0
     else:

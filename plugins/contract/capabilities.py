@@ -33,7 +33,7 @@ KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_proble
 
 # what a tensor format may keep that a path must read to run it: (TensorFormat field, words in a reason, ExecutionPath flag)
 FEATURES = (("codebook", "codebooks (nuq)", "codebooks"), ("outliers", "outlier lists (outN)", "outliers"),
-            ("pre_rope", "keys before RoPE (prerope)", "pre_rope"))
+            ("pre_rope", "keys before RoPE (prerope)", "pre_rope"), ("allocated_bits", "bits allocated per channel (allocB)", "channel_bits"))
 LACKS_HINT = "measure it with trtkv eval; serve int4 / int3-qs / int2-qs (or a --budget choice) meanwhile"
 
 
@@ -71,6 +71,7 @@ class ExecutionPath:
     codebooks: bool = False
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
+    channel_bits: bool = False  # unpacks rows whose channels have their own calibrated code widths (``allocB``)
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
 
     # ------------------------------------------------------------------ the questions
@@ -185,18 +186,19 @@ ONNX_PLUGIN = ExecutionPath("plugin", "ONNX step network, plugin attention (trtk
 TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attention only, no plugins)", step_network=True,
                              block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
 # the torch ops dequantize such sealed rows whole (codebook levels, outlier lists written back, RoPE applied to keys
-# stored before it) where they fold the others' scales into the query
+# stored before it, rows of per-channel code widths unpacked) where they fold the others' scales into the query
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True, codebooks=True, outliers=True,
-                          pre_rope=True)
+                          pre_rope=True, channel_bits=True)
 # the Triton kernels read codebooks (a table lookup), outlier lists (one-hot products over a tile of one block) and keys
 # stored before RoPE (brought to model space per tile with the model's table); the seal kernel writes them all
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True,
                                  codebooks=True, outliers=True, pre_rope=True)
 # trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, a nuq
-# format's codes through the layer's codebook, write a block's outlier list over its codes and bring keys stored before
-# RoPE back to model space (the rotation undone by butterflies, RoPE from the model's table)
+# format's codes through the layer's codebook, an alloc format's codes at each channel's offset and width, write a
+# block's outlier list over its codes and bring keys stored before RoPE back to model space (the rotation undone by
+# butterflies, RoPE from the model's table)
 CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024,
-                            codebooks=True, outliers=True, pre_rope=True)
+                            codebooks=True, outliers=True, pre_rope=True, channel_bits=True)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True,
                              codebooks=True, outliers=True, pre_rope=True)
 # the C seal (the pool's seal on CPU): a nuq format's nearest-level codes are the reference quantizer's

@@ -535,8 +535,8 @@ def folds_key_scales(fmt) -> bool:
 
 def unfolded(fmt) -> bool:
     """A format whose sealed rows are dequantized whole (``context_kv``), not folded into the query or probabilities:
-    codes through a codebook, outlier lists written over the codes, keys stored before RoPE."""
-    return bool(fmt.codebook or fmt.outliers or fmt.pre_rope)
+    codes through a codebook, outlier lists written over the codes, keys stored before RoPE, rows of per-channel widths."""
+    return bool(fmt.codebook or fmt.outliers or fmt.pre_rope or fmt.allocated_bits is not None)
 
 
 def _shift(fmt, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor | None:
