@@ -306,9 +306,8 @@ def widths_of(fmt: TensorFormat, params: TensorParams | None, num_kv_heads: int 
 
 def head_widths(widths: torch.Tensor, ndim: int, head_axis: int) -> torch.Tensor:
     """Per-channel widths [H, D] shaped to broadcast against a tensor of ``ndim`` axes with its KV-head axis at
-    ``head_axis`` (int64)."""
-    between = ndim - 1 - head_axis % ndim - 1  # axes between head and head_dim
-    return widths.long().reshape(widths.shape[0], *([1] * between), widths.shape[1])
+    ``head_axis`` (int64; ``_per_head``'s reshape)."""
+    return _per_head(widths, ndim, head_axis).long()
 
 
 def channel_codes(xf: torch.Tensor, widths: torch.Tensor, mask: torch.Tensor | None = None) -> QuantizedTensor:
@@ -316,7 +315,7 @@ def channel_codes(xf: torch.Tensor, widths: torch.Tensor, mask: torch.Tensor | N
     (broadcast against ``xf``, ``head_widths``), with scale and zero [..., 1, D]: per block and channel an fp16 minimum
     and step over the channel's ``2 ** width - 1`` codes; a 0-width channel stores step 0 and its (fp16) mean as the
     minimum, so that ``code * s + z`` decodes it. ``mask``: outliers, which set no range and no mean."""
-    w = widths
+    w = widths.long()
     top = (2.0 ** w - 1).to(xf.dtype)
     keep = torch.ones_like(xf, dtype=torch.bool) if mask is None else ~mask
     n = keep.sum(-2, keepdim=True)
@@ -411,11 +410,11 @@ def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | No
     check_finite(x, "K/V input")
     xf = forward_transform(x.float(), fmt, params, head_axis, rope)
     widths = widths_of(fmt, params, x.shape[head_axis])
+    wb = None if widths is None else head_widths(widths, xf.dim(), head_axis)
     mask = oidx = oval = None
     if fmt.outliers:
-        mask, oidx, oval = block_outliers(xf, fmt, None if widths is None else head_widths(widths, xf.dim(), head_axis))
-    if widths is not None:
-        wb = head_widths(widths, xf.dim(), head_axis)
+        mask, oidx, oval = block_outliers(xf, fmt, wb)
+    if wb is not None:
         qt = channel_codes(xf, wb, mask)
         return QuantizedTensor(codes=pack_channel_codes(qt.codes.to(torch.uint8), wb, fmt.packed_dim(xf.shape[-1])),
                                scale=qt.scale.squeeze(-2).half(), zero=qt.zero.squeeze(-2).half(), outlier_index=oidx, outlier_value=oval)
