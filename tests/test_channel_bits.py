@@ -358,3 +358,23 @@ def test_presets_fit_a_head_dim_their_bits_do_not_fill_with_fewer_bits_never_mor
     assert fmt.k.allocated_bits == 2.25 and not notes
     with pytest.raises(TrtkvError, match="whole bytes"):  # a spec the user wrote out is not changed
         fit_formats(["k=int8:bchannel:asym:alloc2.25,v=fp16,block=8"], 24)
+
+
+def test_widths_the_format_does_not_allow_are_refused_even_when_the_row_has_room():
+    tf = _tf("int4:bchannel:asym:alloc3")  # widths 0..4
+    w = torch.zeros(H, D)
+    w[:, 0] = 5.0  # 5 bits fit the row's 72 but exceed the widest code
+    with pytest.raises(TrtkvError, match="do not fit") as e:
+        quantize_block(torch.randn(H, BS, D), tf, TensorParams(bits=w))
+    assert "\n" not in str(e.value)
+    w[:, 0] = 4.0  # the control
+    quantize_block(torch.randn(H, BS, D), tf, TensorParams(bits=w))
+
+
+def test_a_preset_whose_bits_round_to_no_byte_cannot_fit():
+    from trtkv.formats import fit_format
+
+    fmt = get_format(f"k=int8:bchannel:asym:alloc0.25,v=fp16,block={BS}")
+    fitted, why = fit_format(fmt, 24)  # 0.25 x 24 = 6 bits: no whole byte
+    assert fitted is None and "less than a byte" in why
+    assert fit_format(fmt, 32)[0] is fmt  # the control: 8 bits, as written
