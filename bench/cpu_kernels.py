@@ -27,6 +27,7 @@ from build_engine import machine
 from report import write_report
 
 from trtkv.cache_layout import PagedKVLayout
+from trtkv.calibration.channel_bits import allocate
 from trtkv.formats import get_format
 from trtkv.plugins import cpu_attention as ca
 from trtkv.quant import TensorParams
@@ -43,6 +44,14 @@ def rope_table(positions: int, base: float = 100000.0) -> tuple[torch.Tensor, to
     return emb.cos(), emb.sin()
 
 
+def allocated_widths(tf, g: torch.Generator) -> torch.Tensor:
+    """Code widths [HEADS, HEAD_DIM] of an ``allocB`` format as calibration gives them: the greedy allocation over
+    channels whose ranges spread like a model's (log-normal), each bit quartering a channel's error."""
+    spread = torch.exp(torch.randn(HEADS, HEAD_DIM, 1, generator=g))
+    errors = spread * 4.0 ** -torch.tensor(tf.channel_widths, dtype=torch.float32)
+    return allocate(errors, tf.channel_widths, tf.row_code_bits(HEAD_DIM)).float()
+
+
 def decode_call(spec: str, batch: int, context: int, seed: int):
     """A ready decode call of ``spec`` over random pools: a zero-argument function."""
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +64,8 @@ def decode_call(spec: str, batch: int, context: int, seed: int):
     for which in "kv":
         tf = lay.tensor_format(which)
         params = TensorParams(smooth=torch.rand(HEADS, HEAD_DIM, generator=g) + 0.5 if tf.smooth else None,  # nuq: random levels
-                              codebook=torch.sort(torch.randn(tf.codebook_levels, generator=g), -1).values if tf.codebook else None)
+                              codebook=torch.sort(torch.randn(tf.codebook_levels, generator=g), -1).values if tf.codebook else None,
+                              bits=allocated_widths(tf, g) if tf.allocated_bits is not None else None)
         pool = lay.allocate(which)
         if pool.outlier_index is not None:  # outN: positions inside the block, fp16 values
             pool.outlier_index.copy_(torch.randint(0, block * HEAD_DIM, pool.outlier_index.shape, generator=g).to(pool.outlier_index.dtype))

@@ -95,7 +95,8 @@ typedef struct {
     int64_t outliers, pre_rope;
     /* KIND_CHANNELS (allocB formats): channel d of head h has its own code width; its code is the bits
        chan_off[h * D + d] .. + width of the row (read from that byte and the next, the row's last byte standing in for
-       the one past it), masked by chan_mask[h * D + d] = 2^width - 1 (0: no code, the block's zero-point alone) */
+       the one past it), masked by chan_mask[h * D + d] = 2^width - 1 (0: no code, the block's zero-point alone);
+       channels in their own order, each code after the one before (formats.channel_offsets) */
     const int32_t *chan_off, *chan_mask;
 } Fmt;
 
@@ -111,8 +112,9 @@ typedef struct {
     int64_t sink_tokens;
     const int16_t *oidx;        /* [NB, H, outliers] positions token * D + channel in the block (outN formats) */
     const half *oval;           /* [NB, H, outliers] their values (stored space) */
-    const float *rope_cos, *rope_sin; /* [rope_rows, D] the model's RoPE at positions 0 .. rope_rows - 1 (pre_rope) */
-    int64_t rope_rows;
+    const float *rope_cos, *rope_sin; /* the model's RoPE at positions 0 .. rope_rows - 1 (pre_rope): channel d < D / 2 of */
+    int64_t rope_rows;                /* position p at p * rope_stride + d, channel D / 2 + d at p * rope_stride + rope_hoff + d */
+    int64_t rope_stride, rope_hoff;   /* (equal halves: the first alone, stride D / 2 and hoff 0; else D and D / 2) */
     const int64_t *first_pos;   /* [B] position of sealed column 0, row 0 (pre_rope) */
 } Ctx;
 
@@ -322,6 +324,134 @@ static inline void lin_row(const Fmt *f, const uint8_t *restrict row, int64_t D,
         for (int64_t d = 0; d < D; d++) x[d] -= f->offset;
 }
 
+/* allocB rows (KIND_CHANNELS), code by code: each from a 32-bit load at its byte (a gather the compiler may vectorize).
+   The rows of a block are contiguous, so a row with at least 3 bytes and a row after it may read up to 3 bytes past its
+   end (masked off); the block's last row (and rows under 3 bytes) read byte by byte, their own last byte standing in. */
+static void channel_rows(const Fmt *f, const int32_t *restrict off, const int32_t *restrict mask, const uint8_t *restrict data,
+                         float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, rb = f->row_bytes, last = rb - 1;
+    int32_t at[MAX_HEAD_DIM], sh[MAX_HEAD_DIM];
+    for (int64_t d = 0; d < D; d++) at[d] = off[d] >> 3, sh[d] = off[d] & 7;
+    const int64_t wide = rb >= 3 ? bs - 1 : 0;
+    for (int64_t t = 0; t < wide; t++) {
+        const uint8_t *restrict row = data + t * rb;
+        float *restrict x = out + t * D;
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t word;
+            __builtin_memcpy(&word, row + at[d], sizeof word);  /* little-endian: byte at[d] lowest */
+            x[d] = (float)((word >> sh[d]) & (uint32_t)mask[d]);
+        }
+    }
+    for (int64_t t = wide; t < bs - 1; t++) {
+        const uint8_t *restrict row = data + t * rb;
+        float *restrict x = out + t * D;
+        for (int64_t d = 0; d < D; d++) {
+            const uint32_t pair = (uint32_t)row[at[d]] | ((uint32_t)row[at[d] + 1] << 8);  /* the next row's byte at most */
+            x[d] = (float)((pair >> sh[d]) & (uint32_t)mask[d]);
+        }
+    }
+    const uint8_t *restrict row = data + (bs - 1) * rb;
+    float *restrict x = out + (bs - 1) * D;
+    for (int64_t d = 0; d < D; d++) {
+        const int32_t byte = at[d];
+        const uint32_t pair = (uint32_t)row[byte] | ((uint32_t)row[byte < last ? byte + 1 : last] << 8);
+        x[d] = (float)((pair >> sh[d]) & (uint32_t)mask[d]);
+    }
+}
+
+#if defined(__AVX2__)
+/* allocB rows by vectors of 8 channels: channels are packed in their own order (formats.channel_offsets), so a chunk's
+   codes lie within 9 bytes of its first code's byte -- one 16-byte load there (in both halves of a vector), a byte
+   shuffle that puts each code's byte pair in its 32-bit lane, a shift per lane and a mask give 8 codes. A plan holds
+   one head's shuffles, shifts and masks. */
+typedef struct {
+    int64_t chunks, reach;  /* D / 8; the farthest chunk start (rows whose loads would pass the block: plan_tail) */
+    int32_t start[MAX_HEAD_DIM / 8];
+    __m256i shuf[MAX_HEAD_DIM / 8], shift[MAX_HEAD_DIM / 8], keep[MAX_HEAD_DIM / 8];
+} ChunkPlan;
+
+/* The plan of head offsets off / masks mask [D]; 0 where head_dim is not a multiple of 8 or a chunk's codes lie
+   farther apart (not a layout the packer writes). */
+static int chunk_plan(const Fmt *f, const int32_t *restrict off, const int32_t *restrict mask, ChunkPlan *restrict p) {
+    const int64_t D = f->head_dim;
+    if (D % 8) return 0;
+    p->chunks = D / 8, p->reach = 0;
+    for (int64_t k = 0; k < p->chunks; k++) {
+        const int32_t *o = off + 8 * k, *m = mask + 8 * k;
+        int32_t first = 0, sh[8];
+        uint32_t ctl[8];
+        for (int i = 7; i >= 0; i--)
+            if (m[i]) first = o[i] >> 3;  /* the chunk's first code's byte (a 0-width channel has no byte) */
+        for (int i = 0; i < 8; i++) {
+            const int32_t rel = (o[i] >> 3) - first;
+            if (!m[i]) {
+                ctl[i] = 0x80808080u, sh[i] = 0;  /* pshufb: 0x80 selects a zero byte */
+                continue;
+            }
+            if (rel < 0 || rel > 14) return 0;
+            ctl[i] = (uint32_t)rel | (uint32_t)(rel + 1) << 8 | 0x80800000u, sh[i] = o[i] & 7;
+        }
+        p->start[k] = first, p->reach = first > p->reach ? first : p->reach;
+        p->shuf[k] = _mm256_loadu_si256((const __m256i *)ctl);
+        p->shift[k] = _mm256_loadu_si256((const __m256i *)sh);
+        p->keep[k] = _mm256_loadu_si256((const __m256i *)m);
+    }
+    return 1;
+}
+
+/* How many rows of a block of bs rows at data load within it (row t's loads reach byte t * rb + reach + 15); the others
+   are copied into pad [2 * MAX_HEAD_DIM + 32] (less than 2 rows and 16 bytes), 16 zero bytes after them. */
+static inline int64_t plan_tail(const ChunkPlan *p, const uint8_t *data, int64_t rb, int64_t bs, uint8_t *pad) {
+    const int64_t safe = bs * rb < p->reach + 16 ? 0 : (bs * rb - p->reach - 16) / rb + 1 < bs ? (bs * rb - p->reach - 16) / rb + 1 : bs;
+    memcpy(pad, data + safe * rb, (size_t)((bs - safe) * rb));
+    memset(pad + (bs - safe) * rb, 0, 16);
+    return safe;
+}
+
+/* Row t of the block at data, or its copy in pad (plan_tail's). */
+static inline const uint8_t *plan_row(const uint8_t *data, const uint8_t *pad, int64_t t, int64_t safe, int64_t rb) {
+    return t < safe ? data + t * rb : pad + (t - safe) * rb;
+}
+
+/* Chunk k's 8 codes of one row as floats. */
+static inline __attribute__((always_inline)) v8f chunk_codes(const uint8_t *restrict row, int32_t start, __m256i shuf, __m256i shift, __m256i keep) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + start)));
+    return (v8f)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(bytes, shuf), shift), keep));
+}
+
+/* The codes of one row as vectors x[0 .. chunks), times sf plus zf (per channel, as vectors) where sf is given. */
+static inline __attribute__((always_inline)) void plan_decode(const ChunkPlan *restrict p, const uint8_t *restrict row, const v8f *restrict sf,
+                                                              const v8f *restrict zf, v8f *restrict x) {
+    for (int64_t k = 0; k < p->chunks; k++) {
+        const v8f v = chunk_codes(row, p->start[k], p->shuf[k], p->shift[k], p->keep[k]);
+        x[k] = sf ? v * sf[k] + zf[k] : v;
+    }
+}
+
+/* A block's rows (codes times the block's per-channel scale sf plus zf where given: one pass instead of two) into out
+   [bs, D]; 0, having written nothing, where there is no plan. */
+static int channel_rows_simd(const Fmt *f, const int32_t *restrict off, const int32_t *restrict mask, const uint8_t *restrict data,
+                             const float *restrict sf, const float *restrict zf, float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, rb = f->row_bytes;
+    ChunkPlan p;
+    if (!chunk_plan(f, off, mask, &p)) return 0;
+    v8f s[MAX_HEAD_DIM / 8], z[MAX_HEAD_DIM / 8], x[MAX_HEAD_DIM / 8];
+    for (int64_t k = 0; sf && k < p.chunks; k++) s[k] = load8(sf + 8 * k), z[k] = load8(zf + 8 * k);
+    uint8_t pad[2 * MAX_HEAD_DIM + 32];
+    const int64_t safe = plan_tail(&p, data, rb, bs, pad);
+    for (int64_t t = 0; t < bs; t++) {
+        plan_decode(&p, plan_row(data, pad, t, safe, rb), sf ? s : 0, z, x);
+        for (int64_t k = 0; k < p.chunks; k++) store8(out + t * D + 8 * k, x[k]);
+    }
+    return 1;
+}
+#define HAVE_CHUNK_PLAN 1
+#else
+#define HAVE_CHUNK_PLAN 0
+static int channel_rows_simd(const Fmt *f, const int32_t *restrict off, const int32_t *restrict mask, const uint8_t *restrict data,
+                             const float *restrict sf, const float *restrict zf, float *restrict out) { return 0; }
+#endif
+
 /* Column j of sequence b: its bs rows' codes as floats (the dtype's offset taken off, no scale yet; a nuq format's
    codes replaced by their codebook levels) into out [bs, D]; fp16 rows are their values. */
 static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
@@ -332,38 +462,8 @@ static inline void decode_codes(const Fmt *f, const Ctx *c, int64_t b, int64_t h
         return;
     }
     if (f->kind == KIND_CHANNELS) {
-        /* each code from a 32-bit load at its byte (a gather the compiler can vectorize): the rows of a block are
-           contiguous, so a row with at least 3 bytes and a row after it may read up to 3 bytes past its end (masked
-           off); the block's last row (and rows under 3 bytes) read byte by byte, their own last byte standing in */
         const int32_t *restrict off = f->chan_off + h * D, *restrict mask = f->chan_mask + h * D;
-        const int64_t rb = f->row_bytes, last = rb - 1;
-        int32_t at[MAX_HEAD_DIM], sh[MAX_HEAD_DIM];
-        for (int64_t d = 0; d < D; d++) at[d] = off[d] >> 3, sh[d] = off[d] & 7;
-        const int64_t wide = rb >= 3 ? bs - 1 : 0;
-        for (int64_t t = 0; t < wide; t++) {
-            const uint8_t *restrict row = data + t * rb;
-            float *restrict x = out + t * D;
-            for (int64_t d = 0; d < D; d++) {
-                uint32_t word;
-                __builtin_memcpy(&word, row + at[d], sizeof word);  /* little-endian: byte at[d] lowest */
-                x[d] = (float)((word >> sh[d]) & (uint32_t)mask[d]);
-            }
-        }
-        for (int64_t t = wide; t < bs - 1; t++) {
-            const uint8_t *restrict row = data + t * rb;
-            float *restrict x = out + t * D;
-            for (int64_t d = 0; d < D; d++) {
-                const uint32_t pair = (uint32_t)row[at[d]] | ((uint32_t)row[at[d] + 1] << 8);  /* the next row's byte at most */
-                x[d] = (float)((pair >> sh[d]) & (uint32_t)mask[d]);
-            }
-        }
-        const uint8_t *restrict row = data + (bs - 1) * rb;
-        float *restrict x = out + (bs - 1) * D;
-        for (int64_t d = 0; d < D; d++) {
-            const int32_t byte = at[d];
-            const uint32_t pair = (uint32_t)row[byte] | ((uint32_t)row[byte < last ? byte + 1 : last] << 8);
-            x[d] = (float)((pair >> sh[d]) & (uint32_t)mask[d]);
-        }
+        if (!channel_rows_simd(f, off, mask, data, 0, 0, out)) channel_rows(f, off, mask, data, out);
         return;
     }
     const float *restrict cb = f->codebook ? f->codebook + (f->codebook_heads > 1 ? h * f->levels : 0) : 0;
@@ -452,7 +552,7 @@ static inline void hadamard_row(float *restrict x, int64_t D) {
    rotation's 1 / sqrt(hb)), then for keys stored before RoPE (cs / sn: that position's table rows; NULL: none) RoPE
    at the row's position (rotate-half layout, trtkv.rope.rotate: k = x * cos + rotate_half(x) * sin). */
 static inline __attribute__((always_inline)) void model_space_vectors(const Fmt *f, v8f *restrict x, const v8f *restrict m, int64_t V, const float *restrict cs,
-                                       const float *restrict sn) {
+                                       const float *restrict sn, int64_t hoff) {
     const int64_t hv = V / 2, hbv = (8 * V & -(8 * V)) / 8;
     if (f->rot) {
 #pragma GCC unroll 32
@@ -475,8 +575,9 @@ static inline __attribute__((always_inline)) void model_space_vectors(const Fmt 
 #pragma GCC unroll 16
     for (int64_t v = 0; v < hv; v++) {
         const v8f lo = x[v] * m[v], hi = x[v + hv] * m[v + hv];
-        x[v] = lo * load8(cs + 8 * v) - hi * load8(sn + 8 * v);
-        x[v + hv] = hi * load8(cs + 8 * (v + hv)) + lo * load8(sn + 8 * (v + hv));
+        const v8f c_lo = load8(cs + 8 * v), s_lo = load8(sn + 8 * v);
+        x[v] = lo * c_lo - hi * s_lo;
+        x[v + hv] = hi * (hoff ? load8(cs + hoff + 8 * v) : c_lo) + lo * (hoff ? load8(sn + hoff + 8 * v) : s_lo);
     }
 }
 
@@ -509,8 +610,9 @@ static inline __attribute__((always_inline)) void model_space_rows(const Fmt *f,
     for (int64_t t = 0; t < bs; t++) {
         float *restrict r = out + t * D;
         for (int64_t v = 0; v < V; v++) x[v] = load8(r + 8 * v);
-        if (f->pre_rope) model_space_vectors(f, x, m, V, c->rope_cos + (p0 + t) * D, c->rope_sin + (p0 + t) * D);
-        else model_space_vectors(f, x, m, V, 0, 0);
+        if (f->pre_rope)
+            model_space_vectors(f, x, m, V, c->rope_cos + (p0 + t) * c->rope_stride, c->rope_sin + (p0 + t) * c->rope_stride, c->rope_hoff);
+        else model_space_vectors(f, x, m, V, 0, 0, 0);
         for (int64_t v = 0; v < V; v++) store8(r + 8 * v, x[v]);
     }
 }
@@ -539,18 +641,130 @@ static void rows_to_model_space(const Fmt *f, const Ctx *c, int64_t b, int64_t h
             continue;
         }
         for (int64_t d = 0; d < D; d++) x[d] = r[d] * m[d];
-        const float *restrict cs = c->rope_cos + (p0 + t) * D, *restrict sn = c->rope_sin + (p0 + t) * D;
+        const float *restrict cs = c->rope_cos + (p0 + t) * c->rope_stride, *restrict sn = c->rope_sin + (p0 + t) * c->rope_stride;
+        const float *restrict cs_hi = cs + c->rope_hoff - half_d, *restrict sn_hi = sn + c->rope_hoff - half_d;  /* at d >= D / 2 */
         for (int64_t d = 0; d < half_d; d++) r[d] = x[d] * cs[d] - x[d + half_d] * sn[d];
-        for (int64_t d = half_d; d < D; d++) r[d] = x[d] * cs[d] + x[d - half_d] * sn[d];
+        for (int64_t d = half_d; d < D; d++) r[d] = x[d] * cs_hi[d] + x[d - half_d] * sn_hi[d];
     }
 }
+
+#if HAVE_CHUNK_PLAN
+/* What channel_model_block holds in registers for one RoPE pair of chunks (v and v + D / 16): their shuffles, shifts,
+   masks and first bytes, and their scales and zero-points times the model-space factors. */
+typedef struct {
+    __m256i shuf[2], shift[2], keep[2];
+    int32_t start[2];
+    v8f s[2], z[2];
+} RopePair;
+
+static inline __attribute__((always_inline)) RopePair rope_pair(const ChunkPlan *p, const float *sf, const float *zf, const v8f *m, int64_t v,
+                                                                int64_t hv) {
+    RopePair r;
+    for (int i = 0; i < 2; i++) {
+        const int64_t k = v + i * hv;
+        r.shuf[i] = p->shuf[k], r.shift[i] = p->shift[k], r.keep[i] = p->keep[k], r.start[i] = p->start[k];
+        r.s[i] = load8(sf + 8 * k) * m[k], r.z[i] = load8(zf + 8 * k) * m[k];
+    }
+    return r;
+}
+
+/* Rows t0 .. t1 - 1 (row t's bytes at rows + (t - t0) * rb) of n pairs from chunk v: decoded, scaled, rotated at
+   their positions (cos0 / sin0: the block's first row of the table; rotate-half: k = x * cos + rotate_half(x) * sin),
+   stored into out [bs, D]. */
+static inline __attribute__((always_inline)) void rope_pair_rows(const RopePair *restrict pr, int n, const uint8_t *restrict rows, int64_t rb,
+                                                                 int64_t t0, int64_t t1, const float *restrict cos0, const float *restrict sin0,
+                                                                 int64_t stride, int64_t hoff, int64_t v, int64_t hv, int64_t D,
+                                                                 float *restrict out) {
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *restrict row = rows + (t - t0) * rb;
+        const float *restrict cs = cos0 + t * stride, *restrict sn = sin0 + t * stride;
+        for (int i = 0; i < n; i++) {
+            const RopePair *q = pr + i;
+            const int64_t lo_at = 8 * (v + i), hi_at = 8 * (v + i + hv);
+            const v8f lo = chunk_codes(row, q->start[0], q->shuf[0], q->shift[0], q->keep[0]) * q->s[0] + q->z[0];
+            const v8f hi = chunk_codes(row, q->start[1], q->shuf[1], q->shift[1], q->keep[1]) * q->s[1] + q->z[1];
+            const v8f c_lo = load8(cs + lo_at), s_lo = load8(sn + lo_at);  /* hoff 0 (equal halves): the same for both */
+            store8(out + t * D + lo_at, lo * c_lo - hi * s_lo);
+            store8(out + t * D + hi_at, hi * (hoff ? load8(cs + hoff + lo_at) : c_lo) + lo * (hoff ? load8(sn + hoff + lo_at) : s_lo));
+        }
+    }
+}
+
+/* Column j of sequence b (held[b] > j) of allocB keys stored before RoPE, in model space [bs, D], by vectors: two RoPE
+   pairs of chunks at a time (channels c and c + D / 2 are rotated together), down the block's rows -- each row's chunks
+   decoded, scaled (the smoothing factors folded into the block's scales) and rotated at its position in one pass, the
+   pairs' constants in registers (rope_pair_rows); the rows whose loads would pass the block read from a padded copy. Then each outlier as a correction of its rotated row: RoPE is linear, so the kept value minus what its code
+   decodes to, rotated, adds to the two channels of its pair. 0, having written nothing, where this does not serve f. */
+static int channel_model_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, rb = f->row_bytes, V = D / 8, hv = V / 2, half_d = D / 2;
+    if (f->kind != KIND_CHANNELS || f->gran != GRAN_BLOCK_CHANNEL || !f->pre_rope || f->rot || !vector_model_space(f)) return 0;
+    const int32_t *restrict off = f->chan_off + h * D, *restrict mask = f->chan_mask + h * D;
+    ChunkPlan p;
+    if (!chunk_plan(f, off, mask, &p)) return 0;
+    const int64_t bh = c->tables[b * c->cols + j] * f->num_heads + h, p0 = c->first_pos[b] + j * bs;
+    const uint8_t *data = c->data + bh * bs * rb;
+    float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
+    block_channel(c, bh, D, sf, zf);
+    v8f m[MAX_HEAD_DIM / 8];
+    model_space_factors(f, h, m);
+    uint8_t pad[2 * MAX_HEAD_DIM + 32];
+    const int64_t safe = plan_tail(&p, data, rb, bs, pad);
+    const int64_t stride = c->rope_stride, hoff = c->rope_hoff;
+    const float *restrict cos0 = c->rope_cos + p0 * stride, *restrict sin0 = c->rope_sin + p0 * stride;
+    int64_t v = 0;
+    for (; v + 2 <= hv; v += 2) {  /* two pairs: whole cache lines of the rows written per pass */
+        const RopePair two[2] = {rope_pair(&p, sf, zf, m, v, hv), rope_pair(&p, sf, zf, m, v + 1, hv)};
+        if (hoff) {
+            rope_pair_rows(two, 2, data, rb, 0, safe, cos0, sin0, stride, hoff, v, hv, D, out);
+            rope_pair_rows(two, 2, pad, rb, safe, bs, cos0, sin0, stride, hoff, v, hv, D, out);
+        } else {  /* equal halves: one table load for both */
+            rope_pair_rows(two, 2, data, rb, 0, safe, cos0, sin0, stride, 0, v, hv, D, out);
+            rope_pair_rows(two, 2, pad, rb, safe, bs, cos0, sin0, stride, 0, v, hv, D, out);
+        }
+    }
+    for (; v < hv; v++) {
+        const RopePair one[1] = {rope_pair(&p, sf, zf, m, v, hv)};
+        rope_pair_rows(one, 1, data, rb, 0, safe, cos0, sin0, stride, hoff, v, hv, D, out);
+        rope_pair_rows(one, 1, pad, rb, safe, bs, cos0, sin0, stride, hoff, v, hv, D, out);
+    }
+    const int16_t *ix = f->outliers ? c->oidx + bh * f->outliers : 0;
+    const half *ov = f->outliers ? c->oval + bh * f->outliers : 0;
+    for (int64_t k = 0; k < f->outliers; k++) {
+        const int64_t at = ix[k], t = at / D, e = at % D;
+        if (at < 0 || at >= bs * D) continue;  /* a position outside the block is never written */
+        const uint8_t *row = data + t * rb;
+        const int32_t byte = off[e] >> 3;
+        const uint32_t pair = (uint32_t)row[byte] | ((uint32_t)row[byte < rb - 1 ? byte + 1 : rb - 1] << 8);
+        const float coded = (float)((pair >> (off[e] & 7)) & (uint32_t)mask[e]) * sf[e] + zf[e];
+        const float delta = ((float)ov[k] - coded) * m[e / 8][e % 8];
+        const float *restrict cs = c->rope_cos + (p0 + t) * stride, *restrict sn = c->rope_sin + (p0 + t) * stride;
+        float *restrict r = out + t * D;
+        if (e < half_d) {  /* channel e pairs with e + D / 2, whose table entries sit at hoff + e */
+            r[e] += delta * cs[e];
+            r[e + half_d] += delta * sn[hoff + e];
+        } else {
+            r[e] += delta * cs[hoff + e - half_d];
+            r[e - half_d] -= delta * sn[e - half_d];
+        }
+    }
+    return 1;
+}
+#else
+static int channel_model_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) { return 0; }
+#endif
 
 /* Column j of sequence b (held[b] > j): its bs rows' values in stored space into out [bs, D] -- the codes decoded and
    scaled, the block's outliers written over them. */
 static inline void stored_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads, bs = f->block_size, blk = c->tables[b * c->cols + j], bh = blk * H + h;
-    decode_codes(f, c, b, h, j, out);
-    if (f->kind != KIND_FP16) {
+    int scaled = 0;  /* allocB rows, by vectors: decoded and scaled in one pass */
+    if (f->kind == KIND_CHANNELS && f->gran == GRAN_BLOCK_CHANNEL) {
+        float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
+        block_channel(c, bh, D, sf, zf);
+        scaled = channel_rows_simd(f, f->chan_off + h * D, f->chan_mask + h * D, c->data + bh * bs * f->row_bytes, sf, zf, out);
+    }
+    if (!scaled) decode_codes(f, c, b, h, j, out);
+    if (!scaled && f->kind != KIND_FP16) {
         if (f->gran == GRAN_STATIC) {
             const float *restrict sc = f->static_scale + h * D;
             for (int64_t t = 0; t < bs; t++)
@@ -586,8 +800,10 @@ static inline void stored_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h
    space). */
 static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads;
-    stored_block(f, c, b, h, j, out);
-    if (f->pre_rope) rows_to_model_space(f, c, b, h, j, out);
+    if (!channel_model_block(f, c, b, h, j, out)) {
+        stored_block(f, c, b, h, j, out);
+        if (f->pre_rope) rows_to_model_space(f, c, b, h, j, out);
+    }
     if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
 }
@@ -596,8 +812,10 @@ static inline void decode_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h
    transform undone, the sink rows (model space) in place. */
 static inline void model_block(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, float *restrict out) {
     const int64_t D = f->head_dim, H = f->num_heads;
-    stored_block(f, c, b, h, j, out);
-    if (f->pre_rope || f->rot || f->smooth) rows_to_model_space(f, c, b, h, j, out);
+    if (!channel_model_block(f, c, b, h, j, out)) {
+        stored_block(f, c, b, h, j, out);
+        if (f->pre_rope || f->rot || f->smooth) rows_to_model_space(f, c, b, h, j, out);
+    }
     if (j == 0 && c->sink && (!c->sink_ok || c->sink_ok[b]))
         memcpy(out, c->sink + (b * H + h) * c->sink_tokens * D, (size_t)(c->sink_tokens * D) * sizeof(float));
 }
@@ -798,13 +1016,33 @@ static inline void key_scores(const Fmt *f, const Ctx *c, int64_t b, int64_t h, 
         for (int64_t t = 0; t < bs; t++) s[i * ss + t] += bias[i];
 }
 
+/* A block's value outliers on top of value_accumulate's folded sums: each kept element (row t >= skip, channel d) adds
+   p[i, t] * (its value - what its code decodes to), the code's value being rows' entry times its scale plus zero-point
+   (per token: that row's group's, gs / gz [m, G] from row skip; else per channel: sf / zf). */
+static inline void value_outliers(const Fmt *f, const Ctx *c, int64_t bh, int64_t skip, const float *restrict p, int64_t ps, int64_t n,
+                                  const float *restrict blk, const float *restrict gs, const float *restrict gz,
+                                  const float *restrict sf, const float *restrict zf, float *restrict out) {
+    const int64_t D = f->head_dim, bs = f->block_size, g = gs ? D / f->groups : 0;
+    const int16_t *ix = c->oidx + bh * f->outliers;
+    const half *ov = c->oval + bh * f->outliers;
+    for (int64_t k = 0; k < f->outliers; k++) {
+        const int64_t at = ix[k], t = at / D, d = at % D;
+        if (at < 0 || at >= bs * D || t < skip) continue;  /* outside the block (never written) or a skipped row */
+        const float coded = gs ? blk[at] * gs[(t - skip) * f->groups + d / g] + (gz ? gz[(t - skip) * f->groups + d / g] : 0.0f)
+                               : blk[at] * sf[d] + zf[d];
+        const float delta = (float)ov[k] - coded;
+        for (int64_t i = 0; i < n; i++) out[i * D + d] += p[i * ps + t] * delta;
+    }
+}
+
 /* out[i, :] += sum over rows t >= skip of column j of p[i * ps + t] * value row t. Scales are folded too: per token
    (groups), into the probabilities, one group's columns at a time (p * s) and the zero-points as sum_t p * z; per block
-   channel or static, applied once to the block's sum (s * sum_t p c + z * sum_t p). */
+   channel or static, applied once to the block's sum (s * sum_t p c + z * sum_t p). A block's outliers are corrections
+   on top (value_outliers). */
 static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64_t h, int64_t j, int64_t skip, const float *restrict p,
                              int64_t ps, int64_t n, Scratch *w, float *restrict out) {
     const int64_t D = f->head_dim, bs = f->block_size, m = bs - skip, bh = c->tables[b * c->cols + j] * f->num_heads + h;
-    if (f->kind == KIND_FP16 || c->sink || f->gran == GRAN_NONE || f->outliers) {
+    if (f->kind == KIND_FP16 || c->sink || f->gran == GRAN_NONE) {
         decode_block(f, c, b, h, j, w->blk);
         accumulate(out, p + skip, ps, w->blk + skip * D, m, n, D);
         return;
@@ -828,6 +1066,7 @@ static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64
             }
             accumulate_cols(out + k * g, D, w->ps, bs, rows + k * g, D, m, n, g);
         }
+        if (f->outliers) value_outliers(f, c, bh, skip, p, ps, n, w->blk, gs, c->zero ? gz : 0, 0, 0, out);
         return;
     }
     float sf[MAX_HEAD_DIM], zf[MAX_HEAD_DIM];
@@ -839,6 +1078,7 @@ static inline void value_accumulate(const Fmt *f, const Ctx *c, int64_t b, int64
         for (int64_t t = 0; t < m; t++) psum += p[i * ps + skip + t];
         for (int64_t d = 0; d < D; d++) out[i * D + d] += w->acc[i * D + d] * sf[d] + zf[d] * psum;
     }
+    if (f->outliers) value_outliers(f, c, bh, skip, p, ps, n, w->blk, 0, 0, sf, zf, out);
 }
 
 /* The pairs bh = b * H + h in [first, last) of one decode call, with their own scratch (not inlined: inlined into the

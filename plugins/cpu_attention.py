@@ -67,7 +67,7 @@ class _Fmt(ctypes.Structure):
 class _Ctx(ctypes.Structure):
     _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("tables", _ptr), ("cols", _i64), ("held", _ptr),
                 ("batch", _i64), ("nb", _i64), ("sink", _ptr), ("sink_ok", _ptr), ("sink_tokens", _i64), ("oidx", _ptr), ("oval", _ptr),
-             ("rope_cos", _ptr), ("rope_sin", _ptr), ("rope_rows", _i64), ("first_pos", _ptr)]
+             ("rope_cos", _ptr), ("rope_sin", _ptr), ("rope_rows", _i64), ("rope_stride", _i64), ("rope_hoff", _i64), ("first_pos", _ptr)]
 
 
 class _Decode(ctypes.Structure):
@@ -246,10 +246,18 @@ def _p(t: torch.Tensor | None):
 
 
 def _rope(rope) -> tuple:
-    """A RoPE table ``(cos, sin)`` [P, D] as the kernels read it (float32, contiguous), or (None, None)."""
+    """A RoPE table ``(cos, sin)`` [P, D] as the kernels read it: ``(cos, sin, stride, hoff)``, float32 and contiguous,
+    channel d < D / 2 of row p at ``p * stride + d`` and channel D / 2 + d at ``p * stride + hoff + d``. Where both
+    tables' halves are equal -- the rotate-half layout of every supported model (its angles concatenated twice) -- the
+    first halves alone (stride D / 2, hoff 0: half the table read per key row); else whole rows (stride D, hoff D / 2).
+    (None, None, 0, 0) without a table."""
     if rope is None:
-        return None, None
-    return tuple(t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in rope)
+        return None, None, 0, 0
+    cos, sin = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in rope)
+    half = cos.shape[-1] // 2
+    if cos.shape[-1] % 2 == 0 and all(torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin)):
+        return cos[:, :half].contiguous(), sin[:, :half].contiguous(), half, 0
+    return cos, sin, cos.shape[-1], half
 
 
 def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None,
@@ -263,11 +271,11 @@ def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Te
     sink = None if sink is None else sink.float().contiguous()
     sink_ok = None if sink_ok is None else sink_ok.to(torch.uint8).contiguous()
     first_pos = None if first_pos is None else first_pos.to(torch.int64).contiguous()
-    cos, sin = _rope(rope)
+    cos, sin, stride, hoff = _rope(rope)
     c = _Ctx(data=_p(pool.data), scale=_p(pool.scale), zero=_p(pool.zero), tables=_p(tables), cols=tables.shape[1], held=_p(held),
              batch=tables.shape[0], nb=nb, sink=_p(sink), sink_ok=_p(sink_ok), sink_tokens=0 if sink is None else sink.shape[2],
              oidx=_p(pool.outlier_index), oval=_p(pool.outlier_value), rope_cos=_p(cos), rope_sin=_p(sin),
-             rope_rows=0 if cos is None else cos.shape[0], first_pos=_p(first_pos))
+             rope_rows=0 if cos is None else cos.shape[0], rope_stride=stride, rope_hoff=hoff, first_pos=_p(first_pos))
     return c, (tables, held, sink, sink_ok, first_pos, cos, sin)
 
 
@@ -329,12 +337,15 @@ class DecodeStep:
     def __init__(self, tables, held, nb: int, slot, open_len, q_pos, first_pos, open_pos, sink_ok=None, rope=None):
         i64 = lambda t: t.to(torch.int64).contiguous()
         self.tensors = (i64(tables), i64(held), i64(slot), i64(open_len), i64(q_pos), i64(first_pos), i64(open_pos),
-                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous(), *_rope(rope))
+                        None if sink_ok is None else sink_ok.to(torch.uint8).contiguous())
+        cos, sin, stride, hoff = _rope(rope)
+        self.tensors += (cos, sin)
         tables, held, slot, open_len, q_pos, first_pos, open_pos, sink_ok, cos, sin = self.tensors
         self.batch = tables.shape[0]
         # keys stored before RoPE read ``rope`` (the model's (cos, sin) [P, D], positions 0 .. P - 1) at their positions
         self.kc, self.vc = (_Ctx(tables=_p(tables), cols=tables.shape[1], held=_p(held), batch=self.batch, nb=nb, first_pos=_p(first_pos),
-                                 rope_cos=_p(cos), rope_sin=_p(sin), rope_rows=0 if cos is None else cos.shape[0]) for _ in range(2))
+                                 rope_cos=_p(cos), rope_sin=_p(sin), rope_rows=0 if cos is None else cos.shape[0], rope_stride=stride,
+                                 rope_hoff=hoff) for _ in range(2))
         self.args = _Decode(slot=_p(slot), open_len=_p(open_len), q_pos=_p(q_pos), first_pos=_p(first_pos), open_pos=_p(open_pos),
                             sink_ok=_p(sink_ok))
         self.refs = tuple(ctypes.byref(x) for x in (self.kc, self.vc, self.args))

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(ca.unavailable() is not None, reason="no C compiler for trtkv's CPU kernels")
 def test_the_kernel_bench_reports_each_format_against_the_first(tmp_path):
     formats = ["fp16", "int4", "k=int8:token:asym:smooth,v=int8:bchannel:sym:hadamard,block=64",
-               "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard:nuq,block=64"]
+               "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard:nuq,block=64",
+               "k=int8:bchannel:asym:prerope:alloc3.5:out4,v=int2:token:sym:hadamard:nuq:out8,block=64"]  # bits per channel
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_kernels.py"), "--formats", *formats, "--batch", "2",
                           "--context", "128", "--threads", "1", "2", "--reps", "2", "--iters", "1", "--out", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, random_widths
 
 from trtkv.cache_layout import PagedKVLayout, WindowRing
 from trtkv.errors import TrtkvError
@@ -306,21 +306,34 @@ FEATURE_CASES = [
     ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g16:sym:hadamard,block=5,sink=2", 48),
     ("k=int2:bchannel:asym:prerope:smooth:out2,v=int4:g16:sym,block=5", 32),
     ("k=int4:bchannel:asym:prerope:hadamard:out3,v=int4:g32:sym:hadamard,block=3", 128),
+    # allocB keys (random widths per channel): by vectors of 8 channels (rows of 9, 32 and 48 bytes, the padded copy
+    # at a block's end), by codes (head_dim 20; rows of 2 bytes at head_dim 4); value outliers over per-token zero-points
+    ("k=int8:bchannel:asym:prerope:alloc3:out3,v=int4:token:asym:out3,block=5,sink=2", 24),
+    ("k=int8:bchannel:asym:prerope:alloc4:out3,v=int2:token:sym:hadamard:nuq:out2,block=5", 64),
+    ("k=int4:bchannel:asym:alloc3:out2,v=int8:bchannel:asym:out2,block=5", 128),
+    ("k=int8:bchannel:asym:prerope:alloc2:out2,v=int4:token:asym:out2,block=5", 20),
+    ("k=int8:bchannel:asym:alloc4,v=int8:token:asym:out1,block=5", 4),
 ]
+
+
+ROPE_HALVES_DIFFER = False  # set by a test: tables whose two halves differ (the kernels then read whole rows)
 
 
 def _rope_table(P, d, g):
     """A RoPE table (cos, sin) [P, d] in the rotate-half layout with an attention scaling of 1.1 (the kernels must take
-    the table's values as they are)."""
+    the table's values as they are); its halves equal (every model's: the kernels read the first alone) unless
+    ROPE_HALVES_DIFFER, then the second half's angles and scaling differ."""
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]
-    ang = torch.cat([ang, ang], -1)
-    return (ang.cos() * 1.1).float(), (ang.sin() * 1.1).float()
+    scale = torch.cat([torch.full((d // 2,), 1.1), torch.full((d // 2,), 0.9 if ROPE_HALVES_DIFFER else 1.1)]).double()
+    ang = torch.cat([ang, ang * 1.3 if ROPE_HALVES_DIFFER else ang], -1)
+    return (ang.cos() * scale).float(), (ang.sin() * scale).float()
 
 
 def _feature_params(tf, g, d):
     book = torch.sort(torch.randn(H, tf.codebook_levels, generator=g) * tf.codebook_levels / 3, -1).values if tf.codebook else None
-    return TensorParams(smooth=torch.rand(H, d, generator=g) + 0.5 if tf.smooth else None, codebook=book)
+    return TensorParams(smooth=torch.rand(H, d, generator=g) + 0.5 if tf.smooth else None, codebook=book,
+                        bits=random_widths(tf, H, d, g) if tf.allocated_bits is not None else None)
 
 
 def _feature_pool(lay, which, params, g, block_pos, rope):
@@ -338,8 +351,7 @@ def _feature_pool(lay, which, params, g, block_pos, rope):
     cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]
     qt = quantize_block(x, tf, params, head_axis=-3, rope=(cos, sin) if tf.pre_rope else None)
     store_quantized(pool, torch.arange(NB), qt, tf)
-    p64 = TensorParams(smooth=None if params.smooth is None else params.smooth.double(),
-                       codebook=None if params.codebook is None else params.codebook.double())
+    p64 = params.map(torch.Tensor.double)
     model = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, rope=(cos.double(), sin.double()) if tf.pre_rope else None)
     stored = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, transforms=False)
     pool.tail.copy_(torch.randn(pool.tail.shape, generator=g).half())
@@ -420,6 +432,21 @@ def test_decode_reads_outliers_and_keys_before_rope(spec, d, ring, monkeypatch):
         with pytest.raises(TrtkvError, match="RoPE table"):
             bare = ca.DecodeStep(tables, held, int(held.max()), slots, open_len, q_pos, first * BS, (q_pos // BS) * BS, sink_ok)
             ca.decode_model_space(kc, vc, kpool, vpool, bare, q, nk, nv, 0.3)
+
+
+@pytest.mark.parametrize("spec, d", [c for c in FEATURE_CASES if "prerope" in c[0]])
+def test_a_rope_table_with_unequal_halves_is_read_whole(spec, d, monkeypatch):
+    """The kernels read the first half of a RoPE table whose halves are equal (every supported model's), else whole
+    rows: keys before RoPE against float64 with a table whose halves differ, in the dequant and the decode."""
+    monkeypatch.setitem(globals(), "ROPE_HALVES_DIFFER", True)
+    cos, sin = _rope_table(9, d, None)
+    assert ca._rope((cos, sin))[2:] == (d, d // 2) and not torch.equal(cos[:, : d // 2], cos[:, d // 2 :])
+    monkeypatch.setitem(globals(), "ROPE_HALVES_DIFFER", False)
+    half = ca._rope(_rope_table(9, d, None))
+    assert half[2:] == (d // 2, 0) and half[0].shape == (9, d // 2)
+    monkeypatch.setitem(globals(), "ROPE_HALVES_DIFFER", True)
+    test_dequant_reads_outliers_and_keys_before_rope(spec, d, monkeypatch)
+    test_decode_reads_outliers_and_keys_before_rope(spec, d, True, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -635,6 +662,45 @@ def test_the_c_seal_refuses_nan_and_inf_in_one_line(bad, threads):
     assert all(torch.equal(t, cache.tensors[name]) for name, t in before.items())
 
 
+_GUARD_PAGE_READ = """
+import ctypes, mmap, torch
+from trtkv.formats import parse_tensor_spec
+from trtkv.plugins import cpu_attention as ca
+from trtkv.quant import TensorParams, quantize_block
+g = torch.Generator().manual_seed(3)
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+page = mmap.PAGESIZE
+for spec, d in {cases!r}:
+    tf = parse_tensor_spec(spec)
+    params = TensorParams(bits=torch.full((2, d), float(tf.allocated_bits)))  # every row ends in a code
+    qt = quantize_block(torch.randn(3, 2, 5, d, generator=g), tf, params, head_axis=-3)
+    want = ca.dequant_blocks(ca.RowCodec.of(tf, params, 2, d, 5), qt, 3)
+    m = mmap.mmap(-1, 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mprotect(base + page, page, 0) == 0  # PROT_NONE: any read past the codes faults
+    end = torch.frombuffer(m, dtype=torch.uint8)[page - qt.codes.numel() : page]  # the codes' last byte ends the page
+    qt.codes = end.view(qt.codes.shape).copy_(qt.codes)
+    got = ca.dequant_blocks(ca.RowCodec.of(tf, params, 2, d, 5), qt, 3)
+    assert torch.equal(got, want), spec
+print("read within the pool")
+"""
+
+
+def test_alloc_rows_are_never_read_past_the_pool():
+    """The allocB decoders load more bytes than a code needs (16 for 8 channels, 4 for one): the rows of the pool's last
+    block that such a load would carry past the pool are read from a padded copy (vectors) or byte by byte (codes). A
+    pool whose codes end where an unreadable page starts decodes as before, in a child process (a fault would kill it):
+    rows of 9 bytes by vectors, of 5 and of 2 bytes by codes."""
+    import subprocess
+    import sys
+
+    cases = [("int8:bchannel:asym:alloc3", 24), ("int8:bchannel:asym:alloc2", 20), ("int8:bchannel:asym:alloc4", 4)]
+    script = _GUARD_PAGE_READ.format(cases=cases)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "read within the pool" in run.stdout, (run.returncode, run.stderr[-2000:])
+
+
 @pytest.mark.parametrize("threads", [1, 4], indirect=True)
 @pytest.mark.parametrize("spec", ["int4", "int3", "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5"] + [s for s, d in FEATURE_CASES if d == D])
 def test_dequant_blocks_reads_a_seals_blocks_like_float64(spec, threads):
@@ -655,8 +721,7 @@ def test_dequant_blocks_reads_a_seals_blocks_like_float64(spec, threads):
         x = torch.randn(B * n, H, BS, D, generator=g) * 2
         x[:, :, 1, 3] += 9.0
         qt = quantize_block(x, tf, params, head_axis=-3, rope=(cos, sin) if tf.pre_rope else None)
-        p64 = TensorParams(smooth=None if params.smooth is None else params.smooth.double(),
-                           codebook=None if params.codebook is None else params.codebook.double())
+        p64 = params.map(torch.Tensor.double)
         want = dequantize(qt, tf, p64, head_axis=-3, dtype=torch.float64, rope=(cos.double(), sin.double()) if tf.pre_rope else None)
         want = want.view(B, n, H, BS, D).transpose(1, 2).reshape(B, H, n * BS, D)
         got = ca.dequant_blocks(ca.RowCodec.of(tf, params, H, D, BS), qt, B, first_pos=first, rope=rope)
