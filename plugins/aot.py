@@ -49,7 +49,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from . import contract as C  # noqa: E402
 from . import kernels as _k  # noqa: E402
-from .contract.capabilities import kernels_take  # noqa: E402
+from .contract.capabilities import kernel_refusal, kernels_attend  # noqa: E402
 
 ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
@@ -138,7 +138,7 @@ def _kv_types(kf: TensorFormat, vf: TensorFormat, q_dtype: str) -> dict:
                 had_ptr=f32, block_table_ptr=i32, context_lens_ptr=i32, cu_seqlens_q_ptr=i32, slot_ids_ptr=i32,
                 part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, qk_scale="fp32", softcap="fp32",
                 k_cb_ptr=f32, v_cb_ptr=f32, k_oidx_ptr=OUTLIER_INDEX_PTR, k_oval_ptr=f16, v_oidx_ptr=OUTLIER_INDEX_PTR,
-                v_oval_ptr=f16, rope_cos_ptr=f32, rope_sin_ptr=f32)
+                v_oval_ptr=f16, rope_cos_ptr=f32, rope_sin_ptr=f32, k_chan_ptr=i32, v_chan_ptr=i32)
 
 
 def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtype: str = "fp16") -> KernelConfig:
@@ -192,14 +192,16 @@ def prefill_kernel_config(fmt: KVFormat, head_dim: int, gqa_ratio: int, q_dtype:
 def kernel_configs(formats: list[KVFormat] | None = None, head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS,
                    q_dtype: str = "fp16", precision: str = DEFAULT_PRECISION,
                    prefill_precision: str = PREFILL_PRECISION) -> list[KernelConfig]:
-    """Every kernel configuration of the given formats (default: every preset the kernels take), deduplicated by name."""
-    formats = [f for f in PRESETS.values() if kernels_take(f)] if formats is None else formats
+    """Every kernel configuration of the given formats (default: every preset the attention kernels read; the seal's
+    for the tensor formats the seal kernel writes), deduplicated by name."""
+    formats = [f for f in PRESETS.values() if kernels_attend(f)] if formats is None else formats
     out: dict[str, KernelConfig] = {}
     for d in head_dims:
         for fmt in formats:
             for tf in (fmt.k, fmt.v):
-                c = seal_kernel_config(tf, d, block_size_of(fmt), q_dtype)
-                out.setdefault(c.name, c)
+                if kernel_refusal(tf, ("seal",)) is None:  # allocB rows: the reference quantizer seals them
+                    c = seal_kernel_config(tf, d, block_size_of(fmt), q_dtype)
+                    out.setdefault(c.name, c)
             for c in decode_kernel_configs(fmt, d, max(gqa_ratios), q_dtype, precision=precision):
                 out.setdefault(c.name, c)
             for r in gqa_ratios:

@@ -49,15 +49,34 @@ def case_codebook(tf: TensorFormat, kvh: int, gen: torch.Generator) -> torch.Ten
     return (lo + levels * (hi - lo)).float().contiguous()
 
 
+def case_widths(tf: TensorFormat, kvh: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Stand-in code widths [kv_heads, head_dim] of an ``allocB`` format ``tf`` (float32, as the artifact stores them):
+    head 0 starts with every allowed width once, the other channels are random, lowered one bit at a time at random
+    until each head's row fits the format's bits."""
+    choices = torch.tensor(tf.channel_widths)
+    w = choices[torch.randint(0, len(choices), (kvh, head_dim), generator=gen)]
+    fixed = min(len(choices), head_dim)
+    w[0, :fixed] = choices[:fixed]
+    budget = tf.row_code_bits(head_dim)
+    for h in range(kvh):
+        free = torch.arange(fixed if h == 0 else 0, head_dim)
+        while int(w[h].sum()) > budget:
+            c = int(free[torch.randint(0, len(free), (1,), generator=gen)])
+            w[h, c] = max(0, int(w[h, c]) - 1)
+    return w.float()
+
+
 def case_params(tf: TensorFormat, which: str, x: torch.Tensor, gen: torch.Generator) -> TensorParams:
     """Stand-in calibration for rows ``x`` [n, kv_heads, head_dim]: smoothing divisors in [0.5, 2], static
     scales from the transformed rows' absolute maximum at the format's granularity (what ``trtkv
     calibrate`` picks, roughly), range multipliers 1 / 0.9 for dynamic K (clip search), codebooks
-    (``case_codebook``)."""
+    (``case_codebook``), code widths per channel (``case_widths``)."""
     kvh, d = x.shape[1:]
     p = TensorParams()
     if tf.codebook:
         p.codebook = case_codebook(tf, kvh, gen)
+    if tf.allocated_bits is not None:
+        p.bits = case_widths(tf, kvh, d, gen)
     if tf.smooth:
         p.smooth = torch.rand(kvh, d, generator=gen) * 1.5 + 0.5
     if tf.is_static:
@@ -231,9 +250,10 @@ class PagedCase:
                 self.kp.scale, self.kp.smooth, self.vp.scale, self.vp.smooth)
 
     def extras_kwargs(self, pools: tuple[KVPool, KVPool] | None = None) -> dict:
-        """What the issue-27 formats add to a read (``ops.SealedExtras``' fields): codebooks, outlier lists, RoPE table."""
+        """What the issue-27 formats add to a read (``ops.SealedExtras``' fields): codebooks, outlier lists, RoPE table,
+        code widths."""
         kp, vp = pools or (self.k_pool, self.v_pool)
-        return dict(k_codebook=self.kp.codebook, v_codebook=self.vp.codebook, k_outlier_index=kp.outlier_index,
+        return dict(k_codebook=self.kp.codebook, v_codebook=self.vp.codebook, k_bits=self.kp.bits, v_bits=self.vp.bits, k_outlier_index=kp.outlier_index,
                     k_outlier_value=kp.outlier_value, v_outlier_index=vp.outlier_index, v_outlier_value=vp.outlier_value,
                     rope_cos=None if self.rope is None else self.rope.cos.to(self.device),
                     rope_sin=None if self.rope is None else self.rope.sin.to(self.device))

@@ -491,19 +491,39 @@ def seal_kernel(
 
 
 @triton.jit
+def _channel_codes(data_ptr, row, m2, meta, RB: tl.constexpr):
+    """``allocB`` rows of RB bytes: the codes of channels ``meta`` [HALF] (int32, bit offset | width << 16:
+    ``ops._channel_table``) in rows ``row`` [N], as float32 [N, HALF] -- each from its byte and the next (the row's
+    last byte standing in past it: a code that starts there ends there), shifted and masked to its width (0: no code)."""
+    off = meta & 0xFFFF
+    byte = off >> 3
+    base = row[:, None] * RB
+    b0 = tl.load(data_ptr + base + byte[None, :], mask=m2, other=0).to(tl.int32)
+    b1 = tl.load(data_ptr + base + tl.minimum(byte + 1, RB - 1)[None, :], mask=m2, other=0).to(tl.int32)
+    pair = b0 | (b1 << 8)
+    return ((pair >> (off & 7)[None, :]) & ((1 << (meta >> 16)) - 1)[None, :]).to(tl.float32)
+
+
+@triton.jit
 def _load_halves(data_ptr, scale_ptr, zero_ptr, row, bh, mask,
                  HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, STATIC: tl.constexpr, SYM: tl.constexpr,
-                 GS: tl.constexpr, BCH: tl.constexpr, CODE_OFFSET: tl.constexpr, cb_ptr, kvh, LEVELS: tl.constexpr):
+                 GS: tl.constexpr, BCH: tl.constexpr, CODE_OFFSET: tl.constexpr, cb_ptr, kvh, LEVELS: tl.constexpr,
+                 chan_ptr, RB: tl.constexpr):
     """Even / odd channels of sealed pool rows ``row`` [N] (block-head index ``bh`` [N]) as fp32
     [N, HEAD_DIM//2], dynamic scales applied (static scales are folded into the query / output by the
     callers). Rows are read contiguously (vectorized) and split in registers. ``LEVELS`` > 0 (``nuq``): a code
     is an index into KV head ``kvh``'s row of the codebook ``cb_ptr`` [kv_heads, LEVELS] (the level, in code
-    units, replaces the code's own value; no offset)."""
+    units, replaces the code's own value; no offset). ``RB`` > 0 (``allocB``): rows of RB bytes whose channels have
+    their own widths, KV head ``kvh``'s row of the channel table ``chan_ptr`` [kv_heads, HEAD_DIM] (``_channel_codes``);
+    their scales are per block and channel (BCH, asymmetric)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     m2 = mask[:, None]
     N: tl.constexpr = row.shape[0]
     j = tl.arange(0, HALF)
-    if DTYPE == "int4" or DTYPE == "int2" or DTYPE == "int3":
+    if RB > 0:
+        lo = _channel_codes(data_ptr, row, m2, tl.load(chan_ptr + kvh * HEAD_DIM + 2 * j), RB)
+        hi = _channel_codes(data_ptr, row, m2, tl.load(chan_ptr + kvh * HEAD_DIM + 2 * j + 1), RB)
+    elif DTYPE == "int4" or DTYPE == "int2" or DTYPE == "int3":
         if DTYPE == "int4":
             b = tl.load(data_ptr + row[:, None] * HALF + j[None, :], mask=m2, other=0).to(tl.int32)
             lo_c = b & 15
@@ -696,44 +716,45 @@ def _window_and_cap(window, softcap, lowest_qpos, WINDOW: tl.constexpr, SOFTCAP:
 @triton.jit
 def _restore_outliers(lo, hi, oidx_ptr, oval_ptr, bh, off, HEAD_DIM: tl.constexpr, NOUT: tl.constexpr):
     """Even / odd halves [N, HEAD_DIM//2] of rows at offsets ``off`` [N] of one sealed block-head ``bh`` with that
-    block's outlier list (``NOUT`` positions ``token * HEAD_DIM + channel`` int16, fp16 values) written over them.
+    block's outlier list (``NOUT`` positions ``token * HEAD_DIM + channel`` int16, fp16 values; a multiple of 16, read in
+    chunks of its largest power-of-two divisor) written over them.
     The scatter is two one-hot products per half: rows [N, NOUT] x (channel one-hot, times the value) [NOUT, HALF],
     fp16 operands with one non-zero term per output, so exact on tensor cores and in the interpreter alike."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    o = tl.arange(0, NOUT)
-    idx = tl.load(oidx_ptr + bh * NOUT + o).to(tl.int32)
-    val = tl.load(oval_ptr + bh * NOUT + o).to(tl.float16)
-    hit = (off[:, None] == (idx // HEAD_DIM)[None, :]).to(tl.float16)  # [N, NOUT]
-    ch = idx % HEAD_DIM
+    CH: tl.constexpr = NOUT & -NOUT  # the list in chunks of its largest power-of-two divisor (>= 16: LIMITS)
     j2 = 2 * tl.arange(0, HALF)
-    c_lo = (ch[:, None] == j2[None, :]).to(tl.float16)  # [NOUT, HALF]
-    c_hi = (ch[:, None] == j2[None, :] + 1).to(tl.float16)
-    lo = tl.where(tl.dot(hit, c_lo) > 0, tl.dot(hit, c_lo * val[:, None]), lo)
-    hi = tl.where(tl.dot(hit, c_hi) > 0, tl.dot(hit, c_hi * val[:, None]), hi)
+    for c in tl.static_range(0, NOUT, CH):  # a position is listed once, so the chunks write disjoint elements
+        o = c + tl.arange(0, CH)
+        idx = tl.load(oidx_ptr + bh * NOUT + o).to(tl.int32)
+        val = tl.load(oval_ptr + bh * NOUT + o).to(tl.float16)
+        hit = (off[:, None] == (idx // HEAD_DIM)[None, :]).to(tl.float16)  # [N, CH]
+        ch = idx % HEAD_DIM
+        c_lo = (ch[:, None] == j2[None, :]).to(tl.float16)  # [CH, HALF]
+        c_hi = (ch[:, None] == j2[None, :] + 1).to(tl.float16)
+        lo = tl.where(tl.dot(hit, c_lo) > 0, tl.dot(hit, c_lo * val[:, None]), lo)
+        hi = tl.where(tl.dot(hit, c_hi) > 0, tl.dot(hit, c_hi * val[:, None]), hi)
     return lo, hi
 
 
 @triton.jit
-def _model_half(k16, lo, hi, jsel, kvh, smooth_ptr, had_ptr, B: tl.constexpr, HEAD_DIM: tl.constexpr,
-                SMOOTH: tl.constexpr, HAD: tl.constexpr):
-    """Model channels ``2 * jsel + B`` [HALF] of stored rows: ``((x @ H^T) * smooth)[:, 2 jsel + B]``, [N, HALF] fp32.
-    HAD: one product of the whole rows ``k16`` [N, HEAD_DIM] (fp16, the precision the open block keeps keys in) by
-    the [HEAD_DIM, HALF] slice of H^T (fp16); else a one-hot product picks the channels from half B (exact)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+def _model_half(k16, jsel, kvh, smooth_ptr, had_ptr, B: tl.constexpr, HEAD_DIM: tl.constexpr, SMOOTH: tl.constexpr):
+    """Model channels ``2 * jsel + B`` [HALF] of rotated stored rows: ``((x @ H^T) * smooth)[:, 2 jsel + B]``, [N, HALF]
+    fp32: one product of the whole rows ``k16`` [N, HEAD_DIM] (fp16, the precision the open block keeps keys in) by
+    the [HEAD_DIM, HALF] slice of H^T (fp16)."""
     c = 2 * jsel + B
-    if HAD:
-        i = tl.arange(0, HEAD_DIM)
-        u = tl.dot(k16, tl.load(had_ptr + c[None, :] * HEAD_DIM + i[:, None]).to(tl.float16))
-    else:
-        ji = tl.arange(0, HALF)
-        pick = (ji[:, None] == jsel[None, :]).to(tl.float32)
-        if B == 0:
-            u = tl.dot(lo, pick, input_precision="ieee")
-        else:
-            u = tl.dot(hi, pick, input_precision="ieee")
+    i = tl.arange(0, HEAD_DIM)
+    u = tl.dot(k16, tl.load(had_ptr + c[None, :] * HEAD_DIM + i[:, None]).to(tl.float16))
     if SMOOTH:
         u = u * tl.load(smooth_ptr + kvh * HEAD_DIM + c)[None, :]
     return u
+
+
+@triton.jit
+def _swap_quarters(x, N: tl.constexpr, HALF: tl.constexpr):
+    """``x`` [N, HALF] with its two halves swapped (column j takes column (j + HALF / 2) % HALF): a permutation of
+    registers, where a one-hot product picking the partners compiled to spills of ~20 KiB per thread (sm_80 / sm_90)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, [N, 2, HALF // 2]), (0, 2, 1)))
+    return tl.reshape(tl.permute(tl.join(b, a), (0, 2, 1)), [N, HALF])
 
 
 @triton.jit
@@ -751,15 +772,24 @@ def _keys_to_model_space(lo, hi, kpos, kmask, kvh, smooth_ptr, had_ptr, cos_ptr,
     sign = tl.where(j < HEAD_DIM // 4, -1.0, 1.0)[None, :]
     m2 = kmask[:, None]
     trow = kpos.to(tl.int64)[:, None] * HEAD_DIM
-    k16 = tl.reshape(tl.join(lo, hi), [N, HEAD_DIM]).to(tl.float16)
-    u = _model_half(k16, lo, hi, j, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH, HAD)
-    r = _model_half(k16, lo, hi, partner, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH, HAD) * sign
-    out_lo = (u * tl.load(cos_ptr + trow + 2 * j[None, :], mask=m2, other=0.0)
-              + r * tl.load(sin_ptr + trow + 2 * j[None, :], mask=m2, other=0.0))
-    u = _model_half(k16, lo, hi, j, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH, HAD)
-    r = _model_half(k16, lo, hi, partner, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH, HAD) * sign
-    out_hi = (u * tl.load(cos_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0)
-              + r * tl.load(sin_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0))
+    if HAD:
+        k16 = tl.reshape(tl.join(lo, hi), [N, HEAD_DIM]).to(tl.float16)
+        u_lo = _model_half(k16, j, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH)
+        r_lo = _model_half(k16, partner, kvh, smooth_ptr, had_ptr, 0, HEAD_DIM, SMOOTH) * sign
+        u_hi = _model_half(k16, j, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH)
+        r_hi = _model_half(k16, partner, kvh, smooth_ptr, had_ptr, 1, HEAD_DIM, SMOOTH) * sign
+    else:  # no rotation: each half is its own model channels; the partners are the half's two quarters swapped
+        u_lo = lo
+        u_hi = hi
+        if SMOOTH:
+            u_lo = u_lo * tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j)[None, :]
+            u_hi = u_hi * tl.load(smooth_ptr + kvh * HEAD_DIM + 2 * j + 1)[None, :]
+        r_lo = _swap_quarters(u_lo, N, HALF) * sign
+        r_hi = _swap_quarters(u_hi, N, HALF) * sign
+    out_lo = (u_lo * tl.load(cos_ptr + trow + 2 * j[None, :], mask=m2, other=0.0)
+              + r_lo * tl.load(sin_ptr + trow + 2 * j[None, :], mask=m2, other=0.0))
+    out_hi = (u_hi * tl.load(cos_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0)
+              + r_hi * tl.load(sin_ptr + trow + 2 * j[None, :] + 1, mask=m2, other=0.0))
     return out_lo, out_hi
 
 
@@ -768,7 +798,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
                    bt_row_ptr, kvh, num_kv_heads, block_size,
                    k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
                    k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
-                   k_smooth_ptr, had_ptr,
+                   k_smooth_ptr, had_ptr, k_chan_ptr, v_chan_ptr,
                    HEAD_DIM: tl.constexpr,
                    K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
                    K_BCH: tl.constexpr, K_OFF: tl.constexpr,
@@ -776,6 +806,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
                    V_BCH: tl.constexpr, V_OFF: tl.constexpr,
                    K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
                    K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+                   K_RB: tl.constexpr, V_RB: tl.constexpr,
                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, SEALED_STAGES: tl.constexpr):
     """Online softmax of the query rows over sealed positions [kv_start, kv_end) (all below
     ``(context_len // block_size) * block_size``), read from the pool through the block table: only the entries of
@@ -796,7 +827,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
         bh = blk * num_kv_heads + kvh
         row = bh * block_size + kpos % block_size
         k_lo, k_hi = _load_halves(k_data_ptr, k_scale_ptr, k_zero_ptr, row, bh, kmask,
-                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, k_cb_ptr, kvh, K_LEVELS)
+                                  HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, k_cb_ptr, kvh, K_LEVELS, k_chan_ptr, K_RB)
         if K_OUT > 0 or V_OUT > 0:
             bh_tile = tl.load(bt_row_ptr + start // block_size).to(tl.int64) * num_kv_heads + kvh
         if K_OUT > 0:
@@ -806,7 +837,7 @@ def _attend_sealed(q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, kv_start, kv_end,
                                               rope_sin_ptr, HEAD_DIM, K_PRE_SMOOTH, K_PRE_HAD)
         p, alpha, m_i, l_i = _softmax_scores(q_lo, q_hi, k_lo, k_hi, qpos, kpos, kmask, m_i, l_i, window, softcap, PREC)
         v_lo, v_hi = _load_halves(v_data_ptr, v_scale_ptr, v_zero_ptr, row, bh, kmask,
-                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, v_cb_ptr, kvh, V_LEVELS)
+                                  HEAD_DIM, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, v_cb_ptr, kvh, V_LEVELS, v_chan_ptr, V_RB)
         if V_OUT > 0:
             v_lo, v_hi = _restore_outliers(v_lo, v_hi, v_oidx_ptr, v_oval_ptr, bh_tile, kpos % block_size, HEAD_DIM, V_OUT)
         acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision=PREC)
@@ -852,13 +883,14 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
                   k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
                   had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
                   k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
-                  win_lo, window, softcap, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  k_chan_ptr, v_chan_ptr, win_lo, window, softcap, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   K_DTYPE: tl.constexpr, K_STATIC: tl.constexpr, K_SYM: tl.constexpr, K_GS: tl.constexpr,
                   K_BCH: tl.constexpr, K_OFF: tl.constexpr, K_SMOOTH: tl.constexpr, K_HAD: tl.constexpr,
                   V_DTYPE: tl.constexpr, V_STATIC: tl.constexpr, V_SYM: tl.constexpr, V_GS: tl.constexpr,
                   V_BCH: tl.constexpr, V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
                   K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
                   K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+                  K_RB: tl.constexpr, V_RB: tl.constexpr,
                   BLOCK_N: tl.constexpr, PREC: tl.constexpr, OPEN_N: tl.constexpr, HAD_CHUNK: tl.constexpr,
                   SEALED_STAGES: tl.constexpr):
     """Softmax state of ROWS query rows over keys [kv_start, kv_end) of sequence b: the sink rows, the sealed
@@ -888,8 +920,9 @@ def _attend_cache(q_lo, q_hi, qpos, kv_start, kv_end, ctx, new_row0, b, kvh,
         tl.minimum(kv_end, sealed_end), window, softcap, bt_row, kvh, num_kv_heads, block_size,
         k_data_ptr, k_scale_ptr, k_zero_ptr, v_data_ptr, v_scale_ptr, v_zero_ptr,
         k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr, k_smooth_ptr, had_ptr,
+        k_chan_ptr, v_chan_ptr,
         HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF,
-        K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, SEALED_STAGES)
+        K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, K_RB, V_RB, BLOCK_N, PREC, SEALED_STAGES)
     m_i, l_i, acc_lo, acc_hi = _attend_open(
         q_lo, q_hi, qpos, m_i, l_i, acc_lo, acc_hi, tl.maximum(tl.maximum(kv_start, sealed_end), win_lo), kv_end,
         window, softcap, sealed_end, ctx - sealed_end, tail_row0, new_row0, kvh, num_kv_heads,
@@ -947,6 +980,7 @@ def paged_decode_partition_kernel(
     k_cb_ptr, v_cb_ptr,  # [kv_heads, LEVELS] fp32 codebooks (nuq; else dummies or constexpr None)
     k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr,  # [num_blocks, kv_heads, OUT] int16 / fp16 outlier lists (outN)
     rope_cos_ptr, rope_sin_ptr,  # [P, head_dim] fp32 RoPE table of positions 0 .. P-1 (K_PRE; else dummies)
+    k_chan_ptr, v_chan_ptr,  # [kv_heads, head_dim] int32 channel tables (allocB: bit offset | width << 16; else dummies)
     part_m_ptr,  # [batch, heads, num_partitions] fp32 running max (log2 domain)
     part_l_ptr,  # [batch, heads, num_partitions] fp32 softmax denominators
     part_acc_ptr,  # [batch, heads, num_partitions, head_dim] fp32 unnormalized outputs (V's stored channel space)
@@ -966,6 +1000,7 @@ def paged_decode_partition_kernel(
     V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
     K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+    K_RB: tl.constexpr, V_RB: tl.constexpr,  # allocB: bytes per row (0: none)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
@@ -1004,9 +1039,10 @@ def paged_decode_partition_kernel(
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
             k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
+            k_chan_ptr, v_chan_ptr,
             win_lo, win, cap, BLOCK_H, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
             V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD,
-            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
+            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, K_RB, V_RB, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
             SEALED_STAGES)
         prow = (b * num_heads + qh).to(tl.int64) * num_partitions + part
         tl.store(part_m_ptr + prow, m_i, mask=hmask)
@@ -1085,6 +1121,7 @@ def paged_prefill_kernel(
     k_cb_ptr, v_cb_ptr,  # as for paged_decode_partition_kernel
     k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr,
     rope_cos_ptr, rope_sin_ptr,
+    k_chan_ptr, v_chan_ptr,
     out_ptr,  # [total_q, heads, head_dim]
     qk_scale,
     num_heads,
@@ -1101,6 +1138,7 @@ def paged_prefill_kernel(
     V_OFF: tl.constexpr, V_SMOOTH: tl.constexpr, V_HAD: tl.constexpr,
     K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K_PRE: tl.constexpr, K_PRE_SMOOTH: tl.constexpr, K_PRE_HAD: tl.constexpr,
+    K_RB: tl.constexpr, V_RB: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_H: tl.constexpr,  # query heads per KV head, padded to a power of two
     BLOCK_N: tl.constexpr,
@@ -1141,9 +1179,10 @@ def paged_prefill_kernel(
             k_tail_ptr, v_tail_ptr, k_new_ptr, v_new_ptr, k_static_ptr, k_smooth_ptr, v_static_ptr, v_smooth_ptr,
             had_ptr, block_table_ptr, slot_ids_ptr, num_kv_heads, block_size, sink_tokens, max_blocks,
             k_cb_ptr, v_cb_ptr, k_oidx_ptr, k_oval_ptr, v_oidx_ptr, v_oval_ptr, rope_cos_ptr, rope_sin_ptr,
+            k_chan_ptr, v_chan_ptr,
             win_lo, win, cap, M, HEAD_DIM, K_DTYPE, K_STATIC, K_SYM, K_GS, K_BCH, K_OFF, K_SMOOTH, K_HAD,
             V_DTYPE, V_STATIC, V_SYM, V_GS, V_BCH, V_OFF, V_SMOOTH, V_HAD,
-            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
+            K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_PRE, K_PRE_SMOOTH, K_PRE_HAD, K_RB, V_RB, BLOCK_N, PREC, OPEN_N, HAD_CHUNK,
             SEALED_STAGES)
         inv_l = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         out = _join_halves(acc_lo, acc_hi, M, HEAD_DIM) * inv_l[:, None]
@@ -1160,13 +1199,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def format_constexprs(spec) -> dict:
+def format_constexprs(spec, paths: tuple[str, ...] = ("kernels", "seal")) -> dict:
     """A TensorFormat (or its short spec string) -> the constexprs of its storage: DTYPE / STATIC / SYM / GS /
     BCH / SMOOTH / HAD, the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
     CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4) and the issue-27 features
-    (LEVELS / OUT / PRE)."""
+    (LEVELS / OUT / PRE / ALLOC), for the capability table's rows ``paths`` (the attention kernels', the seal's)."""
     fmt = _C.as_tensor_format(spec)
-    if (why := kernel_refusal(fmt)) is not None:  # the capability table's kernels / seal rows
+    if (why := kernel_refusal(fmt, paths)) is not None:
         raise TrtkvError(f"{fmt.short()} {why}", LACKS_HINT)
     tr = fmt.traits
     sym = bool(fmt.symmetric or fmt.is_static)
@@ -1185,6 +1224,7 @@ def format_constexprs(spec) -> dict:
         "LEVELS": fmt.codebook_levels,  # nuq: codes index a [kv_heads, LEVELS] table (0: none)
         "OUT": int(fmt.outliers or 0),  # outN: each sealed block-head keeps OUT outliers (0: none)
         "PRE": bool(fmt.pre_rope),  # keys stored before RoPE
+        "ALLOC": fmt.allocated_bits is not None,  # allocB: each channel its own code width (rows of packed_dim bytes)
     }
 
 
@@ -1195,7 +1235,7 @@ def _gs(c: dict, head_dim: int) -> int:
 def seal_config(spec, head_dim: int, block_size: int) -> dict:
     from trtkv.formats import DTYPES
 
-    c = format_constexprs(spec)
+    c = format_constexprs(spec, ("seal",))
     return {
         "constexprs": dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DTYPE=c["DTYPE"], STATIC=c["STATIC"],
                            SYM=c["SYM"], GS=_gs(c, head_dim), BCH=c["BCH"], SMOOTH=c["SMOOTH"], HAD=c["HAD"],
@@ -1223,12 +1263,13 @@ def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
     nothing -- their sealed tiles come to the model's space instead, with ``K_PRE_SMOOTH`` / ``K_PRE_HAD``."""
     out = dict(HEAD_DIM=head_dim)
     for W, spec in (("K", k_spec), ("V", v_spec)):
-        c = format_constexprs(spec)
+        c = format_constexprs(spec, ("kernels",))
         fold = not c["PRE"]
         out.update({f"{W}_DTYPE": c["DTYPE"], f"{W}_STATIC": c["STATIC"], f"{W}_SYM": c["SYM"],
                     f"{W}_GS": _gs(c, head_dim), f"{W}_BCH": c["BCH"], f"{W}_OFF": c["CODE_OFFSET"],
                     f"{W}_SMOOTH": c["SMOOTH"] and fold, f"{W}_HAD": c["HAD"] and fold,
-                    f"{W}_LEVELS": c["LEVELS"], f"{W}_OUT": c["OUT"]})
+                    f"{W}_LEVELS": c["LEVELS"], f"{W}_OUT": c["OUT"],
+                    f"{W}_RB": _C.as_tensor_format(spec).packed_dim(head_dim) if c["ALLOC"] else 0})
         if W == "K":
             out.update(K_PRE=c["PRE"], K_PRE_SMOOTH=c["SMOOTH"] and c["PRE"], K_PRE_HAD=c["HAD"] and c["PRE"])
         elif c["PRE"]:
@@ -1238,8 +1279,9 @@ def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
 
 def _sealed_stages(kv: dict) -> int | None:
     """Pipelining stages of the sealed loop: one for keys stored before RoPE or outlier lists (their per-tile slices
-    of H and one-hot operands would be multi-buffered in shared memory: ~350 KiB at head_dim 128), else the launch's."""
-    return 1 if (kv["K_PRE"] or kv["K_OUT"] or kv["V_OUT"]) else None
+    of H and one-hot operands would be multi-buffered in shared memory: ~350 KiB at head_dim 128) and for rows of
+    per-channel widths (their gathered byte pairs spilled 144 B at 4 warps, sm_90), else the launch's."""
+    return 1 if (kv["K_PRE"] or kv["K_OUT"] or kv["V_OUT"] or kv["K_RB"] or kv["V_RB"]) else None
 
 
 def _key_tile(block_n: int, kv: dict, block_size: int | None, interpret: bool) -> int:

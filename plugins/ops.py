@@ -62,8 +62,8 @@ import torch
 
 from trtkv.cache_layout import KVPool, PagedKVLayout, store_quantized
 from trtkv.errors import TrtkvError
-from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat
-from trtkv.quant import QuantizedTensor, TensorParams, codebook_of, hadamard_matrix, per_channel
+from trtkv.formats import MAX_SINK_TOKENS, KVFormat, TensorFormat, channel_offsets
+from trtkv.quant import QuantizedTensor, TensorParams, codebook_of, hadamard_matrix, per_channel, widths_of
 from trtkv.rope import RopeRows
 
 from . import contract as C
@@ -271,7 +271,8 @@ class SealedExtras:
     """What the issue-27 formats add to a read of the sealed blocks (all None for the others): the layers' codebooks
     (``nuq``: ``[levels]`` or ``[kv_heads, levels]`` in code units), the pools' outlier lists (``outN``:
     ``[num_blocks, kv_heads, N]`` int16 positions and fp16 values) and the model's RoPE table for keys stored before
-    it (``prerope``: ``(cos, sin)`` [P, head_dim] of positions ``0 .. P - 1``, ``trtkv.rope.RopeTable.upto``)."""
+    it (``prerope``: ``(cos, sin)`` [P, head_dim] of positions ``0 .. P - 1``, ``trtkv.rope.RopeTable.upto``); and the
+    calibrated code width of each channel (``allocB``: ``[kv_heads, head_dim]``)."""
 
     k_codebook: torch.Tensor | None = None
     v_codebook: torch.Tensor | None = None
@@ -281,13 +282,15 @@ class SealedExtras:
     v_outlier_value: torch.Tensor | None = None
     rope_cos: torch.Tensor | None = None
     rope_sin: torch.Tensor | None = None
+    k_bits: torch.Tensor | None = None
+    v_bits: torch.Tensor | None = None
 
     @classmethod
     def of(cls, k_pool: KVPool, v_pool: KVPool, k_params: TensorParams | None, v_params: TensorParams | None,
            rope=None) -> "SealedExtras":
         cos, sin = rope if rope is not None else (None, None)
         return cls(_p(k_params, "codebook"), _p(v_params, "codebook"), k_pool.outlier_index, k_pool.outlier_value,
-                   v_pool.outlier_index, v_pool.outlier_value, cos, sin)
+                   v_pool.outlier_index, v_pool.outlier_value, cos, sin, _p(k_params, "bits"), _p(v_params, "bits"))
 
     def tensors(self, kf: TensorFormat, vf: TensorFormat, kvh: int, nb: int, head_dim: int, dev) -> dict:
         """The kernels' parameters: checked tensors where the formats read them, dummies elsewhere."""
@@ -295,6 +298,7 @@ class SealedExtras:
         for w, tf in (("k", kf), ("v", vf)):
             idx, val = getattr(self, f"{w}_outlier_index"), getattr(self, f"{w}_outlier_value")
             out[f"{w}_cb_ptr"] = _codebook_table(tf, getattr(self, f"{w}_codebook"), kvh, dev)
+            out[f"{w}_chan_ptr"] = _channel_table(tf, getattr(self, f"{w}_bits"), kvh, dev)
             if tf.outliers:
                 want = (nb, kvh, tf.outliers)
                 if (idx is None or val is None or tuple(idx.shape) != want or tuple(val.shape) != want
@@ -333,6 +337,16 @@ def _codebook_table(tf: TensorFormat, book: torch.Tensor | None, kvh: int, dev) 
         raise TrtkvError(f"a codebook of shape {tuple(given.shape)} for {tf.short()} (wants [{tf.codebook_levels}] or "
                          f"[{kvh}, {tf.codebook_levels}])", "recalibrate with this format and model")
     return cb.expand(kvh, -1).contiguous()
+
+
+def _channel_table(tf: TensorFormat, bits: torch.Tensor | None, kvh: int, dev) -> torch.Tensor:
+    """An ``allocB`` format's channels as the kernels read them (``kernels._channel_codes``): int32 ``[kv_heads,
+    head_dim]``, each channel's bit offset in a row (``formats.channel_offsets``) | its width << 16 (one line when
+    the widths are missing or do not fit, the reference's check); a dummy for other formats."""
+    widths = widths_of(tf, TensorParams(bits=bits), kvh)
+    if widths is None:
+        return _dummy(dev, torch.int32)
+    return (channel_offsets(widths) | (widths << 16)).to(device=dev, dtype=torch.int32).contiguous()
 
 
 def _rope_table(tf: TensorFormat, cos: torch.Tensor | None, sin: torch.Tensor | None, head_dim: int, dev) -> tuple:

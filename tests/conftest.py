@@ -109,20 +109,11 @@ def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key
 
 
 def random_widths(tf, heads: int, head_dim: int, g: torch.Generator) -> torch.Tensor:
-    """Random per-channel code widths [heads, head_dim] an ``allocB`` format ``tf`` may take (its ``channel_widths``):
-    head 0 starts with every width once, the other channels are random, lowered one bit at a time at random until each
-    head's row fits the format's bits (float32, as the artifact stores them)."""
-    choices = torch.tensor(tf.channel_widths)
-    w = choices[torch.randint(0, len(choices), (heads, head_dim), generator=g)]
-    fixed = min(len(choices), head_dim)
-    w[0, :fixed] = choices[:fixed]
-    budget = tf.row_code_bits(head_dim)
-    for h in range(heads):
-        free = torch.arange(fixed if h == 0 else 0, head_dim)
-        while int(w[h].sum()) > budget:
-            c = int(free[torch.randint(0, len(free), (1,), generator=g)])
-            w[h, c] = max(0, int(w[h, c]) - 1)
-    return w.float()
+    """Random per-channel code widths [heads, head_dim] an ``allocB`` format ``tf`` may take (``plugins.cases.case_widths``:
+    head 0 with every width once, the rest random within the row's bits)."""
+    from trtkv.plugins.cases import case_widths
+
+    return case_widths(tf, heads, head_dim, g)
 
 
 def naive_mse_range(col: torch.Tensor, qmax: int) -> tuple[float, float, float]:

@@ -372,7 +372,7 @@ def test_decode_gpu_tile_config_and_tf32_precision_flag():
     had = hadamard_matrix(128)
     kmod.paged_decode_partition_kernel[gp](q, k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.tail, v.tail,
                                            case.k_new, case.v_new, f32, f32, f32, f32, had, case.block_table,
-                                           case.context_lens, case.slot_ids, *[f32] * 8,  # no codebook, outliers, RoPE
+                                           case.context_lens, case.slot_ids, *[f32] * 10,  # no codebook, outliers, RoPE, widths
                                            pm, pl, pa, K.LOG2E / math.sqrt(128),
                                            case.heads, case.kvh, 64, case.layout.sink_tokens,
                                            case.block_table.shape[1], gp[2], 0, 0.0,  # no window, no cap
@@ -730,6 +730,10 @@ ATTN27_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
     ("int2-nuq", 128, 2, 128, 1),
     ("k=int3:bchannel:asym:prerope:out16,v=int4:token:asym:nuq:out16,block=16,sink=2", 32, 1, 16, 2),
     ("k=int4:bchannel:sym:nuq:out32,v=int3:g16:sym:hadamard:nuq,block=32,sink=5", 64, 2, 32, 2),
+    # allocB: each channel's code at its offset and width (keys before RoPE with outliers; values too)
+    ("int3-alloc", 64, 3, 512, 2),
+    ("int2-alloc", 128, 2, 128, 1),
+    ("k=int8:bchannel:asym:alloc2.5,v=int4:bchannel:asym:alloc3:out16,block=16,sink=2", 32, 1, 16, 2),
 ]
 
 
@@ -786,6 +790,22 @@ def test_issue27_reads_refuse_what_is_missing_in_one_line():
     short = case_rope(100, 64)
     with pytest.raises(TrtkvError, match="covers positions below 100"):
         _decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, "rope_cos": short.cos, "rope_sin": short.sin}))
+
+
+@pytest.mark.parametrize("n, attention, seal", [(16, True, True), (48, True, False), (64, True, True), (96, True, False),
+                                                 (40, False, False), (8, False, False), (2048, False, False)])
+def test_outlier_counts_the_kernels_take(n, attention, seal):
+    """The attention kernels read a block's outlier list in chunks of its largest power-of-two divisor (any multiple of
+    16 up to 1024: int2-alloc's 48 value outliers are three chunks); the seal kernel selects a power of two. Each
+    refuses the rest in one line naming what it takes."""
+    from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION, KERNEL_SEAL, kernel_refusal
+
+    t = parse_tensor_spec(f"int4:bchannel:asym:out{n}")
+    for path, ok, words in ((KERNEL_ATTENTION, attention, "a multiple of 16"), (KERNEL_SEAL, seal, "a power of two")):
+        why = path.tensor_reason(t)
+        assert (why is None) == ok, (path.name, why)
+        assert ok or (words in why and f"{n} outliers" in why and "\n" not in why)
+    assert (kernel_refusal(t, ("kernels",)) is None) == attention and (kernel_refusal(t) is None) == (attention and seal)
 
 
 def test_validation_errors():

@@ -99,16 +99,18 @@ def test_ptx_entry_points_and_parameter_lists(compiled):
 
 def test_configs_cover_every_preset_and_grid_formulas():
     from trtkv.plugins import contract as C
-    from trtkv.plugins.contract.capabilities import kernels_take
+    from trtkv.plugins.contract.capabilities import kernel_refusal, kernels_attend, kernels_take
 
     configs = aot.kernel_configs()
     names = {c.name for c in configs}
-    for fmt in [f for f in PRESETS.values() if kernels_take(f)]:
+    for fmt in [f for f in PRESETS.values() if kernels_attend(f)]:
         for d in aot.HEAD_DIMS:
             assert any(n.startswith("paged_decode_partition.") and f"k-{aot._tag(fmt.k)}.v-{aot._tag(fmt.v)}.d{d}."
                        in n for n in names), (fmt.name, d)
-            for tf in (fmt.k, fmt.v):
-                assert f"seal.{aot._tag(tf)}.d{d}.b{aot.block_size_of(fmt)}.fp16" in names, (fmt.name, d)
+            for tf in (fmt.k, fmt.v):  # a seal configuration exactly where the seal kernel writes the format
+                sealed = f"seal.{aot._tag(tf)}.d{d}.b{aot.block_size_of(fmt)}.fp16" in names
+                assert sealed == (kernel_refusal(tf, ("seal",)) is None), (fmt.name, d, tf.short())
+    assert {f.name for f in PRESETS.values() if kernels_attend(f) and not kernels_take(f)} == {"int3-alloc", "int2-alloc"}
     # the AOT formulas are the contract's grid functions: same numbers for concrete dims
     for c in configs:
         if c.kernel == "paged_decode_partition_kernel":

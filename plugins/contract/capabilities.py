@@ -72,6 +72,7 @@ class ExecutionPath:
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
     channel_bits: bool = False  # unpacks rows whose channels have their own calibrated code widths (``allocB``)
+    outlier_chunks: bool = False  # reads a block's outlier list in chunks (any multiple of 16: LIMITS.outliers_problem)
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
 
     # ------------------------------------------------------------------ the questions
@@ -128,7 +129,7 @@ class ExecutionPath:
             return LIMITS.dtype_problem(t.dtype)
         if t.mse and self.kernels:
             return "searches its scales (mse), which the Triton kernels do not (the reference quantizer does)"
-        if self.kernels and (problem := LIMITS.outliers_problem(t.outliers)):
+        if self.kernels and (problem := LIMITS.outliers_problem(t.outliers, self.outlier_chunks)):
             return problem
         return None
 
@@ -192,7 +193,7 @@ TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, wi
 # the Triton kernels read codebooks (a table lookup), outlier lists (one-hot products over a tile of one block) and keys
 # stored before RoPE (brought to model space per tile with the model's table); the seal kernel writes them all
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True,
-                                 codebooks=True, outliers=True, pre_rope=True)
+                                 codebooks=True, outliers=True, pre_rope=True, channel_bits=True, outlier_chunks=True)
 # trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, a nuq
 # format's codes through the layer's codebook, an alloc format's codes at each channel's offset and width, write a
 # block's outlier list over its codes and bring keys stored before RoPE back to model space (the rotation undone by
@@ -208,8 +209,14 @@ CPU_SEAL = ExecutionPath("cpu-seal", "trtkv's C seal kernel (the pool's seal on 
 
 def kernels_take(fmt) -> bool:
     """Whether the Triton kernels seal and decode every layer's K and V of ``fmt`` (storage dtypes, no ``mse`` seal):
-    the ``seal`` row, asked by the AOT configuration list and the contract tests."""
-    return not KERNEL_SEAL.layout_reasons(fmt) and not KERNEL_SEAL.format_reasons(fmt)
+    the ``seal`` and ``kernels`` rows, asked by the contract tests."""
+    return kernels_attend(fmt) and not KERNEL_SEAL.layout_reasons(fmt) and not KERNEL_SEAL.format_reasons(fmt)
+
+
+def kernels_attend(fmt) -> bool:
+    """Whether the Triton attention kernels read every layer's K and V of ``fmt`` (the ``kernels`` row; the pool may
+    still seal with the reference quantizer): asked by the AOT configuration list."""
+    return not KERNEL_ATTENTION.layout_reasons(fmt) and not KERNEL_ATTENTION.format_reasons(fmt)
 
 
 # The op contract (plugins/contract: PagedKVSeal, PagedDecode*, PagedPrefillAttention) is what the Triton kernels, the
@@ -218,13 +225,13 @@ def kernels_take(fmt) -> bool:
 OP_PATHS = ("plugin", "kernels", "seal")
 
 
-def kernel_refusal(t) -> str | None:
-    """Why the Triton kernels (attention and seal) cannot store / read one tensor format, as one line, or None: the
-    features they lack, or an outlier count they cannot tile."""
-    lacks = list(dict.fromkeys(w for name in ("kernels", "seal") for w in CAPABILITIES[name].lacks(t)))
+def kernel_refusal(t, paths: tuple[str, ...] = ("kernels", "seal")) -> str | None:
+    """Why the Triton kernels (``paths``: the attention kernels' and the seal's rows) cannot store / read one tensor
+    format, as one line, or None: the features they lack, or an outlier count they cannot tile."""
+    lacks = list(dict.fromkeys(w for name in paths for w in CAPABILITIES[name].lacks(t)))
     if lacks:
         return f"keeps {' and '.join(lacks)}, which the Triton kernels do not read yet"
-    return LIMITS.outliers_problem(t.outliers)
+    return next((p for name in paths if (p := LIMITS.outliers_problem(t.outliers, CAPABILITIES[name].outlier_chunks))), None)
 
 
 def op_refusal(t) -> str | None:
