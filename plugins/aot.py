@@ -147,7 +147,7 @@ def seal_kernel_config(fmt: TensorFormat, head_dim: int, block_size: int, x_dtyp
     f16, f32 = _ptr("float16"), _ptr("float32")
     types = dict(x_ptr=_ptr(_Q_DTYPES[x_dtype]), data_ptr=_data_type(fmt), scale_ptr=f16, zero_ptr=f16,
                  static_scale_ptr=f32, smooth_ptr=f32, clip_ptr=f32, had_ptr=f32, cb_ptr=f32, oidx_ptr=OUTLIER_INDEX_PTR,
-                 oval_ptr=f16, pos_ptr=_ptr("int32"), rope_cos_ptr=f32, rope_sin_ptr=f32, scratch_ptr=f32)
+                 oval_ptr=f16, pos_ptr=_ptr("int32"), rope_cos_ptr=f32, rope_sin_ptr=f32, scratch_ptr=f32, chan_ptr=_ptr("int32"))
     sig, args = _signature("seal_kernel", types, c)
     return KernelConfig("seal_kernel", f"seal.{_tag(fmt)}.d{head_dim}.b{block_size}.{x_dtype}", c, sig,
                         cfg["num_warps"], _grid_text(C.seal_grid(_v("blocks"), _v("kv_heads"))), args)

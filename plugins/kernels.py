@@ -187,16 +187,17 @@ OUTLIER_ROWS = tl.constexpr(16)  # rows of a block the outlier selection reads a
 
 
 @triton.jit
-def _outlier_bits(x, centre, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
+def _outlier_bits(x, centre, unit, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
     """Outlier scores of rows ``x`` [R, D] as int32 bit patterns (monotone: the scores are >= 0): the distance from
-    the group's centre (``quant._deviation``): the channel's block mean ``centre`` [D] (BCH), the row group's mean
-    (per token / group), or 0 (symmetric and static)."""
+    the group's centre (``quant._deviation``): the channel's block mean ``centre`` [D] (BCH; times ``unit`` [D], an
+    allocB channel's 2^-width, else 1: exact powers of two), the row group's mean (per token / group), or 0
+    (symmetric and static)."""
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     if SYM:
         score = tl.abs(x)
     elif BCH:
-        score = tl.abs(x - centre[None, :])
+        score = tl.abs(x - centre[None, :]) * unit[None, :]
     else:
         xg = tl.reshape(x, [R, D // GS, GS])
         score = tl.reshape(tl.abs(xg - (_rsum(xg, 2) / GS)[:, :, None]), [R, D])
@@ -204,7 +205,7 @@ def _outlier_bits(x, centre, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.conste
 
 
 @triton.jit
-def _outlier_threshold(xs, centre, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
+def _outlier_threshold(xs, centre, unit, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
                        BCH: tl.constexpr, GS: tl.constexpr):
     """Where a block's ``NOUT`` outliers end (``trtkv.quant.block_outliers``: a stable descending sort on the score,
     ties to the lower flat position), without a sort: ``(thr, last)`` -- the NOUT-th largest score's bit pattern
@@ -219,14 +220,14 @@ def _outlier_threshold(xs, centre, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.c
         mid = lo + (hi - lo) // 2
         cnt = tl.full([1], 0, tl.int32)
         for r0 in range(0, BS, OUTLIER_ROWS):
-            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS)
+            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, unit, SYM, BCH, GS)
             cnt += _count(bits >= mid[:, None])
         take = cnt >= NOUT
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid)
     above = tl.full([1], 0, tl.int32)
     for r0 in range(0, BS, OUTLIER_ROWS):
-        above += _count(_outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS) > lo[:, None])
+        above += _count(_outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, unit, SYM, BCH, GS) > lo[:, None])
     need = NOUT - above  # >= 1 of the elements equal to the threshold are kept, lowest positions first
     f_lo = tl.full([1], -1, tl.int32)  # count(equal & flat <= f_lo) < need
     f_hi = tl.full([1], BS * D - 1, tl.int32)  # count(equal & flat <= f_hi) >= need
@@ -234,7 +235,7 @@ def _outlier_threshold(xs, centre, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.c
         mid = f_lo + (f_hi - f_lo) // 2
         cnt = tl.full([1], 0, tl.int32)
         for r0 in range(0, BS, OUTLIER_ROWS):
-            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, SYM, BCH, GS)
+            bits = _outlier_bits(tl.load(xs + (r0 + r)[:, None] * D + c[None, :]), centre, unit, SYM, BCH, GS)
             flat = (r0 + r)[:, None] * D + c[None, :]
             cnt += _count((bits == lo[:, None]) & (flat <= mid[:, None]))
         enough = cnt >= need
@@ -244,15 +245,15 @@ def _outlier_threshold(xs, centre, NOUT: tl.constexpr, BS: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def _is_outlier(x, centre, thr, last, rows, cols, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
+def _is_outlier(x, centre, unit, thr, last, rows, cols, SYM: tl.constexpr, BCH: tl.constexpr, GS: tl.constexpr):
     """Which elements of rows ``x`` [R, D] (block rows ``rows``, channels ``cols``) are outliers (``_outlier_threshold``)."""
-    bits = _outlier_bits(x, centre, SYM, BCH, GS)
+    bits = _outlier_bits(x, centre, unit, SYM, BCH, GS)
     flat = rows[:, None] * x.shape[1] + cols[None, :]
     return (bits > thr[:, None]) | ((bits == thr[:, None]) & (flat <= last[:, None]))
 
 
 @triton.jit
-def _store_outliers(xs, centre, thr, last, oidx_ptr, oval_ptr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
+def _store_outliers(xs, centre, unit, thr, last, oidx_ptr, oval_ptr, BS: tl.constexpr, D: tl.constexpr, SYM: tl.constexpr,
                     BCH: tl.constexpr, GS: tl.constexpr, SCALE_MAX: tl.constexpr):
     """Write a block's outlier list -- positions ``row * D + channel`` ascending (int16), values fp16 -- streaming the
     block from scratch ``xs`` in chunks of rows: each outlier's place is the count of outliers before it."""
@@ -261,7 +262,7 @@ def _store_outliers(xs, centre, thr, last, oidx_ptr, oval_ptr, BS: tl.constexpr,
     done = tl.full([1], 0, tl.int32)
     for r0 in range(0, BS, OUTLIER_ROWS):
         x = tl.load(xs + (r0 + r)[:, None] * D + c[None, :])
-        m = _is_outlier(x, centre, thr, last, r0 + r, c, SYM, BCH, GS)
+        m = _is_outlier(x, centre, unit, thr, last, r0 + r, c, SYM, BCH, GS)
         mi = m.to(tl.int32)
         within = tl.associative_scan(mi, 1, _add) - mi
         per_row = _rsum(mi, 1)
@@ -306,6 +307,42 @@ def _unrope(x_ptr, src, kk, pos, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _seal_channels(x, sel, meta, data_ptr, scale_ptr, zero_ptr, rows, sptr, BLOCK_SIZE: tl.constexpr, OUT: tl.constexpr,
+                   RB: tl.constexpr, RBP: tl.constexpr, SCALE_MAX: tl.constexpr):
+    """An ``allocB`` block ``x`` [BLOCK_SIZE, D] (outliers ``sel`` set aside) at the widths of the channel table's row
+    ``meta`` [D] (``quant.channel_codes``): per channel an fp16 minimum and step over its 2^width - 1 codes (the
+    outliers set no range and no mean; a 0-width channel stores step 0 and its mean as the minimum); then rows of RB
+    bytes packed at each channel's bit offset (``formats.pack_channel_codes``) by two one-hot products, low and high
+    byte of each shifted code: fp16 integers below 256 whose bits never overlap within a byte, so the sums are exact."""
+    width = meta >> 16
+    top = ((1 << width) - 1).to(tl.float32)
+    if OUT > 0:
+        keep = tl.where(sel, 0.0, 1.0)
+    else:
+        keep = tl.full(x.shape, 1.0, tl.float32)
+    n = _rsum(keep, 0)
+    mn = _rmin(_aside(x, sel, float("inf"), OUT), 0)
+    mx = _rmax(_aside(x, sel, float("-inf"), OUT), 0)
+    mn = tl.where(n > 0, mn, 0.0)
+    mx = tl.where(n > 0, mx, 0.0)
+    mean = tl.div_rn(_rsum(x * keep, 0), tl.maximum(n, 1.0))
+    zero = _fp16_round(tl.where(width > 0, mn, mean), SCALE_MAX)
+    scale = _fp16_round(tl.where(width > 0, tl.div_rn(mx - mn, tl.maximum(top, 1.0)), 0.0), SCALE_MAX)
+    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+    q = tl.minimum(tl.maximum(_rint((x - zero[None, :]) * inv[None, :]), 0.0), top[None, :]).to(tl.int32)
+    tl.store(scale_ptr + sptr, scale.to(tl.float16))
+    tl.store(zero_ptr + sptr, zero.to(tl.float16))
+    off = meta & 0xFFFF
+    shifted = q << (off & 7)[None, :]  # at most 15 bits: the code's byte and the next
+    k = tl.arange(0, RBP)
+    byte = off >> 3
+    onto_lo = (byte[:, None] == k[None, :]).to(tl.float16)  # [D, RBP]
+    onto_hi = ((byte + 1)[:, None] == k[None, :]).to(tl.float16)
+    packed = tl.dot((shifted & 255).to(tl.float16), onto_lo) + tl.dot((shifted >> 8).to(tl.float16), onto_hi)
+    tl.store(data_ptr + rows[:, None] * RB + k[None, :], packed.to(tl.int32).to(tl.uint8), mask=(k < RB)[None, :])
+
+
+@triton.jit
 def seal_kernel(
     x_ptr,  # [n, kv_heads, BLOCK_SIZE, head_dim] fp16 / bf16 / fp32, contiguous: the open blocks to seal
     data_ptr,  # [n, kv_heads, BLOCK_SIZE, packed_dim] codes (the pool's storage dtype: stores convert to it)
@@ -320,6 +357,7 @@ def seal_kernel(
     pos_ptr,  # [n] int32: each block's first position (PRE; else dummy)
     rope_cos_ptr, rope_sin_ptr,  # [P, head_dim] fp32 RoPE table (PRE; else dummies)
     scratch_ptr,  # [n, kv_heads, BLOCK_SIZE, head_dim] fp32 the transformed block while its outliers are chosen (OUT)
+    chan_ptr,  # [kv_heads, head_dim] int32 channel table (RB: bit offset | width << 16; else dummy or constexpr None)
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -339,10 +377,13 @@ def seal_kernel(
     LEVELS: tl.constexpr = 0,  # nuq: codes are the nearest of LEVELS codebook levels
     OUT: tl.constexpr = 0,  # outN: OUT elements per block-head set aside (no range), kept as fp16 with positions
     PRE: tl.constexpr = False,  # keys stored before RoPE: RoPE undone at the rows' positions first
+    RB: tl.constexpr = 0,  # allocB: bytes per row, each channel its own code width (0: none)
+    RBP: tl.constexpr = 16,  # RB rounded up to a power of two >= 16 (the packing product's width)
 ):
     """grid = contract.seal_grid(n, kv_heads): one program quantizes one block of one KV head as
     ``trtkv.quant.quantize_block`` does -- per token (GS channels per scale) or, BCH, one scale and
-    zero-point per channel over the block's tokens -- and writes it in pool-block form (with its outlier list)."""
+    zero-point per channel over the block's tokens, RB: at each channel's own width (``_seal_channels``) -- and writes
+    it in pool-block form (with its outlier list)."""
     blk = tl.program_id(0)
     h = tl.program_id(1)
     t = tl.arange(0, BLOCK_SIZE)
@@ -377,6 +418,12 @@ def seal_kernel(
             if SMOOTH:
                 x = tl.div_rn(x, tl.load(smooth_ptr + h * HEAD_DIM + cols)[None, :])
 
+        if RB > 0:  # scores in units of each channel's levels
+            meta = tl.load(chan_ptr + h * HEAD_DIM + cols)
+            unit = ((127 - (meta >> 16)) << 23).to(tl.float32, bitcast=True)  # 2^-width, exactly
+        else:
+            meta = cols
+            unit = tl.full([HEAD_DIM], 1.0, tl.float32)
         if OUT > 0:
             # the block-head's OUT elements farthest from their group's centre (``quant._deviation``) set no range.
             # The block waits in global scratch and the selection streams it in chunks of rows: the whole block
@@ -385,104 +432,108 @@ def seal_kernel(
             tl.store(xs + t[:, None] * HEAD_DIM + cols[None, :], x)
             centre = _rsum(x, 0) / BLOCK_SIZE  # per channel (BCH, asymmetric)
             tl.debug_barrier()
-            thr, last = _outlier_threshold(xs, centre, OUT, BLOCK_SIZE, HEAD_DIM, SYM or STATIC, BCH, GS)
-            sel = _is_outlier(x, centre, thr, last, t, cols, SYM or STATIC, BCH, GS)
-            _store_outliers(xs, centre, thr, last, oidx_ptr + bh * OUT, oval_ptr + bh * OUT, BLOCK_SIZE, HEAD_DIM,
+            thr, last = _outlier_threshold(xs, centre, unit, OUT, BLOCK_SIZE, HEAD_DIM, SYM or STATIC, BCH, GS)
+            sel = _is_outlier(x, centre, unit, thr, last, t, cols, SYM or STATIC, BCH, GS)
+            _store_outliers(xs, centre, unit, thr, last, oidx_ptr + bh * OUT, oval_ptr + bh * OUT, BLOCK_SIZE, HEAD_DIM,
                             SYM or STATIC, BCH, GS, SCALE_MAX)
         else:
             sel = x  # unused: _aside keeps every element
 
-        if STATIC:
-            sc = tl.load(static_scale_ptr + h * HEAD_DIM + cols)
-            inv = tl.where(sc > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(sc > 0, sc, 1.0)), 0.0)
-            y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
-        elif BCH:
-            # one scale (and zero-point) per channel over the block's tokens (axis 0)
-            clip = tl.load(clip_ptr + h)
-            sptr = bh * HEAD_DIM + cols
-            if SYM:
-                amax = _rmax(_aside(tl.abs(x), sel, 0.0, OUT), 0)
-                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)), SCALE_MAX)
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                u = x * inv[None, :]
-                y = tl.minimum(tl.maximum(u, QMIN), QMAX)
-            else:
-                mn = _rmin(_aside(x, sel, float("inf"), OUT), 0)
-                mx = _rmax(_aside(x, sel, float("-inf"), OUT), 0)
-                if OUT > 0:  # a channel of outliers only has no range: zero 0, scale 0
-                    empty = mn == float("inf")
-                    mn = tl.where(empty, 0.0, mn)
-                    mx = tl.where(empty, 0.0, mx)
-                rng = mx - mn
-                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
-                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)), SCALE_MAX)
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                u = (x - zero[None, :]) * inv[None, :]
-                y = tl.minimum(tl.maximum(u, 0.0), QMAX_ASYM)
-                tl.store(zero_ptr + sptr, zero.to(tl.float16))
-            if LEVELS > 0:
-                y = _nearest_level(u, cb_ptr, h, LEVELS)
-            tl.store(scale_ptr + sptr, scale.to(tl.float16))
+        if RB > 0:
+            _seal_channels(x, sel, meta, data_ptr, scale_ptr, zero_ptr, rows, bh * HEAD_DIM + cols, BLOCK_SIZE, OUT, RB,
+                           RBP, SCALE_MAX)
         else:
-            G: tl.constexpr = HEAD_DIM // GS
-            xg = tl.reshape(x, [BLOCK_SIZE, G, GS])
-            selg = tl.reshape(sel, [BLOCK_SIZE, G, GS])
-            clip = tl.load(clip_ptr + h)
-            g_off = tl.arange(0, G)
-            sptr = rows[:, None] * G + g_off[None, :]
-            if SYM:
-                amax = _rmax(_aside(tl.abs(xg), selg, 0.0, OUT), 2)
-                scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)), SCALE_MAX)
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                ug = xg * inv[:, :, None]
-                yg = tl.minimum(tl.maximum(ug, QMIN), QMAX)
+            if STATIC:
+                sc = tl.load(static_scale_ptr + h * HEAD_DIM + cols)
+                inv = tl.where(sc > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(sc > 0, sc, 1.0)), 0.0)
+                y = tl.minimum(tl.maximum(x * inv[None, :], QMIN), QMAX)
+            elif BCH:
+                # one scale (and zero-point) per channel over the block's tokens (axis 0)
+                clip = tl.load(clip_ptr + h)
+                sptr = bh * HEAD_DIM + cols
+                if SYM:
+                    amax = _rmax(_aside(tl.abs(x), sel, 0.0, OUT), 0)
+                    scale = _fp16_round(tl.div_rn(amax * clip, tl.full([HEAD_DIM], QMAX, tl.float32)), SCALE_MAX)
+                    inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                    u = x * inv[None, :]
+                    y = tl.minimum(tl.maximum(u, QMIN), QMAX)
+                else:
+                    mn = _rmin(_aside(x, sel, float("inf"), OUT), 0)
+                    mx = _rmax(_aside(x, sel, float("-inf"), OUT), 0)
+                    if OUT > 0:  # a channel of outliers only has no range: zero 0, scale 0
+                        empty = mn == float("inf")
+                        mn = tl.where(empty, 0.0, mn)
+                        mx = tl.where(empty, 0.0, mx)
+                    rng = mx - mn
+                    zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                    scale = _fp16_round(tl.div_rn(rng * clip, tl.full([HEAD_DIM], QMAX_ASYM, tl.float32)), SCALE_MAX)
+                    inv = tl.where(scale > 0, tl.div_rn(tl.full([HEAD_DIM], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                    u = (x - zero[None, :]) * inv[None, :]
+                    y = tl.minimum(tl.maximum(u, 0.0), QMAX_ASYM)
+                    tl.store(zero_ptr + sptr, zero.to(tl.float16))
+                if LEVELS > 0:
+                    y = _nearest_level(u, cb_ptr, h, LEVELS)
+                tl.store(scale_ptr + sptr, scale.to(tl.float16))
             else:
-                mn = _rmin(_aside(xg, selg, float("inf"), OUT), 2)
-                mx = _rmax(_aside(xg, selg, float("-inf"), OUT), 2)
-                if OUT > 0:
-                    empty = mn == float("inf")
-                    mn = tl.where(empty, 0.0, mn)
-                    mx = tl.where(empty, 0.0, mx)
-                rng = mx - mn
-                # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
-                zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
-                scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)), SCALE_MAX)
-                inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
-                ug = (xg - zero[:, :, None]) * inv[:, :, None]
-                yg = tl.minimum(tl.maximum(ug, 0.0), QMAX_ASYM)
-                tl.store(zero_ptr + sptr, zero.to(tl.float16))
-            if LEVELS > 0:
-                yg = _nearest_level(ug, cb_ptr, h, LEVELS)
-            tl.store(scale_ptr + sptr, scale.to(tl.float16))
-            y = tl.reshape(yg, [BLOCK_SIZE, HEAD_DIM])
+                G: tl.constexpr = HEAD_DIM // GS
+                xg = tl.reshape(x, [BLOCK_SIZE, G, GS])
+                selg = tl.reshape(sel, [BLOCK_SIZE, G, GS])
+                clip = tl.load(clip_ptr + h)
+                g_off = tl.arange(0, G)
+                sptr = rows[:, None] * G + g_off[None, :]
+                if SYM:
+                    amax = _rmax(_aside(tl.abs(xg), selg, 0.0, OUT), 2)
+                    scale = _fp16_round(tl.div_rn(amax * clip, tl.full([BLOCK_SIZE, G], QMAX, tl.float32)), SCALE_MAX)
+                    inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                    ug = xg * inv[:, :, None]
+                    yg = tl.minimum(tl.maximum(ug, QMIN), QMAX)
+                else:
+                    mn = _rmin(_aside(xg, selg, float("inf"), OUT), 2)
+                    mx = _rmax(_aside(xg, selg, float("-inf"), OUT), 2)
+                    if OUT > 0:
+                        empty = mn == float("inf")
+                        mn = tl.where(empty, 0.0, mn)
+                        mx = tl.where(empty, 0.0, mx)
+                    rng = mx - mn
+                    # trtkv.quant: zero = fp16(mn + rng * (1 - clip) / 2) (== fp16(mn) unclipped), scale = fp16(rng * clip / qmax)
+                    zero = _fp16_round(mn + rng * (1.0 - clip) * 0.5, SCALE_MAX)
+                    scale = _fp16_round(tl.div_rn(rng * clip, tl.full([BLOCK_SIZE, G], QMAX_ASYM, tl.float32)), SCALE_MAX)
+                    inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_SIZE, G], 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+                    ug = (xg - zero[:, :, None]) * inv[:, :, None]
+                    yg = tl.minimum(tl.maximum(ug, 0.0), QMAX_ASYM)
+                    tl.store(zero_ptr + sptr, zero.to(tl.float16))
+                if LEVELS > 0:
+                    yg = _nearest_level(ug, cb_ptr, h, LEVELS)
+                tl.store(scale_ptr + sptr, scale.to(tl.float16))
+                y = tl.reshape(yg, [BLOCK_SIZE, HEAD_DIM])
 
-        if DTYPE == "fp8_e4m3":
-            tl.store(data_ptr + src[:, None] + cols[None, :], _fp8e4m3_encode(y))
-        elif DTYPE == "int8":
-            q = _rint(y).to(tl.int32)
-            tl.store(data_ptr + src[:, None] + cols[None, :], q.to(data_ptr.dtype.element_ty))
-        else:
-            q = _rint(y).to(tl.int32)
-            if SYM or STATIC:
-                q = q + CODE_OFFSET
-            if DTYPE == "int4":
-                lo, hi = tl.split(tl.reshape(q, [BLOCK_SIZE, HEAD_DIM // 2, 2]))
-                packed = (lo | (hi << 4)).to(tl.uint8)
-                pcols = tl.arange(0, HEAD_DIM // 2)
-                tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed)
-            elif DTYPE == "int2":
-                # byte j = sum_i code[4j + i] << 2i
-                pcols = tl.arange(0, HEAD_DIM // 4)
-                tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 4) + pcols[None, :],
-                         _pack_plane(q, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
-            else:  # int3: the low two bits (plane of D/4 bytes as int2's), then the top bits (D/8 bytes, 8 per byte)
-                PACKED: tl.constexpr = HEAD_DIM * 3 // 8
-                pcols = tl.arange(0, HEAD_DIM // 4)
-                tl.store(data_ptr + rows[:, None] * PACKED + pcols[None, :],
-                         _pack_plane(q & 3, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
-                tcols = tl.arange(0, HEAD_DIM // 8)
-                tl.store(data_ptr + rows[:, None] * PACKED + HEAD_DIM // 4 + tcols[None, :],
-                         _pack_plane(q >> 2, BLOCK_SIZE, HEAD_DIM // 8, 8, 1))
+            if DTYPE == "fp8_e4m3":
+                tl.store(data_ptr + src[:, None] + cols[None, :], _fp8e4m3_encode(y))
+            elif DTYPE == "int8":
+                q = _rint(y).to(tl.int32)
+                tl.store(data_ptr + src[:, None] + cols[None, :], q.to(data_ptr.dtype.element_ty))
+            else:
+                q = _rint(y).to(tl.int32)
+                if SYM or STATIC:
+                    q = q + CODE_OFFSET
+                if DTYPE == "int4":
+                    lo, hi = tl.split(tl.reshape(q, [BLOCK_SIZE, HEAD_DIM // 2, 2]))
+                    packed = (lo | (hi << 4)).to(tl.uint8)
+                    pcols = tl.arange(0, HEAD_DIM // 2)
+                    tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 2) + pcols[None, :], packed)
+                elif DTYPE == "int2":
+                    # byte j = sum_i code[4j + i] << 2i
+                    pcols = tl.arange(0, HEAD_DIM // 4)
+                    tl.store(data_ptr + rows[:, None] * (HEAD_DIM // 4) + pcols[None, :],
+                             _pack_plane(q, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
+                else:  # int3: the low two bits (plane of D/4 bytes as int2's), then the top bits (D/8 bytes, 8 per byte)
+                    PACKED: tl.constexpr = HEAD_DIM * 3 // 8
+                    pcols = tl.arange(0, HEAD_DIM // 4)
+                    tl.store(data_ptr + rows[:, None] * PACKED + pcols[None, :],
+                             _pack_plane(q & 3, BLOCK_SIZE, HEAD_DIM // 4, 4, 2))
+                    tcols = tl.arange(0, HEAD_DIM // 8)
+                    tl.store(data_ptr + rows[:, None] * PACKED + HEAD_DIM // 4 + tcols[None, :],
+                             _pack_plane(q >> 2, BLOCK_SIZE, HEAD_DIM // 8, 8, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1232,6 +1283,11 @@ def _gs(c: dict, head_dim: int) -> int:
     return c["GS"] or head_dim
 
 
+def _row_bytes(spec, c: dict, head_dim: int) -> int:
+    """An ``allocB`` format's bytes per row (RB; 0: not one)."""
+    return _C.as_tensor_format(spec).packed_dim(head_dim) if c["ALLOC"] else 0
+
+
 def seal_config(spec, head_dim: int, block_size: int) -> dict:
     from trtkv.formats import DTYPES
 
@@ -1242,7 +1298,8 @@ def seal_config(spec, head_dim: int, block_size: int) -> dict:
                            QMIN=c["QMIN"], QMAX=c["QMAX"], QMAX_ASYM=c["QMAX_ASYM"], CODE_OFFSET=c["CODE_OFFSET"],
                            # outlier selection / keys before RoPE: the rotation in slices of 16 channels (registers)
                            SCALE_MAX=float(DTYPES["fp16"].sym_max), HAD_CHUNK=16 if (c["OUT"] or c["PRE"]) else 32,
-                           LEVELS=c["LEVELS"], OUT=c["OUT"], PRE=c["PRE"]),
+                           LEVELS=c["LEVELS"], OUT=c["OUT"], PRE=c["PRE"], RB=_row_bytes(spec, c, head_dim),
+                           RBP=max(16, next_pow2(_row_bytes(spec, c, head_dim)))),
         "num_warps": seal_warps(head_dim, block_size),
     }
 
@@ -1269,7 +1326,7 @@ def _kv_constexprs(k_spec, v_spec, head_dim: int) -> dict:
                     f"{W}_GS": _gs(c, head_dim), f"{W}_BCH": c["BCH"], f"{W}_OFF": c["CODE_OFFSET"],
                     f"{W}_SMOOTH": c["SMOOTH"] and fold, f"{W}_HAD": c["HAD"] and fold,
                     f"{W}_LEVELS": c["LEVELS"], f"{W}_OUT": c["OUT"],
-                    f"{W}_RB": _C.as_tensor_format(spec).packed_dim(head_dim) if c["ALLOC"] else 0})
+                    f"{W}_RB": _row_bytes(spec, c, head_dim)})
         if W == "K":
             out.update(K_PRE=c["PRE"], K_PRE_SMOOTH=c["SMOOTH"] and c["PRE"], K_PRE_HAD=c["HAD"] and c["PRE"])
         elif c["PRE"]:

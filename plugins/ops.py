@@ -170,11 +170,12 @@ def _seal_outputs(tf: TensorFormat, n: int, kvh: int, bs: int, d: int, dev) -> K
     return layout.allocate("k", dev)
 
 
-def _seal_extras(tf: TensorFormat, kvh: int, n: int, head_dim: int, dev, codebook, first_positions, rope) -> dict:
+def _seal_extras(tf: TensorFormat, kvh: int, n: int, head_dim: int, dev, codebook, first_positions, rope, bits) -> dict:
     """The seal kernel's issue-27 parameters: the codebook (nuq), each block's first position and the RoPE table
-    (prerope), checked; dummies where the format has none."""
+    (prerope), the channel table (allocB), checked; dummies where the format has none."""
     cos, sin = _rope_table(tf, *(rope if rope is not None else (None, None)), head_dim, dev)
-    out = dict(cb_ptr=_codebook_table(tf, codebook, kvh, dev), rope_cos_ptr=cos, rope_sin_ptr=sin, pos_ptr=_dummy(dev, torch.int32))
+    out = dict(cb_ptr=_codebook_table(tf, codebook, kvh, dev), rope_cos_ptr=cos, rope_sin_ptr=sin, pos_ptr=_dummy(dev, torch.int32),
+               chan_ptr=_channel_table(tf, bits, kvh, dev))
     if tf.pre_rope:
         if first_positions is None or tuple(first_positions.shape) != (n,):
             raise TrtkvError(f"{tf.short()} stores keys before RoPE: pass each sealed block's first position [{n}]",
@@ -184,12 +185,12 @@ def _seal_extras(tf: TensorFormat, kvh: int, n: int, head_dim: int, dev, codeboo
 
 
 def launch_seal_pool(rows, fmt, static_scale=None, smooth=None, clip=None, interpret: bool | None = None,
-                     codebook=None, first_positions=None, rope=None) -> KVPool:
+                     codebook=None, first_positions=None, rope=None, bits=None) -> KVPool:
     """Quantize full blocks rows [n, kv_heads, block_size, head_dim] (fp16 / bf16 / fp32) with the Triton seal
     kernel into a pool of exactly these n blocks (codes, scales, zero-points and an ``outN`` format's outlier lists):
     ``reference.seal_ref`` bit for bit (Hadamard, outlier and RoPE formats: to the last bit of a float32 sum).
     ``codebook``: a ``nuq`` format's levels; ``first_positions`` [n] and ``rope`` ``(cos, sin)`` [P, head_dim]:
-    keys stored before RoPE."""
+    keys stored before RoPE; ``bits`` [kv_heads, head_dim]: an ``allocB`` format's code widths."""
     kern = _kernels()
     interpret = (not rows.is_cuda) if interpret is None else interpret
     tf = C.as_tensor_format(fmt)
@@ -202,7 +203,7 @@ def launch_seal_pool(rows, fmt, static_scale=None, smooth=None, clip=None, inter
     pool = _seal_outputs(tf, n, kvh, bs, head_dim, dev)
     if n == 0:
         return pool
-    ext = _seal_extras(tf, kvh, n, head_dim, dev, codebook, first_positions, rope)
+    ext = _seal_extras(tf, kvh, n, head_dim, dev, codebook, first_positions, rope, bits)
     if tf.pre_rope and int(ext["pos_ptr"].max()) + bs > ext["rope_cos_ptr"].shape[0]:
         raise TrtkvError(f"the RoPE table covers positions below {ext['rope_cos_ptr'].shape[0]}, the blocks reach "
                          f"{int(ext['pos_ptr'].max()) + bs - 1}", "pass a table of every position sealed (RopeTable.upto)")
@@ -238,7 +239,7 @@ def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret:
 
 def launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None,
                      interpret: bool | None = None, codebook=None, outlier_index=None, outlier_value=None,
-                     first_positions=None, rope=None) -> None:
+                     first_positions=None, rope=None, bits=None) -> None:
     """``launch_seal_pool`` stored at pool blocks ``blocks`` [n] of the pool tensors (in place; an ``outN`` format's
     lists into ``outlier_index`` / ``outlier_value``)."""
     tf = C.as_tensor_format(fmt)
@@ -247,7 +248,7 @@ def launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale=None, sm
         raise TrtkvError(f"seal rows hold blocks of {rows.shape[2]} tokens, the pool {data.shape[2]}")
     if tf.outliers and (outlier_index is None or outlier_value is None):
         raise TrtkvError(f"{tf.short()} keeps outlier lists and the pool has none", "allocate the cache with PagedKVLayout.allocate")
-    sealed = launch_seal_pool(rows, tf, static_scale, smooth, clip, interpret, codebook, first_positions, rope)
+    sealed = launch_seal_pool(rows, tf, static_scale, smooth, clip, interpret, codebook, first_positions, rope, bits)
     store_quantized(KVPool(data, scale, zero, None, outlier_index, outlier_value), blocks,
                     QuantizedTensor(sealed.data, sealed.scale, sealed.zero, sealed.outlier_index, sealed.outlier_value), tf)
 
@@ -506,31 +507,31 @@ def _spec_format(spec: str) -> TensorFormat:
 
 
 def seal_into(rows, blocks, data, scale, zero, fmt: TensorFormat, static_scale=None, smooth=None, clip=None,
-              codebook=None, outlier_index=None, outlier_value=None, first_positions=None, rope=None) -> None:
+              codebook=None, outlier_index=None, outlier_value=None, first_positions=None, rope=None, bits=None) -> None:
     """``seal_blocks`` on a TensorFormat: the kernel on CUDA (or under ``TRITON_INTERPRET=1``), else the reference.
     ``codebook`` (nuq), the pool's outlier lists (outN, written), ``first_positions`` [n] and ``rope`` ``(cos, sin)``
-    (prerope) for the issue-27 formats."""
+    (prerope), ``bits`` (allocB) for the issue-27 formats."""
     if rows.is_cuda or interpret_requested():
         launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, interpret=not rows.is_cuda,
                          codebook=codebook, outlier_index=outlier_index, outlier_value=outlier_value,
-                         first_positions=first_positions, rope=rope)
+                         first_positions=first_positions, rope=rope, bits=bits)
     else:
         _ref.seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, codebook, outlier_index,
-                           outlier_value, first_positions, rope)
+                           outlier_value, first_positions, rope, bits)
 
 
 @torch.library.custom_op("trtkv::seal_blocks", mutates_args=("data", "scale", "zero", "outlier_index", "outlier_value"))
 def seal_blocks(rows: T, blocks: T, data: T, scale: OT, zero: OT, fmt: str,
                 static_scale: OT = None, smooth: OT = None, clip: OT = None, codebook: OT = None,
                 outlier_index: OT = None, outlier_value: OT = None, first_positions: OT = None, rope_cos: OT = None,
-                rope_sin: OT = None) -> None:
+                rope_sin: OT = None, bits: OT = None) -> None:
     seal_into(rows, blocks, data, scale, zero, _spec_format(fmt), static_scale, smooth, clip, codebook, outlier_index,
-              outlier_value, first_positions, None if rope_cos is None else (rope_cos, rope_sin))
+              outlier_value, first_positions, None if rope_cos is None else (rope_cos, rope_sin), bits)
 
 
 @seal_blocks.register_fake
 def _(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None, codebook=None, outlier_index=None,
-      outlier_value=None, first_positions=None, rope_cos=None, rope_sin=None) -> None:
+      outlier_value=None, first_positions=None, rope_cos=None, rope_sin=None, bits=None) -> None:
     return None
 
 
@@ -644,7 +645,7 @@ def seal_kv(layout: PagedKVLayout, k_rows: torch.Tensor, v_rows: torch.Tensor, b
     for which, rows, pool, params in (("k", k_rows, k_pool, k_params), ("v", v_rows, v_pool, v_params)):
         seal_into(rows, blocks, pool.data, pool.scale, pool.zero, layout.tensor_format(which), _p(params, "scale"),
                   _p(params, "smooth"), _p(params, "clip"), _p(params, "codebook"), pool.outlier_index,
-                  pool.outlier_value, first_positions, rope)
+                  pool.outlier_value, first_positions, rope, _p(params, "bits"))
 
 
 def _pool_args(k_pool: KVPool, v_pool: KVPool):

@@ -47,16 +47,18 @@ def seal_ref_pool(
     codebook: torch.Tensor | None = None,
     first_positions: torch.Tensor | None = None,
     rope=None,
+    bits: torch.Tensor | None = None,
 ) -> KVPool:
     """Quantize full blocks ``rows`` [n, kv_heads, block_size, head_dim] into a pool of exactly these n blocks (codes,
     scale, zero and an ``outN`` format's outlier lists; ``seal_blocks``). ``codebook``: a ``nuq`` format's levels;
-    ``first_positions`` [n] and ``rope`` (``(cos, sin)`` [P, D] or a ``RopeTable``): keys stored before RoPE."""
+    ``first_positions`` [n] and ``rope`` (``(cos, sin)`` [P, D] or a ``RopeTable``): keys stored before RoPE; ``bits``:
+    an ``allocB`` format's code widths."""
     tf = as_tensor_format(fmt)
     n, kvh, bs, d = rows.shape
     layout = PagedKVLayout(KVFormat(name="seal", k=tf, v=TensorFormat(dtype="fp16"), block_size=bs), kvh, d, bs, n)
     pool = layout.allocate("k")
     if n:
-        seal_blocks(layout, "k", pool, rows, torch.arange(n), TensorParams(static_scale, smooth, clip, codebook=codebook),
+        seal_blocks(layout, "k", pool, rows, torch.arange(n), TensorParams(static_scale, smooth, clip, codebook=codebook, bits=bits),
                     first_positions, _rope_rows(rope))
     return pool
 
@@ -73,10 +75,10 @@ def _rope_rows(rope):
 
 
 def seal_into_ref(rows, blocks, data, scale, zero, fmt, static_scale=None, smooth=None, clip=None, codebook=None,
-                  outlier_index=None, outlier_value=None, first_positions=None, rope=None) -> None:
+                  outlier_index=None, outlier_value=None, first_positions=None, rope=None, bits=None) -> None:
     """``seal_ref`` stored at pool blocks ``blocks`` [n] of the raw pool tensors (in place)."""
     tf = as_tensor_format(fmt)
-    p = seal_ref_pool(rows, tf, static_scale, smooth, clip, codebook, first_positions, rope)
+    p = seal_ref_pool(rows, tf, static_scale, smooth, clip, codebook, first_positions, rope, bits)
     store_quantized(KVPool(data, scale, zero, None, outlier_index, outlier_value), blocks,
                     QuantizedTensor(p.data, p.scale, p.zero, p.outlier_index, p.outlier_value), tf)
 

@@ -343,15 +343,16 @@ def test_the_torch_engine_serves_alloc_formats_like_the_eval_cache(tiny_models, 
 @pytest.mark.parametrize("spec", ["k=int8:bchannel:asym:prerope:alloc2:out16,v=int2:token:sym:hadamard:nuq:out16,block=16,sink=1",
                                   "k=int8:bchannel:asym:alloc2,v=int4:bchannel:asym:alloc3,block=16"])
 def test_the_triton_kernels_serve_alloc_formats_like_the_eval_cache(tiny_models, spec, monkeypatch):
-    """The same through the Triton attention kernels (the CUDA path, here under the interpreter): decode and prefill
-    read each channel's code at its offset and width (``kernels._channel_codes``), keys and values alike; the pool
-    seals with the reference quantizer (the seal kernel does not write these rows)."""
+    """The same through the Triton kernels (the CUDA path, here under the interpreter): decode and prefill read each
+    channel's code at its offset and width (``kernels._channel_codes``), keys and values alike, and the pool seals
+    with the Triton seal kernel (``kernels._seal_channels``: outliers in units of levels, codes packed by one-hot
+    products)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from test_codebooks_outliers import _serve_like_the_eval_cache
 
     _serve_like_the_eval_cache(tiny_models("llama", num_hidden_layers=2, head_dim=32, hidden_size=96), spec, "kernels",
-                               block=16, blocks=3, decode_steps=3)
+                               block=16, seal_kernels=True, blocks=3, decode_steps=3)
 
 
 def test_the_recipe_counts_each_layers_channels_at_each_width():

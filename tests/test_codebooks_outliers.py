@@ -626,7 +626,7 @@ READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchanne
 # the paths that read a feature (the torch ops, the C decode kernels and the Triton kernels read them all); others: none
 _ALL = {"cpu", "torch", "kernels", "seal"}
 READERS = {"codebooks (nuq)": _ALL, "outlier lists (outN)": _ALL, "keys before RoPE (prerope)": _ALL,
-           "bits allocated per channel (allocB)": {"torch", "cpu", "kernels"}}
+           "bits allocated per channel (allocB)": _ALL}
 
 
 @pytest.mark.parametrize("spec,words,side", NEW_FEATURES)
@@ -659,25 +659,22 @@ def test_formats_every_path_reads_are_not_refused_for_the_new_features(spec):
 
 
 def test_aot_configurations_take_the_issue_27_presets_and_the_op_contract_does_not():
-    """The Triton kernels (and so the AOT configuration list) take int3-nuq / int2-nuq, and the attention kernels the
-    alloc presets (sealed by the reference quantizer); the trtkv:: ops (ONNX Runtime custom ops, TensorRT plugins)
-    still refuse them, and so the contract tests leave them out."""
+    """The Triton kernels (and so the AOT configuration list) take int3-nuq / int2-nuq and int3-alloc / int2-alloc; the
+    trtkv:: ops (ONNX Runtime custom ops, TensorRT plugins) still refuse them, and so the contract tests leave them out."""
     from trtkv.formats import PRESETS
     from trtkv.plugins import aot
     from trtkv.plugins.contract.capabilities import KERNEL_SEAL, kernels_attend, kernels_take, op_refusal
 
     taken = {n for n, f in PRESETS.items() if kernels_take(f)}
     assert {"int3-nuq", "int2-nuq", "int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
-    # every preset but those with per-channel bits (read by the torch ops only, docs/kv-formats.md)
-    assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v) if t.allocated_bits is None)
-    assert {n for n, f in PRESETS.items() if not kernels_take(f)} == {"int3-alloc", "int2-alloc"}
-    assert all(kernels_attend(f) for f in PRESETS.values())  # the attention kernels read them all (alloc sealed by the reference)
+    assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v))
+    assert all(kernels_take(f) and kernels_attend(f) for f in PRESETS.values())  # the Triton kernels seal and read every preset
     assert all(op_refusal(PRESETS[n].k) for n in ("int3-nuq", "int2-nuq", "int3-alloc"))
     names = {c.name for c in aot.lean_configs()}
-    for n in ("int3-alloc", "int2-alloc"):  # their attention is compiled (and register-checked), their keys' seal is not
+    for n in ("int3-alloc", "int2-alloc"):  # their attention and seal are compiled (and register-checked)
         f = PRESETS[n]
         assert any(c.startswith(("paged_decode_partition.", "paged_prefill.")) and f"k-{aot._tag(f.k)}." in c for c in names), n
-        assert not any(c.startswith(f"seal.{aot._tag(f.k)}.") for c in names), n
+        assert any(c.startswith(f"seal.{aot._tag(f.k)}.") for c in names), n
     assert any("prerope" in n and f"out{PRESETS['int3-nuq'].k.outliers}" in n and n.startswith("seal.") for n in names)
     assert any("nuq" in n and n.startswith("paged_decode_partition.") for n in names)
 
@@ -700,21 +697,18 @@ def test_the_op_contract_refuses_each_new_feature(spec, words, side):
 
 def test_the_triton_launchers_refuse_what_they_cannot_read_in_one_line():
     """The Triton kernels read every issue-27 feature; what they refuse, each in one line naming the fix: an outlier
-    count that is not a multiple of 16 (attention: one-hot products by chunks) or, for the seal, not a power of two; a codebook format without its codebook, keys stored
+    count that is not a multiple of 16 (one-hot products by chunks), a codebook format without its codebook, keys stored
     before RoPE without the model's table or the blocks' first positions."""
     pytest.importorskip("triton")
     from trtkv.plugins import kernels, ops
     from trtkv.plugins.cases import case_rope
 
     rows = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(27))
-    for spec, paths, words in (("int3:bchannel:asym:out24", ("kernels", "seal"), "a multiple of 16"),
-                               ("int3:bchannel:asym:out8", ("kernels",), "a multiple of 16"),
-                               ("int3:bchannel:asym:out48", ("seal",), "a power of two")):
-        with pytest.raises(TrtkvError, match=words) as e:
-            kernels.format_constexprs(parse_tensor_spec(spec), paths)
+    for spec in ("int3:bchannel:asym:out24", "int3:bchannel:asym:out8"):
+        with pytest.raises(TrtkvError, match="a multiple of 16") as e:
+            kernels.format_constexprs(parse_tensor_spec(spec))
         assert "\n" not in str(e.value)
-    assert kernels.format_constexprs(parse_tensor_spec("int3:bchannel:asym:out16"))["OUT"] == 16  # the controls
-    assert kernels.format_constexprs(parse_tensor_spec("int3:bchannel:asym:out48"), ("kernels",))["OUT"] == 48
+    assert kernels.format_constexprs(parse_tensor_spec("int3:bchannel:asym:out48"))["OUT"] == 48  # the control
     with pytest.raises(TrtkvError, match="none was given"):
         ops.launch_seal_pool(rows, parse_tensor_spec("int3:g32:sym:nuq"), interpret=True)
     pre = parse_tensor_spec("int3:bchannel:asym:prerope")

@@ -34,9 +34,10 @@ def _kernel_seal(c: PagedCase, rows_out: list, tag: str):
         first, rope = c.first_positions(), None if c.rope is None else (c.rope.cos.to(rows.device), c.rope.sin.to(rows.device))
         ops.launch_seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip,
                              codebook=p.codebook, outlier_index=pool.outlier_index, outlier_value=pool.outlier_value,
-                             first_positions=first, rope=rope)
+                             first_positions=first, rope=rope, bits=p.bits)
         cpu = [None if t is None else t.cpu() for t in (p.scale, p.smooth, p.clip, p.codebook)]
-        want = ref.seal_ref_pool(rows.cpu(), tf, *cpu, first.cpu(), None if rope is None else tuple(t.cpu() for t in rope))
+        want = ref.seal_ref_pool(rows.cpu(), tf, *cpu, first.cpu(), None if rope is None else tuple(t.cpu() for t in rope),
+                                 None if p.bits is None else p.bits.cpu())
         got = pool.data[blocks].cpu()
         mism = float((got.view(torch.uint8) != want.data.view(torch.uint8)).float().mean()) \
             if got.dtype != torch.float16 else float((got != want.data).float().mean())

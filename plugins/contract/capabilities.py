@@ -72,7 +72,6 @@ class ExecutionPath:
     outliers: bool = False
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
     channel_bits: bool = False  # unpacks rows whose channels have their own calibrated code widths (``allocB``)
-    outlier_chunks: bool = False  # reads a block's outlier list in chunks (any multiple of 16: LIMITS.outliers_problem)
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
 
     # ------------------------------------------------------------------ the questions
@@ -129,7 +128,7 @@ class ExecutionPath:
             return LIMITS.dtype_problem(t.dtype)
         if t.mse and self.kernels:
             return "searches its scales (mse), which the Triton kernels do not (the reference quantizer does)"
-        if self.kernels and (problem := LIMITS.outliers_problem(t.outliers, self.outlier_chunks)):
+        if self.kernels and (problem := LIMITS.outliers_problem(t.outliers)):
             return problem
         return None
 
@@ -193,7 +192,7 @@ TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, wi
 # the Triton kernels read codebooks (a table lookup), outlier lists (one-hot products over a tile of one block) and keys
 # stored before RoPE (brought to model space per tile with the model's table); the seal kernel writes them all
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True,
-                                 codebooks=True, outliers=True, pre_rope=True, channel_bits=True, outlier_chunks=True)
+                                 codebooks=True, outliers=True, pre_rope=True, channel_bits=True)
 # trtkv's C kernels (plugins/cpu_attention.c) decode every storage dtype through its own lookup tables, a nuq
 # format's codes through the layer's codebook, an alloc format's codes at each channel's offset and width, write a
 # block's outlier list over its codes and bring keys stored before RoPE back to model space (the rotation undone by
@@ -201,7 +200,7 @@ KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kern
 CPU_KERNELS = ExecutionPath("cpu", "torch engine, trtkv's C attention kernels (CPU)", per_layer=True, window_ring=True, head_dim_max=1024,
                             codebooks=True, outliers=True, pre_rope=True, channel_bits=True)
 KERNEL_SEAL = ExecutionPath("seal", "Triton seal kernel (the pool's seal on CUDA)", per_layer=True, window_ring=True, kernels=True,
-                             codebooks=True, outliers=True, pre_rope=True)
+                             codebooks=True, outliers=True, pre_rope=True, channel_bits=True)
 # the C seal (the pool's seal on CPU): a nuq format's nearest-level codes are the reference quantizer's
 CPU_SEAL = ExecutionPath("cpu-seal", "trtkv's C seal kernel (the pool's seal on CPU)", per_layer=True, window_ring=True, head_dim_max=1024)
 
@@ -231,7 +230,7 @@ def kernel_refusal(t, paths: tuple[str, ...] = ("kernels", "seal")) -> str | Non
     lacks = list(dict.fromkeys(w for name in paths for w in CAPABILITIES[name].lacks(t)))
     if lacks:
         return f"keeps {' and '.join(lacks)}, which the Triton kernels do not read yet"
-    return next((p for name in paths if (p := LIMITS.outliers_problem(t.outliers, CAPABILITIES[name].outlier_chunks))), None)
+    return LIMITS.outliers_problem(t.outliers)
 
 
 def op_refusal(t) -> str | None:

@@ -59,7 +59,7 @@ _SEQ_PARAMS = dict(block_table_ptr="block_tables", context_lens_ptr="context_len
 _NO_EXTRAS = dict(k_cb_ptr=None, v_cb_ptr=None, k_oidx_ptr=None, k_oval_ptr=None, v_oidx_ptr=None, v_oval_ptr=None,
                   rope_cos_ptr=None, rope_sin_ptr=None, k_chan_ptr=None, v_chan_ptr=None)
 _NO_SEAL_EXTRAS = dict(cb_ptr=None, oidx_ptr=None, oval_ptr=None, pos_ptr=None, rope_cos_ptr=None, rope_sin_ptr=None,
-                       scratch_ptr=None)
+                       scratch_ptr=None, chan_ptr=None)
 
 BINDINGS: dict[str, Binding] = {
     "PagedKVSeal": Binding(

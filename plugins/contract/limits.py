@@ -15,8 +15,8 @@ class KernelLimits:
       dimension of the Hadamard ``tl.dot`` (>= 16); a power of two, 16 .. 128 (larger blocks spill).
     * partition_size: split-K decode partitions, a power of two >= 16 (a multiple of the kernel's key tile).
     * outliers (``outN``): a block's list is the reduction dimension of the one-hot products that write it over a
-      tile (``tl.dot``, >= 16) and a ``tl.arange``: the attention kernels read it in chunks of its largest power-of-two
-      divisor (a multiple of 16, 16 .. 1024), the seal kernel selects a power of two.
+      tile (``tl.dot``, >= 16), read in chunks of its largest power-of-two divisor (``tl.arange``): a multiple of 16,
+      16 .. 1024 (the seal kernel's selection counts, any number).
     """
 
     head_dim_min: int = 32
@@ -47,14 +47,11 @@ class KernelLimits:
             return None
         return f"must be a power of two between {self.block_size_min} and {self.block_size_max}"
 
-    def outliers_problem(self, n: int | None, chunked: bool = False) -> str | None:
-        """``chunked``: a path that reads a list in chunks of its largest power-of-two divisor (the attention kernels:
-        any multiple of ``outliers_min``); else (the seal kernel's selection) a power of two."""
-        if not n or ((n % self.outliers_min == 0 if chunked else _is_pow2(n)) and self.outliers_min <= n <= self.outliers_max):
+    def outliers_problem(self, n: int | None) -> str | None:
+        if not n or (n % self.outliers_min == 0 and self.outliers_min <= n <= self.outliers_max):
             return None
-        what = f"a multiple of {self.outliers_min}" if chunked else "a power of two"
-        return (f"keeps {n} outliers per block, and the Triton kernels take {what} between {self.outliers_min} "
-                f"and {self.outliers_max}")
+        return (f"keeps {n} outliers per block, and the Triton kernels take a multiple of {self.outliers_min} between "
+                f"{self.outliers_min} and {self.outliers_max}")
 
     def partition_problem(self, p: int) -> str | None:
         return None if _is_pow2(p) and p >= self.partition_min else f"must be a power of two >= {self.partition_min}"
