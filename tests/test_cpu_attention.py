@@ -444,6 +444,9 @@ def test_a_rope_table_with_unequal_halves_is_read_whole(spec, d, monkeypatch):
     monkeypatch.setitem(globals(), "ROPE_HALVES_DIFFER", False)
     half = ca._rope(_rope_table(9, d, None))
     assert half[2:] == (d // 2, 0) and half[0].shape == (9, d // 2)
+    with torch.inference_mode():  # the engine's table: inference tensors, read once per table object
+        table = _rope_table(9, d, None)
+        assert ca._rope(table) is ca._rope(table) and ca._rope(tuple(t.clone() for t in table)) is not ca._rope(table)
     monkeypatch.setitem(globals(), "ROPE_HALVES_DIFFER", True)
     test_dequant_reads_outliers_and_keys_before_rope(spec, d, monkeypatch)
     test_decode_reads_outliers_and_keys_before_rope(spec, d, True, monkeypatch)
