@@ -802,18 +802,19 @@ PRESETS: dict[str, KVFormat] = {
                  "on CUDA, its torch ops anywhere)"),
         # issue 27 round 10: keys before RoPE with bits allocated per channel at calibration (no rotation), the values of
         # the -nuq presets (int2: with value outliers, bought with key bits and key outliers: docs/accuracy.md); read by eval, the
-        # reference paged cache and the torch engine (torch ops, C kernels)
+        # reference paged cache and the torch engine (torch ops, C kernels, Triton kernels)
         KVFormat(name="int3-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=3.5),
                  v=_t("int3", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
                  description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
                  "channel's bits (0 to 8; 3.5 on average) allocated at calibration, asymmetric per channel over "
-                 "each block; values as int3-nuq (served by the torch engine: its C kernels on CPU, its torch ops anywhere)"),
+                 "each block; values as int3-nuq (served by the torch engine: its C kernels on CPU, its Triton kernels on CUDA, its "
+                 "torch ops anywhere)"),
         KVFormat(name="int2-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=2.25, outliers=16),
                  v=_t("int2", "per_token", hadamard=True, codebook=True, outliers=48), block_size=128, sink_tokens=4,
                  description="int2, 2.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
                  "channel's bits (0 to 8; 2.25 on average) allocated at calibration, asymmetric per channel over "
                  "each block, 16 outliers per block and head kept exactly; values as int2-nuq with 48 outliers per block "
-                 "and head (served by the torch engine: its C kernels on CPU, its torch ops anywhere)"),
+                 "and head (served by the torch engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
         KVFormat(
             name="int4-token",
             k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
