@@ -37,7 +37,8 @@ def register(app: typer.Typer, handle_errors) -> None:
         budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this budget: kl=NATS or ppl=PERCENT "
                                                       "(accuracy, e.g. kl=0.01), or bits=POOL_BITS (size: the least-KL mix, e.g. bits=2.5)")] = None,
         budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink), or a named set: "
-                                                             "nuq (int4-b128, int3-nuq, int2-nuq and their key-outlier twins; torch engine only)")] = ",".join(DEFAULT_BUDGET_FORMATS),
+                                                             "nuq (int4-b128, int3-nuq, int2-nuq and their key-outlier twins), alloc (int4-b128, int3-alloc, "
+                                                             "int2-alloc); those two: torch engine only")] = ",".join(DEFAULT_BUDGET_FORMATS),
         budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = DEFAULT_BUDGET_WINDOWS,
         budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
         budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",

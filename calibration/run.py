@@ -244,7 +244,7 @@ def run_calibration(
         checker = Scorer(loaded.model, others.to(loaded.device), batch_size) if len(others) else None
         choice = choose_layer_bits(scorer, candidates, params, want_budget, num_layers=loaded.info.num_layers, head_dim=loaded.info.head_dim,
                                    name=budget_name, check=checker)
-        if any(t is not None for lp in choice.params for tp in (lp.k, lp.v) for t in (tp.scale, tp.smooth, tp.clip)):
+        if any(tp.tensors() for lp in choice.params for tp in (lp.k, lp.v)):  # every field: codebooks and bits too
             params[budget_name] = choice.params
         entries[budget_name] = FormatCalibration(definition=choice.fmt, method="budget", layers=layer_choices(choice.params, {}),
                                                  **choice.recipe_fields(), search_windows=min(budget_windows, len(windows)), check_windows=len(others))

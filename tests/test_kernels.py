@@ -680,7 +680,7 @@ def test_seal_codebooks_and_outliers_bit_for_bit_on_integer_inputs(spec, d, bs):
 
 
 SEAL27_PRESETS = [("int3-nuq", 64), ("int2-nuq", 128), ("k=int3:bchannel:asym:prerope:qsmooth:out16,v=fp16,block=32", 32),
-                  ("int3-alloc", 64), ("int2-alloc", 128)]
+                  ("int3-alloc", 64), ("k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=32", 64)]
 
 
 @pytest.mark.parametrize("fmt,d", SEAL27_PRESETS)

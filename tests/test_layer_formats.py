@@ -312,9 +312,12 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
 
 
 @pytest.mark.slow
-def test_calibrate_takes_the_nuq_candidate_set_by_name(tiny_models, tmp_path):
+@pytest.mark.parametrize("named", ["nuq", "alloc"])
+def test_calibrate_takes_a_named_candidate_set(tiny_models, tmp_path, named):
     """``--budget-formats nuq`` searches the set's five formats (issue 27's and their key-outlier twins, widest first),
-    calibrates each, and the saved mix stores every side as one of them within the bits asked for."""
+    ``alloc`` int4-b128 and the alloc presets (their per-channel bits calibrated per candidate and carried into the
+    mix's layers); each candidate is calibrated, and the saved mix stores every side as one of them within the bits
+    asked for."""
     from trtkv.artifacts import load_calibration
     from trtkv.calibration.run import run_calibration
     from trtkv.formats import BUDGET_FORMAT_SETS, get_format
@@ -322,9 +325,10 @@ def test_calibrate_takes_the_nuq_candidate_set_by_name(tiny_models, tmp_path):
     d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                        num_hidden_layers=2)
     art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=288, device="cpu", dtype="float32",
-                          progress=False, budget="bits=3.0", budget_formats=["nuq"], budget_windows=1)
-    recipe = load_calibration(art).recipe
-    members = [get_format(n) for n in BUDGET_FORMAT_SETS["nuq"]]
+                          progress=False, budget="bits=3.0", budget_formats=[named], budget_windows=1)
+    loaded = load_calibration(art)
+    recipe = loaded.recipe
+    members = [get_format(n) for n in BUDGET_FORMAT_SETS[named]]
     extra = recipe.formats["budget"].model_extra
     assert sorted(extra["candidates"]) == sorted(f.name for f in members)
     bits = [get_format(n).pool_bits_per_element(HEAD_DIM) for n in extra["candidates"]]
@@ -334,3 +338,9 @@ def test_calibrate_takes_the_nuq_candidate_set_by_name(tiny_models, tmp_path):
     assert mix.pool_bits_per_element(HEAD_DIM) <= 3.0
     for layer in mix.layers:
         assert any(layer.k == f.k for f in members) and any(layer.v == f.v for f in members)
+    from trtkv.models import model_info
+    from trtkv.quant import widths_of
+
+    for layer, lp in zip(mix.layers, loaded.params_for("budget", model_info(str(d)))):  # each side's constants go along
+        for tf, p in ((layer.k, lp.k), (layer.v, lp.v)):
+            assert (widths_of(tf, p) is not None) == (tf.allocated_bits is not None)  # a one-line error when missing

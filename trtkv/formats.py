@@ -841,9 +841,11 @@ def _key_outlier_twin(preset: str, outliers: int) -> KVFormat:
 NAMED_CANDIDATES: dict[str, KVFormat] = {f.name: f for f in (_key_outlier_twin("int3-nuq", 64), _key_outlier_twin("int2-nuq", 128))}
 
 # Candidate sets ``--budget-formats`` takes by name. ``nuq``: issue 27's formats with their key-outlier twins, the least
-# KL within 2.5 pool bits measured on SmolLM2 (docs/calibration.md); the torch engine reads them, the ONNX and TensorRT
-# paths refuse them.
-BUDGET_FORMAT_SETS: dict[str, tuple[str, ...]] = {"nuq": ("int4-b128", "int3-nuq", "int3-nuq-kout64", "int2-nuq", "int2-nuq-kout128")}
+# KL within 2.5 pool bits measured on SmolLM2 (docs/calibration.md); ``alloc``: int4 in blocks of 128 and the presets
+# with bits allocated per key channel (issue 27 round 10). The torch engine reads them, the ONNX and TensorRT paths
+# refuse them.
+BUDGET_FORMAT_SETS: dict[str, tuple[str, ...]] = {"nuq": ("int4-b128", "int3-nuq", "int3-nuq-kout64", "int2-nuq", "int2-nuq-kout128"),
+                                                  "alloc": ("int4-b128", "int3-alloc", "int2-alloc")}
 
 
 def expand_format_sets(specs: Sequence[str | KVFormat]) -> list[str | KVFormat]:
