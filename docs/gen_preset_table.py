@@ -22,9 +22,13 @@ _GRAN = {"per_tensor": "per tensor", "per_head": "per head", "per_channel": "per
 def describe(t: TensorFormat) -> str:
     if not t.is_quantized:
         return t.dtype
-    parts = [t.dtype, f"g{t.group_size}" if t.group_size else _GRAN.get(t.granularity, t.granularity.replace("_", " "))]
+    width = t.dtype if t.allocated_bits is None else f"{t.allocated_bits:g} bits per channel on average (0-{t.traits.bits} each)"
+    parts = [width, f"g{t.group_size}" if t.group_size else _GRAN.get(t.granularity, t.granularity.replace("_", " "))]
     parts.append("sym" if t.symmetric else "asym")
-    parts += [w for w, on in (("smooth", t.smooth), ("hadamard", t.hadamard)) if on]
+    parts += [w for w, on in (("before RoPE", t.pre_rope), ("smooth", t.smooth), ("hadamard", t.hadamard),
+                              ("MSE range", t.mse), ("codebook", t.codebook)) if on]
+    if t.outliers:
+        parts.append(f"{t.outliers} outliers per block")
     return ", ".join(parts)
 
 
@@ -33,7 +37,12 @@ def _bits(f: KVFormat, d: int) -> str:
 
 
 def _calibration(f: KVFormat) -> str:
-    what = [w for w, on in (("scales", f.k.is_static or f.v.is_static), ("K smoothing", f.k.smooth), ("V smoothing", f.v.smooth)) if on]
+    sides = (("K", f.k), ("V", f.v))
+    what = ["scales"] if f.k.is_static or f.v.is_static else []
+    for side, t in sides:
+        what += [f"{side} {word}" for word, on in (("smoothing", t.smooth), ("codebooks", t.codebook),
+                                                   ("channel bits", t.allocated_bits is not None)) if on]
+    assert bool(what) == f.needs_calibration, f"{f.name}: the table's calibration column disagrees with KVFormat.needs_calibration"
     return f"yes ({', '.join(what)})" if what else "no"
 
 
