@@ -246,6 +246,16 @@ def test_outlier_ties_keep_the_lower_position():
     assert qt.outlier_index.tolist() == [[[6, 11]]]
 
 
+@pytest.mark.parametrize("spec", ["int4:bchannel:sym:out5", "int3:g8:sym:out9", "int2:token:sym:out13"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_outliers_among_many_equal_scores_match_the_naive_selection(spec, seed):
+    """Small integers: most scores tie with others, some above the cut and several at it; the selection (topk's cut,
+    then the tied positions in order) must be the naive loop's on every (block, head)."""
+    tf = _fmt(spec)
+    x = torch.randint(-3, 4, (4, H, BS, D), generator=torch.Generator().manual_seed(seed)).float()
+    assert torch.equal(quantize_block(x, tf).outlier_index.long(), _ref_outliers(x, tf, tf.outliers))
+
+
 def test_outliers_set_no_range():
     """The dense codes' ranges are those of the block without its outliers (a float64 loop), so the bulk keeps its
     resolution: one large element does not stretch its channel's scale."""

@@ -389,10 +389,17 @@ def block_outliers(xf: torch.Tensor, fmt: TensorFormat, widths: torch.Tensor | N
     bs, D = xf.shape[-2:]
     fmt.check_block(bs, D)
     score = _deviation(xf, fmt, widths).flatten(-2)
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., : fmt.outliers]
-    idx = order.sort(-1).values
-    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True).view(xf.shape)
-    return mask, idx.to(torch.int16), _to_fp16(xf.flatten(-2).gather(-1, idx)).half()
+    n = fmt.outliers
+    # the n-th largest score per row (topk: no full sort); everything above it is kept, and of the scores equal to it
+    # the lowest positions until n are -- what a stable descending sort's first n would be, without sorting the block
+    nth = torch.topk(score, n, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = score > nth
+    tied = score == nth
+    keep = above | (tied & (tied.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
+    length = score.shape[-1]  # each row's n kept positions, ascending (a topk again: nonzero would wait on a GPU)
+    rank = torch.where(keep, length - torch.arange(length, device=score.device), 0)
+    idx = length - torch.topk(rank, n, dim=-1).values
+    return keep.view(xf.shape), idx.to(torch.int16), _to_fp16(xf.flatten(-2).gather(-1, idx)).half()
 
 
 def quantize_block(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None = None, head_axis: int = -3,
