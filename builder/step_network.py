@@ -5,12 +5,15 @@ Inputs: ``input_ids [B, T]``, ``context_lens [B]``, ``new_lens [B]``, ``block_ta
 int4, unsigned int8 and fp8 bit patterns are declared int8 at the graph boundary), their fp16 scales /
 zero-points when the format has them, and the fp16 open blocks and sink rows ``k_tail``/``v_tail [L, S, H, bs + sink, D]``.
 Outputs: ``logits [B, V]`` float32 at each sequence's last valid token, ``new_k``/``new_v [L, B, T, H, D]``
-fp16 (K after RoPE). LLaMA family: RMSNorm, RoPE (rotate-half, the model's own inv_freq and
-attention scaling), GQA, SwiGLU, optional q/k/v biases (Qwen2), q/k RMSNorm per head (Qwen3, Gemma 3), fused
-projections (Phi-3, split by the weight reader), tied or untied embeddings. Gemma 2/3: scaled embeddings, (1 + w)
-norms (folded into the weights), norms of the attention and MLP outputs, GeGLU, the query scale
-``query_pre_attn_scalar^-0.5``, attention / final logit soft-capping, a RoPE table per layer type. Sliding-window
-layers mask keys older than their window (``key_pos > q_pos - window``, transformers' rule).
+fp16 (K after RoPE). Every layer: RMSNorm, RoPE (rotate-half, the model's own inv_freq and attention scaling), GQA,
+a gated MLP (SwiGLU or GeGLU), optional q/k/v biases, tied or untied embeddings. What differs between families
+reaches the graph through ``ModelWeights``, which the weight reader (``builder/weights.py``) fills as the family's
+row in ``trtkv.families`` says: q/k RMSNorm per head (``qk_norm``), fused projections split (``fused_projections``),
+(1 + w) norms folded into the weights (``norm_offset``), norms of the attention and MLP outputs
+(``sandwich_norms``), scaled embeddings (``scaled_embedding``), attention / final logit soft-capping
+(``attn_softcap`` / ``final_softcap``); the query scale (e.g. ``query_pre_attn_scalar^-0.5``) and a RoPE table per
+layer type come from the model's own modules. Sliding-window layers (the record's layer types, by the family's window
+rule) mask keys older than their window (``key_pos > q_pos - window``, transformers' rule).
 """
 
 from __future__ import annotations
@@ -26,12 +29,9 @@ from trtkv.builder.weights import ModelWeights
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.manifest import TensorSpec
-from trtkv.plugins.contract.capabilities import CAPABILITIES, SOFTCAPPED, STEP_ARCHITECTURES  # noqa: F401  (re-exported)
+from trtkv.plugins.contract.capabilities import CAPABILITIES
 
 BIG_POS = 2**40  # key position of unreadable keys: never <= a query position
-
-# Architectures the step network computes and those that soft-cap: rows of the capability table.
-_SOFTCAPPED = SOFTCAPPED
 
 
 def check_model(info, attention: str, backend: str = "onnxruntime") -> None:

@@ -1,7 +1,9 @@
-"""LLaMA-family weights as numpy arrays: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head),
-Phi-3 (fused qkv and gate_up projections, split here), Gemma 2/3 (scaled embeddings, (1 + w) RMSNorms folded into
-the weights here, norms around attention and MLP, GeGLU, query_pre_attn_scalar, soft-capping, a RoPE base per layer
-type), tied or untied embeddings.
+"""The weights of a model of the family table (``trtkv.families``) as numpy arrays, read as its row says: q/k
+RMSNorm per head (``qk_norm``: Qwen3, Gemma 3), fused qkv and gate_up projections split here (``fused_projections``:
+Phi-3), (1 + w) RMSNorms folded into the weights here (``norm_offset``: Gemma), norms around attention and MLP
+(``sandwich_norms``), scaled embeddings (``scaled_embedding``), attention / final logit soft-capping
+(``attn_softcap`` / ``final_softcap``: Gemma 2); q/k/v biases where the model has them, GeGLU, the attention
+module's query scale (query_pre_attn_scalar), a RoPE base per layer type (Gemma 3), tied or untied embeddings.
 
 Read from a loaded transformers model (``trtkv.models.load_model``), so GGUF files and HF directories
 both arrive here in the transformers rotate-half RoPE layout (docs/kv-formats.md section 8).
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from trtkv.errors import TrtkvError
+from trtkv.families import require
 from trtkv.models import ModelInfo
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq (and attention_scaling) fixed at load
@@ -80,6 +83,7 @@ def extract_weights(model, info: ModelInfo) -> ModelWeights:
     """Numpy float32 weights and the RoPE constants of a transformers LLaMA-family causal LM (``info``: its record)."""
     cfg = model.config.get_text_config(decoder=True)
     arch = info.architecture
+    family = require(arch, f"model '{info.name}'")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     per_type = [rope[t] for t in info.layer_groups() if isinstance(rope, dict) and isinstance(rope.get(t), dict)]  # Gemma 3
     for r in per_type or [rope]:
@@ -102,30 +106,26 @@ def extract_weights(model, info: ModelInfo) -> ModelWeights:
                 f"{arch}: RoPE rotates {2 * f.size} of {info.head_dim} channels (partial rotary), which the step network does not implement",
                 "use a model whose RoPE rotates the whole head (partial_rotary_factor 1)",
             )
-    gemma_norm = type(base.norm).__name__.startswith("Gemma")  # output * (1 + w): folded into the weight
 
-    def norm(module) -> np.ndarray | None:
-        if module is None:
-            return None
-        return _np(module.weight) + 1.0 if gemma_norm else _np(module.weight)
+    def norm(module) -> np.ndarray:  # output * (norm_offset + w): the offset folded into the weight
+        return _np(module.weight) + np.float32(family.norm_offset)
+
     H, D, nh = info.num_kv_heads, info.head_dim, info.num_heads
     layers = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
-        if hasattr(a, "qkv_proj"):  # Phi-3: rows [q (nh*D) | k (H*D) | v (H*D)]
+        if family.fused_projections:  # qkv_proj rows [q (nh*D) | k (H*D) | v (H*D)], gate_up_proj rows [gate | up]
             wq, wk, wv = torch.split(a.qkv_proj.weight, [nh * D, H * D, H * D], dim=0)
             bq = bk = bv = None
             if a.qkv_proj.bias is not None:
                 bq, bk, bv = (_np(b) for b in torch.split(a.qkv_proj.bias, [nh * D, H * D, H * D]))
-        else:
-            wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
-            bq, bk, bv = _np(a.q_proj.bias), _np(a.k_proj.bias), _np(a.v_proj.bias)
-        if hasattr(m, "gate_up_proj"):  # Phi-3: rows [gate | up]
             w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
             mlp_bias = m.gate_up_proj.bias
         else:
+            wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+            bq, bk, bv = _np(a.q_proj.bias), _np(a.k_proj.bias), _np(a.v_proj.bias)
             w_gate, w_up, mlp_bias = m.gate_proj.weight, m.up_proj.weight, m.gate_proj.bias
-        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: post_attention_layernorm normalizes the attention output
+        sandwich = family.sandwich_norms  # post_attention_layernorm normalizes the attention output
         layers.append(
             LayerWeights(
                 input_norm=norm(layer.input_layernorm),
@@ -133,7 +133,7 @@ def extract_weights(model, info: ModelInfo) -> ModelWeights:
                 bq=bq, bk=bk, bv=bv,
                 post_norm=norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
                 w_gate=_t(w_gate), w_up=_t(w_up), w_down=_t(m.down_proj.weight),
-                q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
+                q_norm=norm(a.q_norm) if family.qk_norm else None, k_norm=norm(a.k_norm) if family.qk_norm else None,
                 attn_out_norm=norm(layer.post_attention_layernorm) if sandwich else None,
                 mlp_out_norm=norm(layer.post_feedforward_layernorm) if sandwich else None,
             )
@@ -152,9 +152,9 @@ def extract_weights(model, info: ModelInfo) -> ModelWeights:
         final_norm=norm(base.norm),
         layers=layers,
         rope_by_type=rope_by_type,
-        embed_scale=float(base.embed_tokens.embed_scale.to(embed.dtype)) if hasattr(base.embed_tokens, "embed_scale") else 1.0,
+        embed_scale=float(base.embed_tokens.embed_scale.to(embed.dtype)) if family.scaled_embedding else 1.0,
         query_scale=float(base.layers[0].self_attn.scaling),
         activation=act,
-        attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
-        final_softcap=getattr(cfg, "final_logit_softcapping", None),
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if family.attn_softcap else None,
+        final_softcap=getattr(cfg, "final_logit_softcapping", None) if family.final_softcap else None,
     )

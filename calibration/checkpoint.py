@@ -30,6 +30,7 @@ import torch
 
 from trtkv import __version__
 from trtkv.errors import TrtkvError
+from trtkv.families import architectures, family_of
 from trtkv.formats import DTYPES, KVFormat, get_format
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 TARGETS = ("vllm", "trtllm")
 DEFAULT_FORMAT = "fp8"
 MANIFEST = "trtkv_export.json"
-TRTLLM_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 _OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -231,9 +231,10 @@ def trtllm_config(cfg: Any, info: Any, fmt: KVFormat, tp_size: int, dtype: str) 
 
 def check_trtllm_model(info: Any, cfg: Any, tp_size: int) -> None:
     """Refuse what the TensorRT-LLM LLaMA checkpoint cannot hold or ``tp_size`` cannot split."""
-    if info.architecture not in TRTLLM_ARCHITECTURES:
+    family = family_of(info.architecture)
+    if family is None or not family.trtllm_export:
         raise TrtkvError(
-            f"the TensorRT-LLM export writes LLaMA-family checkpoints ({', '.join(sorted(TRTLLM_ARCHITECTURES))}); "
+            f"the TensorRT-LLM export writes LLaMA-family checkpoints ({', '.join(architectures(lambda f: f.trtllm_export))}); "
             f"{info.architecture} has other weight names there",
             "convert it with TensorRT-LLM's own convert_checkpoint.py and merge the scales from trtllm/ in the calibration directory, or export --to vllm",
         )

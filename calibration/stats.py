@@ -3,7 +3,8 @@
 For every layer, KV head and head_dim channel, and for three tensors
 
 * ``k``     -- K as cached (post-RoPE), seen by a ``transformers`` Cache whose ``update()`` gets it,
-* ``k_pre`` -- K before RoPE (forward hook on ``self_attn.k_proj``; ``k_norm`` for Qwen3 / Gemma 3, the K rows of ``qkv_proj`` for Phi-3),
+* ``k_pre`` -- K before RoPE (forward hook on ``self_attn.k_proj``; on ``k_norm`` for a family whose row says ``qk_norm``, the
+  K rows of ``qkv_proj`` for one that says ``fused_projections``: ``trtkv.families``),
 * ``v``     -- V as cached,
 
 ``KVStats`` keeps running min/max (so absmax) per channel, per-channel sums and sums of squares
@@ -37,6 +38,7 @@ import torch
 
 from trtkv.calibration import DEFAULT_FIT_WINDOWS
 from trtkv.errors import TrtkvError
+from trtkv.families import Family, require
 
 KINDS = ("k", "k_pre", "v")
 RESERVOIR_KINDS = ("k", "v")
@@ -431,22 +433,19 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         layers = obj
         break
     if layers is None:
-        raise TrtkvError(f"cannot find the decoder layers of {type(model).__name__}", "use a Llama, Mistral or Qwen2 model")
+        raise TrtkvError(f"cannot find the decoder layers of {type(model).__name__}", "use a model of a supported architecture")
     return [layer.self_attn for layer in layers]
 
 
-def _pre_rope_keys(attn: torch.nn.Module, num_heads: int, H: int, D: int):
-    """The module whose output is K before RoPE, and how to cut its output into [tokens, H, D] rows.
-
-    Qwen3 / Gemma 3 normalize each head's k (``k_norm``) before RoPE; Phi-3 projects q, k, v in one ``qkv_proj``.
-    """
-    if isinstance(getattr(attn, "k_norm", None), torch.nn.Module):
+def _pre_rope_keys(attn: torch.nn.Module, family: Family, num_heads: int, H: int, D: int):
+    """The module whose output is K before RoPE, and how to cut its output into [tokens, H, D] rows, as the family's
+    row says: each head's k normalized before RoPE (``qk_norm``: ``k_norm``), q, k, v projected in one ``qkv_proj``
+    (``fused_projections``), else ``k_proj``."""
+    if family.qk_norm:
         return attn.k_norm, lambda out: out.reshape(-1, H, D)
-    if hasattr(attn, "k_proj"):
-        return attn.k_proj, lambda out: out.reshape(-1, H, D)
-    if hasattr(attn, "qkv_proj"):
+    if family.fused_projections:
         return attn.qkv_proj, lambda out: out[..., num_heads * D : (num_heads + H) * D].reshape(-1, H, D)
-    raise TrtkvError(f"cannot find the key projection of {type(attn).__name__}", "use a model of a supported architecture")
+    return attn.k_proj, lambda out: out.reshape(-1, H, D)
 
 
 def make_stats_cache(model: torch.nn.Module, collector: StatsCollector):
@@ -519,10 +518,11 @@ def collect_stats(
                           sample_windows=min(sample_windows, n))
     collector = StatsCollector(stats, seed=seed, seq_len=seq_len)
     H, D = info.num_kv_heads, info.head_dim
+    family = require(info.architecture, f"model '{info.name}'")
 
     hooks = []
     for i, a in enumerate(attn):
-        module, rows = _pre_rope_keys(a, info.num_heads, H, D)
+        module, rows = _pre_rope_keys(a, family, info.num_heads, H, D)
 
         def hook(_mod, _inp, out, i=i, rows=rows):
             collector.add("k_pre", i, rows(out.detach()))

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from marker_block import Block
 
+from trtkv import families
 from trtkv.formats import PRESETS, get_format
 from trtkv.plugins.contract.capabilities import CAPABILITIES, FEATURES, LIMITS, ExecutionPath
 
@@ -37,6 +38,11 @@ PER_LAYER = "k=int8:bchannel:sym,v=int8:token:sym,block=64,layers=" + "|".join(
 
 def _model(arch="LlamaForCausalLM", window=None) -> SimpleNamespace:
     return SimpleNamespace(name="a model", architecture=arch, has_sliding_layers=window is not None, sliding_window=window)
+
+
+# the model features asked about: a model with sliding-window layers, and one of the first family that soft-caps its attention
+WINDOWED = _model(window=512)
+SOFTCAPPED = _model(next(f for f in families.FAMILIES.values() if f.attn_softcap).architectures[0])
 
 
 def _format_cell(p: ExecutionPath, spec: str, mse: str | None) -> str:
@@ -77,8 +83,8 @@ def table() -> str:
         cells = [_format_cell(p, PRESETS[preset].spec(), mse) for preset, mse in FAMILIES.values()]
         cells.append(_features_cell(p))
         cells.append("no" if p.layout_reasons(get_format(PER_LAYER)) else "yes")
-        cells.append("no" if p.model_reasons(_model("Gemma3ForCausalLM", window=512)) else "yes")
-        cells.append("no" if p.model_reasons(_model("Gemma2ForCausalLM")) else "yes")
+        cells.append("no" if p.model_reasons(WINDOWED) else "yes")
+        cells.append("no" if p.model_reasons(SOFTCAPPED) else "yes")
         cells.append(("yes (not with a window ring)" if p.window_ring else "yes") if p.prefix_cache else "no")
         cells += _sizes(p)
         lines.append(f"| `{p.name}`: {p.title} | " + " | ".join(cells) + " |")

@@ -4,7 +4,8 @@
   The first run in a fresh ``$TRTKV_CACHE`` converts the GGUF (~25 s); later runs load the cached
   checkpoint (~3 s).
 * ``tiny_model`` (factory): ``tiny_model(arch="mistral", with_tokenizer=False, **config)`` builds a
-  small random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3 model, saves it to a fresh tmp directory and returns
+  small random model of a family of the family table (``arch``: its row's name in ``trtkv.families.FAMILIES``: Llama /
+  Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) / Phi-3), saves it to a fresh tmp directory and returns
   ``(directory, in_memory_model)``. Default dims are deliberately odd: 2 layers, 4 heads, 2 KV
   heads, head_dim 24, hidden 80 (so head_dim != hidden / heads), vocab 320. For tests that change
   the directory or the model.
@@ -58,21 +59,9 @@ TINY_TEXT = (
     "Sphinx of black quartz, judge my vow! 0123456789 {}[]()<>=+-*/\n"
 )
 
-_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-}
-# family defaults a tiny model needs (token ids inside the tiny vocabulary; Gemma 2 runs eager attention only)
-_ARCH_DEFAULTS = {
-    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "gemma2": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager"),
-    "gemma3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
-}
+# families whose config's default token ids fall outside the tiny vocabulary get these
+_TINY_TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TOKEN_IDS_OUTSIDE_THE_VOCABULARY = ("phi3", "gemma2", "gemma3")
 
 
 def build_tiny_tokenizer(vocab_size: int = 320):
@@ -137,10 +126,13 @@ def naive_mse_range(col: torch.Tensor, qmax: int) -> tuple[float, float, float]:
 def build_tiny_model(
     directory: Path, arch: str = "mistral", *, with_tokenizer: bool = False, seed: int = 0, **overrides
 ):
-    """Save a small random model of ``arch`` to ``directory``; return the in-memory model (fp32, eval)."""
+    """Save a small random model of the family ``arch`` (its row in ``trtkv.families.FAMILIES``: the config class of its
+    model_type, its first architecture) to ``directory``; return the in-memory model (fp32, eval)."""
     import transformers
 
-    config_name, model_name = _ARCHS[arch]
+    from trtkv.families import FAMILIES
+
+    family = FAMILIES[arch]
     kw = dict(
         vocab_size=320, hidden_size=80, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, max_position_embeddings=256, tie_word_embeddings=False,
@@ -150,12 +142,13 @@ def build_tiny_model(
         kw.pop("head_dim")
     if arch == "mistral":
         kw.update(sliding_window=None)
-    kw.update(_ARCH_DEFAULTS.get(arch, {}))
+    if arch in _TOKEN_IDS_OUTSIDE_THE_VOCABULARY:
+        kw.update(_TINY_TOKEN_IDS)
     kw.update(overrides)
-    attn = kw.pop("attn_implementation", "sdpa")
-    config = getattr(transformers, config_name)(**kw)
+    attn = kw.pop("attn_implementation", "eager" if family.eager_only else "sdpa")
+    config = transformers.AutoConfig.for_model(family.model_type, **kw)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
+    model = getattr(transformers, family.architectures[0])(config).eval()
     model.config._attn_implementation = attn
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import torch
 
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
+from trtkv.families import architectures
 from trtkv.formats import PRESETS, fit_formats, get_format
 from trtkv.plugins.contract import LIMITS
 from trtkv.plugins.contract import capabilities as cap
@@ -97,7 +98,7 @@ def test_storage_dtypes_the_kernels_lack_are_reasons(monkeypatch):
                                          ("Gemma2ForCausalLM", None), ("FalconForCausalLM", None), ("MistralForCausalLM", 4096)])
 def test_model_reasons_of_every_path(arch, window):
     m = model(arch, window)
-    known = arch in cap.STEP_ARCHITECTURES
+    known = arch in architectures(lambda f: f.step_network)
     for name in ("native", "tensorrt-rtx"):
         r = CAPABILITIES[name].model_reasons(m)
         assert bool(r) == (not known), (name, r)

@@ -24,12 +24,12 @@ from transformers.cache_utils import DynamicCache
 
 from trtkv.errors import TrtkvError
 from trtkv.evaluate import _forward, model_logits
+from trtkv.families import architectures
 from trtkv.formats import PRESETS, fit_formats
 from trtkv.kv_cache import QuantizedKVCache
 from trtkv.models import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    SUPPORTED_ARCHITECTURES,
     load_model,
     model_info,
 )
@@ -71,7 +71,7 @@ def _logits_without_window(model, ids):
 def test_eval_cache_gives_the_models_own_logits(family, name):
     d, model = family(name)
     info = model_info(str(d))
-    assert info.architecture in SUPPORTED_ARCHITECTURES
+    assert info.architecture in architectures()
     assert info.layer_types == LAYER_TYPES[name]
     assert info.sliding_window == (WINDOW if SLIDING_ATTENTION in LAYER_TYPES[name] else None)
     ids = _ids(2, 80)  # > the window, and > the int8 / int4 presets' blocks of 64 (a sealed block is read)
@@ -389,7 +389,7 @@ def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, arch
     d = _config_dir(tmp_path, architectures=[arch])
     with pytest.raises(TrtkvError, match=f"architecture {arch} is not supported") as e:
         model_info(str(d))  # config only: no weights exist
-    assert all(a in e.value.fix for a in SUPPORTED_ARCHITECTURES)
+    assert all(a in e.value.fix for a in architectures())
 
 
 @pytest.mark.parametrize("cfg,what", [

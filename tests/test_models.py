@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trtkv.errors import TrtkvError
+from trtkv.families import architectures
 from trtkv.models import (
-    SUPPORTED_ARCHITECTURES,
     LoadedModel,
     ModelInfo,
     gguf_cache_dir,
@@ -109,7 +109,7 @@ def test_unsupported_architecture_errors(tmp_path):
     for fn in (model_info, load_model):
         with pytest.raises(TrtkvError, match="GPT2LMHeadModel is not supported") as e:
             fn(str(tmp_path))
-        for arch in SUPPORTED_ARCHITECTURES:
+        for arch in architectures():
             assert arch in str(e.value)
 
 

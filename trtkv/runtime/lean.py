@@ -12,8 +12,10 @@ the output projection, the fused gate / up projection, SiLU, the down projection
   K together (``x * cos + roll(x, D/2) * sin`` with the sign of ``rotate_half`` folded into ``sin``);
 * RMSNorm is ``torch.nn.functional.rms_norm``.
 
-Families: Llama, Mistral, Qwen2, Qwen3 (``SUPPORTED``); ``LeanDecoder.reason(model)`` says why another is not, and the
-engine then runs transformers' modules. The step contract and the attention are the engine's (``paged_attention``).
+Families: the rows of the family table (``trtkv.families``) marked ``lean`` (Llama, Mistral, Qwen2, Qwen3); the row
+also says whether each head's q and k are normalized (``qk_norm``) and which layers take the window (``windows``).
+``LeanDecoder.reason(model)`` says why another model is not run lean, and the engine then runs transformers' modules.
+The step contract and the attention are the engine's (``paged_attention``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from trtkv.families import Family, architectures, family_of
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -42,7 +44,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class _Layer:
-    def __init__(self, layer, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, layer, family: Family, window: int | None):
         att, mlp = layer.self_attn, layer.mlp
         self.attn = att  # passed to the attention function (its layer_idx, like transformers does)
         self.qkv, self.qkv_bias = _fuse([att.q_proj, att.k_proj, att.v_proj])
@@ -51,12 +53,11 @@ class _Layer:
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
         self.norm_in, self.eps_in = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm_post, self.eps_post = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)  # Qwen3: RMSNorm of each head's q and k
-        self.q_norm = None if qn is None else (qn.weight, qn.variance_epsilon)
-        self.k_norm = None if kn is None else (kn.weight, kn.variance_epsilon)
+        # the family's RMSNorm of each head's q and k (Qwen3)
+        self.q_norm = (att.q_norm.weight, att.q_norm.variance_epsilon) if family.qk_norm else None
+        self.k_norm = (att.k_norm.weight, att.k_norm.variance_epsilon) if family.qk_norm else None
         self.scaling = att.scaling
-        self.window = getattr(att, "sliding_window", None) or (getattr(att.config, "sliding_window", None)
-                                                               if type(att).__name__.startswith("Mistral") else None)
+        self.window = window
         self.inter = mlp.gate_proj.out_features
 
 
@@ -72,15 +73,18 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed, self.rotary = dec.embed_tokens, dec.rotary_emb
         self.norm, self.eps = dec.norm.weight, dec.norm.variance_epsilon
-        self.layers = [_Layer(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in dec.layers[: cfg.num_hidden_layers]]
+        family = family_of(type(model).__name__)
+        windows = family.layer_windows(cfg, cfg.num_hidden_layers)
+        self.layers = [_Layer(layer, family, windows[i]) for i, layer in enumerate(dec.layers[: cfg.num_hidden_layers])]
         self.attention = attention  # transformers' attention-function signature (the torch engine's paged_attention)
 
     @staticmethod
     def reason(model) -> str | None:
         """Why ``model`` runs transformers' modules instead (None: it runs lean)."""
         arch = type(model).__name__
-        if arch not in SUPPORTED:
-            return f"{arch} is not one of the lean families ({', '.join(SUPPORTED)})"
+        family = family_of(arch)
+        if family is None or not family.lean:
+            return f"{arch} is not one of the lean families ({', '.join(architectures(lambda f: f.lean))})"
         cfg = model.config
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
             return f"activation {cfg.hidden_act!r} (the lean MLP is SiLU-gated)"

@@ -46,8 +46,9 @@ from transformers import AttentionInterface
 
 from trtkv.cache_layout import PagedKVLayout, block_rope, sealing
 from trtkv.errors import TrtkvError
+from trtkv.families import of_model
 from trtkv.manifest import EngineManifest, load_manifest
-from trtkv.models import SLIDING_ATTENTION, layer_types_of, load_model
+from trtkv.models import SLIDING_ATTENTION, load_model
 from trtkv.plugins import cpu_attention, ops
 from trtkv.plugins.contract.capabilities import CAPABILITIES, CPU_KERNELS, KERNEL_ATTENTION
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
@@ -150,6 +151,7 @@ class TorchEngine(Engine):
             for r in CAPABILITIES[attention].layout_reasons(manifest.kv_format):
                 raise TrtkvError(r, r.hint)
         self.attention = attention
+        self.family = of_model(model)  # the family table's row: window rule, final soft-cap
         self._codecs: dict[int, list] = {}
         self.dtype = next(model.parameters()).dtype
         register_attention()
@@ -158,7 +160,7 @@ class TorchEngine(Engine):
         # the Llama family's layers in a fraction of the ops (runtime/lean.py); the others run transformers' modules
         self.lean = LeanDecoder(model, paged_attention) if lean and LeanDecoder.reason(model) is None else None
         self._head = model.get_output_embeddings()
-        self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None)
+        self._final_softcap = getattr(_text_config(model.config), "final_logit_softcapping", None) if self.family.final_softcap else None
         self._params: dict[int, list[TensorParams]] = {}
         self._checked: PagedKVCache | None = None  # the last cache whose format this engine's attention was asked about
         # decode steps replay CUDA graphs captured per batch shape (default: on CUDA with the kernels; on CPU
@@ -353,7 +355,7 @@ class TorchEngine(Engine):
         budget): the CPU kernels' prefill seals the step's full blocks in the step, for a model without sliding layers
         (whose windows the in-step mask does not take). The step's outputs are those of block-by-block steps."""
         cfg = _text_config(self.model.config)
-        return self.attention == "cpu" and SLIDING_ATTENTION not in layer_types_of(cfg, cfg.num_hidden_layers)
+        return self.attention == "cpu" and SLIDING_ATTENTION not in self.family.layer_types(cfg, cfg.num_hidden_layers)
 
     def _in_step_masks(self, st: _Step) -> None:
         """A step across blocks: the mask of ``_torch_masks`` grown by the blocks the step seals. Each query sees the
