@@ -29,7 +29,7 @@ class Package(NamedTuple):
 
 
 PACKAGES = {
-    "trtkv": Package("trtkv", 0, "the core: formats, quantization math, cache layout, models, data, artifacts, manifest, "
+    "trtkv": Package("trtkv", 0, "the core: formats, quantization math, cache layout, the family table, models, data, artifacts, manifest, "
                                  "memory plan, streaming, the quantized cache and the eval metrics and command, the CLI"),
     "trtkv.plugins": Package("plugins", 1, "the Triton kernels, their torch references, the op contract and capability table, "
                                            "ONNX Runtime custom ops, TensorRT plugin glue"),

@@ -19,6 +19,9 @@ import copy
 import dataclasses
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,6 +137,21 @@ def test_lookups_and_the_refusal_name_the_table():
     with pytest.raises(TrtkvError, match="here: architecture FalconForCausalLM is not supported") as e:
         families.require("FalconForCausalLM", "here")
     assert e.value.fix.endswith(", ".join(families.architectures()))
+
+
+def test_family_table_in_docs_is_generated_from_the_rows(monkeypatch):
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "docs" / "gen_families.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(root / "docs"))
+    try:
+        import gen_families
+    finally:
+        sys.path.remove(str(root / "docs"))
+    before = gen_families.table()
+    assert "| `gemma2`: Gemma 2 | `Gemma2ForCausalLM` | `gemma2` | `gemma2` | eager only, soft-caps scores" in before
+    _flip(monkeypatch, "phi3", step_network=False)
+    assert gen_families.table() != before
 
 
 # --------------------------------------------------------------------------- each field is read
