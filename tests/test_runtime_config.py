@@ -344,3 +344,14 @@ def test_a_commands_own_options_keep_their_flags_and_help_beside_the_generated_o
             assert re.search(rf"(^|[\s,]){re.escape(flag)}(\s|,|$)", text, re.M), (command, flag)
     if command == "generate":
         assert "-n" in _option_help(text, "--max-tokens")
+
+
+@pytest.mark.parametrize("command", [None, "serve", "build-engine", "calibrate", "generate"])
+def test_flags_print_no_type(command):
+    """A flag takes no value: typer's rich help prints no type for it (``<bool>``), while an option that takes one keeps its type."""
+    from trtkv.cli import app
+
+    out = runner.invoke(app, [command, "--help"] if command else ["--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}, terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "<bool>" not in out.output and "--help" in out.output
+    assert command is None or "<int>" in out.output or "<str>" in out.output
