@@ -54,7 +54,7 @@ def _sizes(p: ExecutionPath) -> tuple[str, str]:
     return (", ".join(map(str, p.block_sizes)) if p.block_sizes else "any", heads)
 
 
-# issue 27's storage features, each asked with a format that keeps it (the spec word in the cell)
+# the calibrated storage features, each asked with a format that keeps it (the spec word in the cell)
 FEATURE_SPECS = {
     "codebooks": ("nuq", "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard:nuq,block=64,sink=4"),
     "outliers": ("outN", "k=int3:bchannel:asym:hadamard:out32,v=int3:g64:sym:hadamard,block=64,sink=4"),

@@ -42,7 +42,7 @@ FORMATS = [*PRESETS, *MSE.values(), PER_LAYER]
 @pytest.mark.parametrize("spec", FORMATS)
 def test_format_reasons_of_every_path(spec):
     fmt = get_format(spec)
-    if any(t.codebook or t.outliers or t.pre_rope for f in fmt.layer_formats() for t in (f.k, f.v)):  # issue 27's features
+    if any(t.codebook or t.outliers or t.pre_rope for f in fmt.layer_formats() for t in (f.k, f.v)):  # the calibrated storage features
         for path in CAPABILITIES.values():  # refused in one reason by each path that lacks one; the torch ops read them all
             r = path.layout_reasons(fmt)
             if any(path.lacks(t) for f in fmt.layer_formats() for t in (f.k, f.v)):

@@ -44,7 +44,7 @@ def _dtype_name(pb2, value: int) -> str:
 
 
 def test_public_model_parses_and_matches_tensorrt_llm_ensemble(tmp_path):
-    """The public model ``ensemble`` is the python model itself (cancellation reaches it; issue 15)."""
+    """The public model ``ensemble`` is the python model itself (cancellation reaches it)."""
     from trtkv.triton_repo.repository import load_model_config_pb2
 
     pb2 = load_model_config_pb2()

@@ -9,7 +9,7 @@
 The public model ``ensemble`` *is* the python model, not a Triton ensemble in front of it: Triton
 2.51's ensemble scheduler does not forward a client's cancellation (HTTP disconnect, gRPC
 ``cancel_requests``) to the model inside it, so behind an ensemble a disconnected stream ran to
-``max_tokens`` (issue 15). Called directly, the model sees ``is_cancelled()`` and aborts.
+``max_tokens``. Called directly, the model sees ``is_cancelled()`` and aborts.
 
 The engine directory is **referenced** by absolute path (parameter ``engine_dir``) by default, so a
 rebuilt engine is served without rewriting the repository; ``copy_engine=True`` copies it to
