@@ -272,7 +272,7 @@ def default_max_seq_len(info, backend: str, max_batch: int, block_size: int) -> 
     """--max-seq-len when it is not given: the model's context, bounded by the memory plan of the engine on the device
     this machine would run it on (``trtkv.runtime.torch_engine.longest_context``: the weights and the activations of
     ``max_batch`` sequences' largest step); a TensorRT-RTX build, for GPUs this machine lacks, takes the model's
-    context. The note says why when it is not the model's context."""
+    context, and so does a machine that cannot hold the weights at all (the engine is for another). The note says why."""
     import torch
 
     from trtkv.runtime.torch_engine import longest_context
@@ -284,6 +284,10 @@ def default_max_seq_len(info, backend: str, max_batch: int, block_size: int) -> 
         return context, None
     device = torch.device("cuda" if backend in ("torch", "tensorrt") and torch.cuda.is_available() else "cpu")
     n = longest_context(info, device, max_batch=max_batch, block_size=block_size, context=context)
+    if n is None:
+        return context, (f"--max-seq-len {context}, {info.name}'s context: its weights do not fit this machine's {device.type} "
+                         "memory, so the memory plan is made where the engine opens (`trtkv serve` refuses in one line if "
+                         "it does not fit there); pass --max-seq-len to choose")
     if n == context:
         return context, None
     return n, (f"--max-seq-len {n}: {info.name}'s context of {context} tokens at --max-batch {max_batch} does not fit the memory "

@@ -292,6 +292,17 @@ def test_max_seq_len_default_is_bounded_by_the_memory_plan(tiny_dir, monkeypatch
     assert default_max_seq_len(info, "tensorrt-rtx", 16, 64) == (1 << 20, None)  # built for GPUs this machine lacks
 
 
+def test_max_seq_len_default_where_the_weights_do_not_fit_is_the_models_context(tiny_dir, monkeypatch):
+    """A build machine that cannot hold the weights at all says nothing about the context: the engine is for another."""
+    from trtkv.builder.build import default_max_seq_len
+    from trtkv.models import model_info
+
+    monkeypatch.setenv("TRTKV_MEMORY_LIMIT", "1MiB")
+    info = model_info(str(tiny_dir))
+    n, note = default_max_seq_len(info, "torch", 16, 64)
+    assert n == info.max_position_embeddings and "do not fit" in note and "trtkv serve" in note
+
+
 @pytest.mark.parametrize("gpu,trt,want", [(False, False, "cpu"), (False, True, "cpu"), (True, False, "torch"), (True, True, "tensorrt")])
 def test_auto_backend_follows_the_machine(monkeypatch, gpu, trt, want):
     """--backend auto: TensorRT only with both a GPU and the package; a GPU without TensorRT (the H200 machine)

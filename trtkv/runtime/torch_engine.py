@@ -125,18 +125,20 @@ def _plan_load(info, device, dtype=None, *, kv_bytes: int, max_batch: int, step_
                        command=f"opening the torch engine of {info.name}")
 
 
-def longest_context(info, device, *, max_batch: int, block_size: int, context: int) -> int:
+def longest_context(info, device, *, max_batch: int, block_size: int, context: int) -> int | None:
     """The longest sequence (``context``, else halved, in whole blocks) an engine for ``max_batch`` sequences can be
     opened with on ``device``: ``load_plan``'s rule (the weights and the largest step's activations, which grow with
-    the context, against what the process can have). ``block_size`` when not even one block fits (the open refuses)."""
+    the context, against what the process can have). None when not even one block fits: the weights alone do not fit
+    ``device``, which then says nothing about the context (the engine will be opened on another machine)."""
     n = context
-    while n > block_size:
+    while True:
         try:
             _plan_load(info, device, max_batch=max_batch, step_tokens=block_size, context=n, kv_bytes=0)
             return n
         except TrtkvError:
+            if n <= block_size:
+                return None
             n = max(block_size, (n // 2) // block_size * block_size)
-    return block_size
 
 
 class TorchEngine(Engine):
