@@ -218,5 +218,5 @@ def test_support_matrix_follows_the_table(monkeypatch):
     assert "| no | no | no |" in rows["plugin"]  # per-layer, windows, soft-cap
     monkeypatch.setitem(CAPABILITIES, "plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
     assert gen.table() != before
-    doc = (ROOT / "README.md").read_text()
-    assert gen.render(doc, ROOT / "README.md") != doc
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert gen.render(doc, ROOT / "docs" / "architecture.md") != doc

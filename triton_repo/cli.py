@@ -92,7 +92,9 @@ def _pool_summary(m, opts) -> str:
     from trtkv.runtime.llm_engine import plan_budget
 
     if opts.runtime.kv_memory_gib is None and torch.cuda.is_available():
-        return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
+        slots, _ = opts.runtime.slots(m.limits.max_batch)
+        return (f"KV format {m.kv_spec}: {slots} slots; the pool takes what --reserve {opts.runtime.reserve:g} leaves of the GPU "
+                "once the engine is loaded (see the trtkv_kv_blocks metric)")
     from trtkv.triton_repo.repository import instance_runtime
 
     cfg = instance_runtime(opts, "cpu")
@@ -183,7 +185,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         restarts: Annotated[int, typer.Option("--restarts", help="restart the server this many times when the model process dies, then exit 3")] = 3,
         **repo_opts,
     ) -> None:
-        """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM.
+        """Serve ENGINE_DIR with Triton Inference Server (TensorRT-LLM's interface; --openai-port adds the OpenAI API) until Ctrl-C / SIGTERM.
 
         Exit codes: 0 stopped and drained; 3 the model process died more than --restarts times (or the
         server exited); 4 stopped, but requests in flight were failed after --grace or the server had to be killed."""
