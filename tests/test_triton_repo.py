@@ -74,7 +74,7 @@ def test_llm_config_is_decoupled_python_with_instance_kind(tmp_path, kind, want)
     ("gpu", 12.0, 2, 6.0),
     ("cpu", None, 4, None),  # the CPU default budget, split (checked below against its home)
     ("cpu", 0.5, 1, 0.5),
-    ("gpu", None, 1, None),  # one instance on a GPU: a fraction of free memory at load
+    ("gpu", None, 1, None),  # one instance on a GPU: what --reserve leaves at load
 ])
 def test_instances_split_the_kv_budget(tmp_path, kind, gib, instances, want):
     opts = RepoOptions(runtime=RuntimeConfig(kv_memory_gib=gib), instances=instances)

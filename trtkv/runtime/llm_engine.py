@@ -124,7 +124,7 @@ class LLMEngine:
         kw = {}
         if config.backend == "torch" or (config.backend == "auto" and manifest.backend == "torch"):
             # the torch engine plans its weights with the KV budget before it reads them (torch_engine.load_plan);
-            # on CUDA without --kv-memory the pool takes a fraction of what is free after the weights: not counted
+            # on CUDA without --kv-memory the pool takes what --reserve leaves once the weights are loaded: not counted
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             kw["kv_bytes"] = resolve_kv_budget(config, dev) if (dev.type == "cpu" or config.kv_memory_gib is not None) else 0
         engine = open_engine(engine_dir, config.backend, manifest=manifest, **kw)
