@@ -39,7 +39,7 @@ def prefill_tok_s(model: str, fmt: str, tokens: int, reps: int, out: Path) -> fl
     """Prefill tokens/s of one ``tokens``-long prompt in one step plus its pool write (``bench/prefill.py``)."""
     subprocess.run([sys.executable, str(BENCH / "prefill.py"), "--model", model, "--tokens", str(tokens), "--formats", fmt,
                     "--reps", str(reps), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
-    data = json.loads(next(out.glob("prefill-*.json")).read_text())
+    data = json.loads(next(out.glob("prefill*.json")).read_text())
     return tokens / (data["results"][fmt]["stored"]["total_ms"] / 1e3)
 
 
