@@ -3,7 +3,7 @@
 Calibrates once on the dataset's calib split (``trtkv.calibration``: K/V statistics, then
 ``choose_params`` per row with that row's method and smoothing exponent), then evaluates every row
 on the same held-out eval windows with ``trtkv.evaluate.evaluate_formats`` (really quantized cache,
-unquantized baseline computed once per batch). Writes ``bench/results/accuracy-<date>.md`` and
+unquantized baseline computed once per batch). Writes ``bench/results/accuracy-<rows>-<text>-<windows>x<seq-len>.md`` and
 ``.json`` with the command, the machine and the library versions.
 
     python bench/accuracy.py --rows presets                   # presets, 64 windows x 512 tokens
@@ -55,109 +55,6 @@ K_TOKEN = "int4:token:asym:smooth:hadamard"  # best per-token key recipe without
 K_CHANNEL = "int4:bchannel:asym"  # per channel over each sealed block (KIVI's key layout)
 V_BEST = "int4:token:asym:hadamard"
 
-K3, V3 = "int3:bchannel:asym:hadamard", "int3:g32:sym:hadamard"
-K2, V2 = "int2:bchannel:asym:hadamard", "int2:token:asym:hadamard"
-K3P, K2P = "int3:bchannel:asym:prerope:hadamard", "int2:bchannel:asym:prerope:hadamard"  # keys quantized before RoPE
-K3Q, K2Q = "int3:bchannel:asym:qsmooth:hadamard", "int2:bchannel:asym:qsmooth:hadamard"  # query-aware smoothing
-K3PQ, K2PQ = "int3:bchannel:asym:prerope:qsmooth:hadamard", "int2:bchannel:asym:prerope:qsmooth:hadamard"
-S = ",block=64,sink=4"
-ISSUE27_ROWS = [  # screen 1: each measure alone (and K / V codebooks apart)
-    ("int3-kvnuq", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks K and V (keys weighted by the queries), one per KV head", {}),
-    ("int3-knuq", f"k={K3}:nuq,v={V3}{S}", "codebook keys only", {}),
-    ("int3-vnuq", f"k={K3},v={V3}:nuq{S}", "codebook values only", {}),
-    ("int3-nuq-unw", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks, keys not weighted by the queries", {"codebook_weight_keys": False}),
-    ("int3-nuq-layer", f"k={K3}:nuq,v={V3}:nuq{S}", "codebooks, one per layer (heads pooled)", {"codebook_per_head": False}),
-    ("int3-vg64", f"k={K3},v=int3:g64:sym:hadamard{S}", "values in groups of 64 (3.375 bits): the control of the outlier rows", {}),
-    ("int3-kout", f"k={K3}:out32,v=int3:g64:sym:hadamard{S}", "32 key outliers per block and head (0.25 bit), values g64", {}),
-    ("int3-vout", f"k={K3},v=int3:g64:sym:hadamard:out32{S}", "32 value outliers per block and head, values g64", {}),
-    ("int3-nuq-kout", f"k={K3}:nuq:out32,v=int3:g64:sym:hadamard:nuq{S}", "codebooks + 32 key outliers, values g64", {}),
-    ("int3-nuq-vg64", f"k={K3}:nuq,v=int3:g64:sym:hadamard:nuq{S}", "codebooks, values g64 (3.375 bits)", {}),
-    ("int3-prerope", f"k={K3P},v={V3}{S}", "keys quantized before RoPE (rotated), RoPE after dequantization", {}),
-    ("int3-prerope-nohad", f"k=int3:bchannel:asym:prerope,v={V3}{S}", "keys quantized before RoPE, not rotated", {}),
-    ("int3-qsm", f"k={K3Q},v={V3}{S}", "keys smoothed sqrt(rms_K / rms_Q), then rotated", {}),
-    ("int3-nuq-qsm", f"k={K3Q}:nuq,v={V3}:nuq{S}", "codebooks + query-aware smoothing", {}),
-    ("int2-kvnuq", f"k={K2}:nuq,v={V2}:nuq{S}", "codebooks K and V (keys weighted by the queries), one per KV head", {}),
-    ("int2-knuq", f"k={K2}:nuq,v={V2}{S}", "codebook keys only", {}),
-    ("int2-vnuq", f"k={K2},v={V2}:nuq{S}", "codebook values only", {}),
-    ("int2-nuq-unw", f"k={K2}:nuq,v={V2}:nuq{S}", "codebooks, keys not weighted by the queries", {"codebook_weight_keys": False}),
-    ("int2-vsym", f"k={K2},v=int2:token:sym:hadamard{S}", "values symmetric per token (2.375 bits): the control of the outlier rows", {}),
-    ("int2-nuq-vsym", f"k={K2}:nuq,v=int2:token:sym:hadamard:nuq{S}", "codebooks, values symmetric per token (2.375 bits)", {}),
-    ("int2-kout", f"k={K2}:out32,v=int2:token:sym:hadamard{S}", "32 key outliers per block and head, values symmetric per token", {}),
-    ("int2-nuq-kout", f"k={K2}:nuq:out32,v=int2:token:sym:hadamard:nuq{S}", "codebooks + 32 key outliers, values symmetric", {}),
-    ("int2-prerope", f"k={K2P},v={V2}{S}", "keys quantized before RoPE (rotated), RoPE after dequantization", {}),
-    ("int2-prerope-nohad", f"k=int2:bchannel:asym:prerope,v={V2}{S}", "keys quantized before RoPE, not rotated", {}),
-    ("int2-qsm", f"k={K2Q},v={V2}{S}", "keys smoothed sqrt(rms_K / rms_Q), then rotated", {}),
-    ("int2-nuq-qsm", f"k={K2Q}:nuq,v={V2}:nuq{S}", "codebooks + query-aware smoothing", {}),
-]
-# screen 2: combinations of the measures that moved KL on both texts alone (pre-RoPE keys, query-aware smoothing, key
-# outliers, value codebooks); key codebooks made the keys worse and are left out
-ISSUE27_COMBOS = [
-    ("int3-qsm-vnuq", f"k={K3Q},v={V3}:nuq{S}", "query-aware smoothing + value codebooks", {}),
-    ("int3-qsm-kout-vnuq", f"k={K3Q}:out32,v=int3:g64:sym:hadamard:nuq{S}", "query smoothing + 32 key outliers + value codebooks (V g64)", {}),
-    ("int3-prerope-qsm", f"k={K3PQ},v={V3}{S}", "keys before RoPE, query-aware smoothing, rotated", {}),
-    ("int3-prerope-vnuq", f"k={K3P},v={V3}:nuq{S}", "keys before RoPE + value codebooks", {}),
-    ("int3-prerope-qsm-vnuq", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks (the int3-nuq preset until round 3)", {}),
-    ("int3-prerope-kout-vnuq", f"k={K3P}:out32,v=int3:g64:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
-    ("int3-prerope-qsm-kout-vnuq", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four", {}),
-    ("int2-qsm-vnuq", f"k={K2Q},v={V2}:nuq{S}", "query-aware smoothing + value codebooks", {}),
-    ("int2-qsm-kout-vnuq", f"k={K2Q}:out32,v=int2:token:sym:hadamard:nuq{S}", "query smoothing + 32 key outliers + value codebooks (V sym)", {}),
-    ("int2-prerope-qsm", f"k={K2PQ},v={V2}{S}", "keys before RoPE, query-aware smoothing, rotated", {}),
-    ("int2-prerope-vnuq", f"k={K2P},v={V2}:nuq{S}", "keys before RoPE + value codebooks", {}),
-    ("int2-prerope-qsm-vnuq", f"k={K2PQ},v={V2}:nuq{S}", "keys before RoPE, query smoothing + value codebooks", {}),
-    ("int2-prerope-kout-vnuq", f"k={K2P}:out32,v=int2:token:sym:hadamard:nuq{S}", "keys before RoPE + key outliers + value codebooks", {}),
-    ("int2-prerope-qsm-kout-vnuq", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four (the int2-nuq preset until round 3)", {}),
-]
-# screen 3 (round 2): around the best int3 row (pre-RoPE keys, query smoothing, value codebooks): one codebook per layer
-# instead of per head (the per-layer table beat per-head ones in screen 1), values asymmetric per token through the
-# codebook, and key outliers paid for by symmetric key scales (3.25 + 0.25 bits) instead of coarser value groups
-ISSUE27_ROUND2 = [
-    ("int3-prerope-qsm-vnuq-layer", f"k={K3PQ},v={V3}:nuq{S}", "keys before RoPE, query smoothing + value codebooks, one per layer", {"codebook_per_head": False}),
-    ("int3-prerope-qsm-vtnuq", f"k={K3PQ},v=int3:token:asym:hadamard:nuq{S}", "keys before RoPE, query smoothing + value codebooks, values asymmetric per token", {}),
-    ("int3-prerope-qsm-ksout-vnuq", f"k=int3:bchannel:sym:prerope:qsmooth:hadamard:out32,v={V3}:nuq{S}",
-     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; value codebooks", {}),
-    ("int3-prerope-qsm-kout-vnuq-layer", f"k={K3PQ}:out32,v=int3:g64:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
-    ("int2-prerope-qsm-kout-vnuq-layer", f"k={K2PQ}:out32,v=int2:token:sym:hadamard:nuq{S}", "all four, value codebook one per layer", {"codebook_per_head": False}),
-    ("int2-prerope-qsm-ksout-vtnuq", f"k=int2:bchannel:sym:prerope:qsmooth:hadamard:out32,v=int2:token:asym:hadamard:nuq{S}",
-     "keys before RoPE, query smoothing, symmetric scales + 32 outliers; values asymmetric per token through a codebook", {}),
-]
-# screen 4 (round 3): the best int3 row's measures at block 128, where a channel's key scale and zero-point cost half
-# (0.25 bits): the saving buys 64 key outliers per block and head, or values in groups of 32 again (<= 3.5 pool bits)
-ISSUE27_ROUND3 = [
-    ("int3-b128-kout64-vnuq-layer", f"k={K3PQ}:out64,v={V3}:nuq,block=128,sink=4", "all four at block 128: 64 key outliers, values g32", {"codebook_per_head": False}),
-    ("int3-b128-kout32-vnuq-layer", f"k={K3PQ}:out32,v={V3}:nuq,block=128,sink=4", "all four at block 128: 32 key outliers, values g32 (3.44 bits)", {"codebook_per_head": False}),
-    ("int3-b128-kout32-vnuq", f"k={K3PQ}:out32,v={V3}:nuq,block=128,sink=4", "all four at block 128: 32 key outliers, values g32, a codebook per head", {}),
-    ("int2-b128-kout64-vnuq-layer", f"k={K2PQ}:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
-     "all four at block 128: 64 key outliers, values symmetric per token (2.375 bits)", {"codebook_per_head": False}),
-    ("int2-b128-kout64-vtnuq-layer", f"k={K2PQ}:out64,v=int2:token:asym:hadamard:nuq,block=128,sink=4",
-     "all four at block 128: 64 key outliers, values asymmetric per token", {"codebook_per_head": False}),
-    ("int2-b128-kout64-vnuq", f"k={K2PQ}:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
-     "all four at block 128: 64 key outliers, values symmetric per token, a codebook per head", {}),
-]
-# screen 5 (round 4): what the 0.125 bits int2-nuq leaves under 2.5, and int3's at 2048 tokens, spent on 128 key outliers
-# per block and head (0.5 bits on K), values paid down to match: int3 in groups of 64 / per token, int2 per token
-ISSUE27_ROUND4 = [
-    ("int3-b128-kout128-vg64nuq", f"k={K3PQ}:out128,v=int3:g64:sym:hadamard:nuq,block=128,sink=4",
-     "block 128: 128 key outliers, values symmetric groups of 64 (3.5 bits)", {}),
-    ("int3-b128-kout128-vtsnuq", f"k={K3PQ}:out128,v=int3:token:sym:hadamard:nuq,block=128,sink=4",
-     "block 128: 128 key outliers, values symmetric per token (3.5 bits)", {}),
-    ("int2-b128-kout128-vnuq", f"k={K2PQ}:out128,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
-     "block 128: 128 key outliers, values symmetric per token (2.5 bits)", {}),
-    ("int2-b128-kout64-vg32nuq", f"k={K2PQ}:out64,v=int2:g32:sym:hadamard:nuq,block=128,sink=4",
-     "block 128: 64 key outliers, values symmetric groups of 32 (2.5 bits)", {}),
-]
-# screen 6 (round 5): where int2-nuq's error sits (each side alone at the int4 preset's recipe for the other, block 128),
-# and two ways to spend fewer bits on the keys' bulk: ranges searched per block-channel with the outliers left out
-# (``mse``), and blocks of 256 (key scales at 0.125 bits) with 256 outliers
-ISSUE27_ROUND5 = [
-    ("int2-nuq-konly", f"k={K2PQ}:out128,v=int4:g32:sym:hadamard,block=128,sink=4", "int2 keys (128 outliers), values int4 g32: K's share", {}),
-    ("int2-nuq-vonly", "k=int4:bchannel:asym:hadamard,v=int2:token:sym:hadamard:nuq,block=128,sink=4", "keys int4, int2 values through a codebook: V's share", {}),
-    ("int2-b128-kmse-kout128-vnuq", f"k={K2PQ}:mse:out128,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
-     "128 key outliers, the bulk's ranges MSE-searched per block-channel (2.5 bits)", {}),
-    ("int3-b128-kmse-kout128-vg64nuq", f"k={K3PQ}:mse:out128,v=int3:g64:sym:hadamard:nuq,block=128,sink=4",
-     "128 key outliers, the bulk's ranges MSE-searched per block-channel (3.5 bits)", {}),
-    ("int2-b256-kout256-vnuq", f"k={K2PQ}:out256,v=int2:token:sym:hadamard:nuq,block=256,sink=4",
-     "block 256: 256 key outliers, values symmetric per token (2.4375 bits)", {}),
-]
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
@@ -178,10 +75,10 @@ ROWS: list[Row] = [
     Row("int4-kch-b32-vg32-sink4", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=32,sink=4", note="block 32, 4 sink tokens"),
     Row("int3", "int3", note="preset: keys rotated, per channel per sealed block of 64; values rotated, symmetric groups of 32; 4 sink tokens fp16"),
     Row("int2", "int2", note="preset: keys rotated, per channel per sealed block of 64; values rotated, asymmetric per token; 4 sink tokens fp16"),
-    # the presets before issue 18's rotated keys (keys per channel per block, not rotated)
-    Row("int3-kplain", "k=int3:bchannel:asym,v=int3:g32:sym:hadamard,block=64,sink=4", note="int3 preset with keys not rotated (before issue 18)"),
-    Row("int2-kplain", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset with keys not rotated (before issue 18)"),
-    # below 4 bits (issue 18): 3-bit rows <= 3.5 pool bits, 2-bit rows <= 2.5 at head_dim 64
+    # keys per channel per block, not rotated
+    Row("int3-kplain", "k=int3:bchannel:asym,v=int3:g32:sym:hadamard,block=64,sink=4", note="3-bit keys not rotated"),
+    Row("int2-kplain", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=4", note="2-bit keys not rotated"),
+    # below 4 bits: 3-bit rows <= 3.5 pool bits, 2-bit rows <= 2.5 at head_dim 64
     # which side costs the accuracy: one of K / V at the low bit width, the other at the int4 preset's recipe
     Row("int3-konly", "k=int3:bchannel:asym,v=int4:g32:sym:hadamard,block=64,sink=4", note="K int3, V int4 (K's share of the error; 4.0 bits)"),
     Row("int3-vonly", "k=int4:bchannel:asym,v=int3:g32:sym:hadamard,block=64,sink=4", note="K int4, V int3 (V's share of the error; 4.0 bits)"),
@@ -214,9 +111,6 @@ ROWS: list[Row] = [
     Row("int4-kmse", "k=int4:bchannel:asym:mse,v=int4:g32:sym:hadamard,block=64,sink=4", note="int4 preset, key ranges MSE-searched per block-channel"),
     Row("int3-kmse", "k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=64,sink=4", note="int3 preset, key ranges MSE-searched per block-channel"),
     Row("int2-kmse", "k=int2:bchannel:asym:mse,v=int2:token:asym:hadamard,block=64,sink=4", note="int2 preset, key ranges MSE-searched per block-channel"),
-    # issue 27: codebooks (nuq), dense-and-sparse outliers (outN), pre-RoPE keys, query-aware smoothing; every 3-bit row
-    # <= 3.5 pool bits, every 2-bit row <= 2.5 at head_dim 64
-    *[Row(name, spec, note=note, **kw) for name, spec, note, kw in ISSUE27_ROWS + ISSUE27_COMBOS + ISSUE27_ROUND2 + ISSUE27_ROUND3 + ISSUE27_ROUND4 + ISSUE27_ROUND5],
     Row("int8-b16", "k=int8:token,v=int8:token,block=16", method="max", note="int8 per token, block 16"),
     Row("int8-kch-b64", "k=int8:bchannel,v=int8:token,block=64", method="max", note="int8 keys per channel per block"),
 ]
@@ -226,16 +120,6 @@ GROUPS = {
     "fewbits": [r.name for r in ROWS if r.name.startswith(("int3", "int2")) and "mse" not in r.name],
     "fewbits-diag": ["int3", "int2", "int3-konly", "int3-vonly", "int2-konly", "int2-vonly", "int3-vtok", "int3-b128", "int2-vg32", "int2-khad"],
     "mse": [r.name for r in ROWS if "mse" in r.name],
-    "issue27": ["int4", "int3", "int2", *[name for name, *_ in ISSUE27_ROWS]],
-    "issue27-combos": ["int3", "int2", *[name for name, *_ in ISSUE27_COMBOS]],
-    "issue27-round2": ["int3", "int2", "int3-prerope-qsm-vnuq", "int2-prerope-qsm-kout-vnuq", *[name for name, *_ in ISSUE27_ROUND2]],
-    "issue27-round3": ["int3", "int3-prerope-qsm-kout-vnuq-layer", "int3-b128-kout64-vnuq-layer", "int3-b128-kout32-vnuq-layer"],
-    "issue27-round3b": ["int2-prerope-qsm-kout-vnuq-layer", "int3-b128-kout32-vnuq", "int2-b128-kout64-vnuq-layer", "int2-b128-kout64-vtnuq-layer"],
-    "issue27-round3c": ["int2-b128-kout64-vnuq"],
-    "issue27-round4": ["int3-nuq", "int2-nuq", *[name for name, *_ in ISSUE27_ROUND4]],
-    "issue27-int3-choice": ["int3-nuq", "int3-b128-kout128-vg64nuq"],
-    "issue27-round5-2048": ["int3-nuq", "int3-b128-kout128-vg64nuq", "int2-nuq", "int2-b128-kout128-vnuq", "int2-b256-kout256-vnuq"],
-    "issue27-round5": ["int3-nuq", "int2-nuq", "int3-b128-kout128-vg64nuq", "int2-b128-kout128-vnuq", *[name for name, *_ in ISSUE27_ROUND5]],
     "all": [r.name for r in ROWS],
 }
 
@@ -340,6 +224,12 @@ def to_markdown(data: dict, rows: dict[str, Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_stem(args) -> str:
+    """A stable name per measurement (a rerun replaces it; git keeps the old one): what ran, on which text, how many windows."""
+    text = (args.eval_dataset or args.dataset).removeprefix("builtin:").replace("/", "_")
+    return f"accuracy-{args.rows if args.rows in GROUPS else 'rows'}-{text}-{args.windows}x{args.seq_len}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -356,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--stats-cache", default=None, help="reuse / write the calibration statistics here")
-    p.add_argument("--out", default=None, help="output stem (default bench/results/accuracy-<date>)")
+    p.add_argument("--out", default=None, help="output stem (default bench/results/accuracy-<rows>-<text>-<windows>x<seq-len>)")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--render", default=None, metavar="JSON", help="only rewrite the .md next to a results .json")
     args = p.parse_args(argv)
@@ -422,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     data = results_to_dict(results, meta)
     if not args.no_write:
-        stem = write_report(Path(args.out) if args.out else RESULTS / f"accuracy-{date}", data, to_markdown(data, {r.name: r for r in rows}))
+        stem = write_report(Path(args.out) if args.out else RESULTS / default_stem(args), data, to_markdown(data, {r.name: r for r in rows}))
         print(f"wrote {stem}.md and .json", file=sys.stderr)
     return 0
 

@@ -6,7 +6,7 @@
 2. ``run_eval`` of fp16 (baseline), the candidates and the budget's choice on the **eval** split of each
    ``--eval-datasets`` text (``--windows`` x ``--seq-len`` held-out tokens; Shakespeare is unlike the calibration text).
 
-Writes bench/results/budget-<date>.{json,md}: the command, the machine, the search (start, predicted, measured on the
+Writes bench/results/budget.{json,md}: the command, the machine, the search (start, predicted, measured on the
 calibration windows, formats measured, seconds), the per-layer choice, and per text the pool bits, Δppl, KL, top-1.
 
     python bench/budget.py [--budget ppl=1%] [--windows 16] [--eval-datasets builtin:pydoc,builtin:shakespeare]
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-datasets", default="builtin:pydoc,builtin:shakespeare")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"budget-{date.today()}"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "budget"))
     ap.add_argument("--calibration", help="an artifact this script already calibrated (skips the search; its time is not re-measured)")
     args = ap.parse_args()
 

@@ -7,7 +7,7 @@
 * pool bytes per token against fp16 (targets: int4 >= 3.5x smaller, int8 >= 1.9x).
 
 The pools are filled with random codes / scales (throughput does not depend on the values) so that a 2048-token
-context needs no 2048-token prefill. Results: bench/results/build-engine-<date>.{json,md}.
+context needs no 2048-token prefill. Results: bench/results/build-engine.{json,md}.
 
     .venv/bin/python bench/build_engine.py [--steps 3] [--no-rtx] [--formats fp16,int8,int4]
 """
@@ -142,7 +142,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["total_seconds"] = round(time.perf_counter() - t0, 1)
-    write_report(Path(args.out) / f"build-engine-{results['date']}", results, render(results))
+    write_report(Path(args.out) / "build-engine", results, render(results))
     console.print(render(results))
 
 

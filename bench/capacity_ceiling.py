@@ -1,4 +1,5 @@
-"""How much throughput can KV capacity alone buy on this machine? The ceiling under issue 26's binding load.
+"""How much throughput can KV capacity alone buy on this machine? The ceiling under the binding load of
+``bench/vs_vllm.py --binding``.
 
 The binding load (``bench/vs_vllm.py --binding``: N requests of P prompt tokens and G new tokens) costs every server
 the same prefill work; what capacity changes is how many sequences decode together (vLLM's 1 GiB float32 cache holds 14
@@ -10,7 +11,7 @@ sequences decode together is
 and T(small) / T(large) is the most that admitting ``large`` instead of ``small`` sequences can raise completed requests
 per minute, whatever the scheduler does. Each speed is measured in a fresh process holding one torch engine (as it is
 served): decode through ``bench/torch_engine.py``'s ``measure`` over a random-filled paged pool, prefill through
-``bench/prefill.py``, both on the same machine in the same run. Results: bench/results/capacity-ceiling-<date>.{json,md}.
+``bench/prefill.py``, both on the same machine in the same run. Results: bench/results/capacity-ceiling.{json,md}.
 
     .venv/bin/python bench/capacity_ceiling.py [--format int4] [--batches 14,64] [--requests 64] [--prompt 1536] [--new 256]
 """
@@ -38,7 +39,7 @@ def prefill_tok_s(model: str, fmt: str, tokens: int, reps: int, out: Path) -> fl
     """Prefill tokens/s of one ``tokens``-long prompt in one step plus its pool write (``bench/prefill.py``)."""
     subprocess.run([sys.executable, str(BENCH / "prefill.py"), "--model", model, "--tokens", str(tokens), "--formats", fmt,
                     "--reps", str(reps), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
-    data = json.loads(next(out.glob("prefill-*.json")).read_text())
+    data = json.loads(next(out.glob("prefill*.json")).read_text())
     return tokens / (data["results"][fmt]["stored"]["total_ms"] / 1e3)
 
 
@@ -94,7 +95,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     r["ceiling"] = r["rows"][-1]["completed_per_min"] / r["rows"][0]["completed_per_min"]
-    write_report(Path(args.out) / f"capacity-ceiling-{r['date']}", r, render(r))
+    write_report(Path(args.out) / "capacity-ceiling", r, render(r))
     print(render(r))
 
 

@@ -6,7 +6,7 @@ layer and step) at each of ``--threads`` (the engine passes its step's torch thr
 sequences and heads over them); formats and thread counts alternated ``--reps`` times in one process and the best of
 ``--iters`` calls kept per round, the median over rounds reported, with each format's time against the first format's
 and against its own time at the first thread count, from the same rounds.
-Results: bench/results/cpu-kernels-<date>[-threads-1-2].{json,md}.
+Results: bench/results/cpu-kernels[-threads-1-2].{json,md}.
 
     .venv/bin/python bench/cpu_kernels.py [--batch 8] [--context 2048] [--formats fp16 int8 int4] [--threads 1 2] [--reps 5] [--iters 40]
 """
@@ -136,7 +136,7 @@ def main() -> int:
     for s, r in result.items():
         for t, x in r["threads"].items():
             lines.append(f"| `{s}` | {t} | {x['ms_per_layer']:.2f} | {x['ns_per_row_head']:.0f} | {x['vs_first']:.2f} | {x['speedup']:.2f} |")
-    stem = write_report(Path(args.out) / f"cpu-kernels-{date.today()}{'' if threads == [1] else '-threads-' + '-'.join(map(str, threads))}",
+    stem = write_report(Path(args.out) / f"cpu-kernels{'' if threads == [1] else '-threads-' + '-'.join(map(str, threads))}",
                         data, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"written: {stem}.json, {stem}.md")

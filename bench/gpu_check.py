@@ -16,7 +16,7 @@ Sections (``SECTIONS`` below; each is a module of ``bench/gpucheck`` whose docst
 A section's ``run(Run)`` fills its part of the result and ``report(result)`` gives its markdown; a new
 section is a new module and one row of ``SECTIONS``.
 
-Writes ``<out>/gpu-check-<date>-<device>.md`` and ``.json`` (default out: bench/results) with the date,
+Writes ``<out>/gpu-check-<device>.md`` and ``.json`` (default out: bench/results) with the date,
 device, driver, torch / triton / CUDA versions; both are rewritten after each section, so a run cut
 short still leaves its results (marked incomplete).
 """
@@ -65,7 +65,7 @@ SECTIONS = (
 def write_report(out_dir: Path, result: dict) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = re.sub(r"[^A-Za-z0-9]+", "-", result["env"].get("device", "unknown")).strip("-").lower()
-    stem = f"gpu-check-{result['date'][:10]}-{dev}" + ("-dry-run" if result["dry_run"] else "")
+    stem = f"gpu-check-{dev}" + ("-dry-run" if result["dry_run"] else "")
     jp, mp = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     jp.write_text(json.dumps(result, indent=1, default=str))
     L = [f"# trtkv GPU check{' (dry run: CPU, Triton interpreter, tiny sizes)' if result['dry_run'] else ''}", "",

@@ -1,4 +1,4 @@
-"""Prepared GPU run of the torch engine (issue 14). NOT YET RUN ON A GPU: only ``--dry-run`` has run (CPU, tiny
+"""Prepared GPU run of the torch engine. NOT YET RUN ON A GPU: only ``--dry-run`` has run (CPU, tiny
 shapes, Triton kernels under ``TRITON_INTERPRET=1``; tests/test_gpu_engine_dry_run.py).
 
 Sections (the report, JSON + md, is rewritten after every section, so a cut run keeps what finished):
@@ -71,7 +71,7 @@ class Report:
             "versions": {"torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers")},
             "shape": shape, "budget_gib": args.budget_gib, "sections": {}, "skipped": [],
         }
-        self.stem = out / f"gpu-engine-{'dry-run-' if args.dry_run else ''}{self.data['date']}"
+        self.stem = out / ("gpu-engine-dry-run" if args.dry_run else "gpu-engine")
 
     def section(self, name: str, value) -> None:
         self.data["sections"][name] = value

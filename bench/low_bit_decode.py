@@ -1,12 +1,12 @@
 """CPU decode throughput of the below-4-bit presets against the int4 preset, through the torch engine's C kernels.
 
-Issue 27's speed target: the new formats (codebooks, outlier lists, keys stored before RoPE, bits per channel:
+The speed of the calibrated low-bit formats (codebooks, outlier lists, keys stored before RoPE, bits per channel:
 ``int3-nuq`` / ``int2-nuq`` / ``int3-alloc`` / ``int2-alloc``) decode at >= 0.9x the int4 preset in the torch engine on CPU (batch 8, ~2048-token contexts). Builds one
 torch engine per preset with the ``trtkv`` CLI as a user would (``calibrate --kv P`` for the presets that need
 calibrated constants, then ``build-engine --backend torch``), then measures each alone in a fresh process over a
 random paged cache (``bench/torch_engine.py --worker``), rounds alternating the engines; the median of ``--reps`` runs,
 ratios against int4 from the same run. ``--torch-ops`` adds the int3-nuq engine through the torch ops (its attention
-before the C kernels read these formats). Results: bench/results/low-bit-decode-<date>.{json,md}.
+before the C kernels read these formats). Results: bench/results/low-bit-decode.{json,md}.
 
     .venv/bin/python bench/low_bit_decode.py [--batch 8] [--context 1920] [--steps 3] [--reps 3] [--torch-ops]
 """
@@ -82,7 +82,7 @@ def main() -> None:
         results["rows"].append({"preset": preset, "spec": get_format(preset).spec(), "attention": "C kernels" if attention == "auto" else "torch ops",
                                 "tok_s": round(med, 2), "runs": [round(x, 2) for x in xs], f"vs_{presets[0]}": round(med / base, 3)})
     results["total_seconds"] = round(time.perf_counter() - t0, 1)
-    stem = Path(args.out) / f"low-bit-decode-{results['date']}"
+    stem = Path(args.out) / "low-bit-decode"
     write_report(stem, results, render(results, presets[0]))
     print(render(results, presets[0]))
 

@@ -14,7 +14,7 @@ counts from the server's ``usage`` (``--use-server-token-count``). Read from aip
 errors, output lengths. Baseline in the same run, on the same server: the same load (concurrency, requests, prompt
 tokens as the server counted aiperf's templated prompts, exactly ``--osl`` new tokens) through Triton's own
 ``generate_stream`` with ``bench/serve.py``'s client (``--no-baseline`` skips it): the difference is what the OpenAI
-layer and aiperf cost. Results: ``--out``-<date>.{json,md} with both commands, the machine and its load average.
+layer and aiperf cost. Results: ``--out``.{json,md} with both commands, the machine and its load average.
 
     .venv/bin/python bench/openai_client.py --engine trtkv-out/engine-int4 [--concurrency 1 4 --requests 16 --isl 128 --osl 32]
 """
@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +216,7 @@ def main() -> int:
         "kv_spec": load_manifest(args.engine).kv_spec,
         "levels": [],
     }
-    stem = Path(f"{args.out}-{datetime.now(timezone.utc):%Y-%m-%d}")
+    stem = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="trtkv-aiperf-") as tmp, Serve(args.engine, Path(tmp), model=args.model_name,
                                                                              kv_memory=args.kv_memory, max_seqs=args.max_seqs) as server:
         data["serve_banner"] = server.banner

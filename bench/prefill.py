@@ -10,7 +10,7 @@ step output: ``stored`` (the pool stores the codes the step made, ``StepOutput.s
 ``resealed`` (``sealed=None``: the pool quantizes the same rows again, as every engine without in-step seals does).
 Formats and modes alternate ``--reps`` rounds in one process (the first round is a warm-up); the median step, write and
 total per format and mode, and each total against the first format's ``stored`` total from the same rounds.
-Results: bench/results/prefill-<date>.{json,md}.
+Results: bench/results/prefill.{json,md}.
 
     .venv/bin/python bench/prefill.py [--model smollm2-135m] [--tokens 512] [--prompts 1] [--chunk TOKENS] [--formats fp16 int4]
                                       [--threads 2] [--reps 6]
@@ -115,7 +115,7 @@ def main() -> int:
         for mode, x in modes.items():
             lines.append(f"| `{spec}` | {mode} | {x['step_ms']:.1f} | {x['write_ms']:.1f} | {x['total_ms']:.1f} | {x['vs_first']:.3f} |")
     shape = "" if args.prompts == 1 and chunk == args.tokens else f"-{args.prompts}x{chunk}"
-    stem = write_report(Path(args.out) / f"prefill{shape}-{date.today()}", data, "\n".join(lines) + "\n")
+    stem = write_report(Path(args.out) / f"prefill{shape}", data, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"written: {stem}.json, {stem}.md")
     return 0

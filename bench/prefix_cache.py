@@ -13,7 +13,7 @@ For each engine (``--engine NAME=DIR``; ONNX Runtime engines of the builtin Smol
 Measured on the burst: TTFT per request (its first token's time - its arrival, ``Sequence`` timestamps),
 output tokens/s over the burst's wall time, the prefix-cache hit rate; and whether the greedy outputs
 with and without the cache are the same. Ratios are cache / no-cache of the same run.
-Results go to ``--out``-<date>.{json,md} with the command and the machine.
+Results go to ``--out``.{json,md} with the command and the machine.
 
     .venv/bin/python bench/prefix_cache.py --engine int4=DIR --engine fp16=DIR [--requests 32 --prefix 1024]
 """
@@ -133,11 +133,10 @@ def main() -> int:
         r = results[name]
         print(f"{name}: TTFT p50 {r['off']['ttft_p50_s']:.2f}s -> {r['on']['ttft_p50_s']:.2f}s, "
               f"tok/s {r['off']['output_tok_s']:.1f} -> {r['on']['output_tok_s']:.1f}, hit rate {r['on']['hit_rate']:.1%}", flush=True)
-    stamp = f"{datetime.now(timezone.utc):%Y-%m-%d}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     md = render(results, args, command)
-    Path(f"{args.out}-{stamp}.md").write_text(md)
-    Path(f"{args.out}-{stamp}.json").write_text(json.dumps(
+    Path(f"{args.out}.md").write_text(md)
+    Path(f"{args.out}.json").write_text(json.dumps(
         {"command": command, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
          "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
     print(md)

@@ -13,7 +13,7 @@ tritonserver on loopback, then
 Measured on the burst, from the client: TTFT (first streamed response - request sent), output tokens/s over the
 burst's wall time; from the server's metrics: prefix-cache hit tokens and prompt tokens; and whether the greedy
 texts with and without the cache are the same. Ratios are cache / no-cache of the same run.
-Results: ``--out``-<date>.{json,md}, with the command, the machine and its load average.
+Results: ``--out``.{json,md}, with the command, the machine and its load average.
 
     .venv/bin/python bench/prefix_cache_served.py --engine int4=DIR --engine fp16=DIR [--requests 32 --prefix 1024 --max-tokens 16]
 """
@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -169,7 +168,7 @@ def main() -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "engines": {},
     }
-    stem = Path(f"{args.out}-{datetime.now(timezone.utc):%Y-%m-%d}")
+    stem = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="trtkv-bench-") as tmp:
         for spec in args.engine:
             name, path = spec.split("=", 1)

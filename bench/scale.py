@@ -1,4 +1,4 @@
-"""The pipeline on a model of a size people deploy, on the memory a laptop leaves free (issue 24).
+"""The pipeline on a model of a size people deploy, on the memory a laptop leaves free.
 
 Writes a random-weight checkpoint of a real model's shape (bf16 safetensors shards with an index, the builtin
 tokenizer's vocabulary and tokenizer files), then runs each command as its own process inside a cgroup v1 memory
@@ -11,7 +11,7 @@ line, peak RSS, the cgroup's peak usage and whether the kernel killed it:
 
     python bench/scale.py --shape llama-3.1-8b --limit-gib 8 --generate-limit-gib 20
 
-Results: bench/results/scale-<shape>-<date>.{json,md}, with the machine, its load and every command. Needs root
+Results: bench/results/scale-<shape>.{json,md}, with the machine, its load and every command. Needs root
 (the cgroup v1 memory controller at /sys/fs/cgroup/memory); without it, commands run unconfined and say so.
 """
 
@@ -295,7 +295,7 @@ def main() -> None:
     }
     wanted = [s.strip() for s in args.steps.split(",") if s.strip()]
     today = dt.date.today().isoformat()
-    json_path, md_path = (args.results / f"scale-{args.shape}-{today}{ext}" for ext in (".json", ".md"))
+    json_path, md_path = (args.results / f"scale-{args.shape}{ext}" for ext in (".json", ".md"))
 
     def save(done: list[dict]) -> dict:
         """Write the day's results after every step; steps run before (another invocation the same day) are kept."""

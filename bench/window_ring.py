@@ -14,7 +14,7 @@ ONNX / TensorRT step networks need). Same model, same formats, same run:
 The model is a random Gemma 3 text model with Gemma 3 1B's attention shape (4 query heads, 1 KV head of 256, window
 512, five local layers per global one) at 12 layers, hidden 512, vocabulary 2048 (the head does not change what the
 cache costs). Plus the planner's numbers for Gemma 3 27B at 32k (``trtkv.plan``, the same ring arithmetic).
-Results: bench/results/window-ring-<date>.{json,md}.
+Results: bench/results/window-ring.{json,md}.
 
     .venv/bin/python bench/window_ring.py [--contexts 2048,8192] [--batch 4] [--steps 3] [--reps 3]
 """
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=1.0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"window-ring-{date.today()}"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "window-ring"))
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.kv, args.ring, args.batch, args.context, args.steps)

@@ -116,7 +116,7 @@ def build_engine(
     backend: str = "auto",
     attention: str = "native",
     max_batch: int = 16,
-    max_seq_len: int = 2048,
+    max_seq_len: int | None = None,
     block_size: int | None = None,
     compute_capabilities: list[int] | tuple[int, ...] = DEFAULT_CAPABILITIES,
     dtype: str | None = None,
@@ -149,7 +149,7 @@ def build_engine(
     caps = sorted(set(int(c) for c in compute_capabilities))
     check_capabilities(backend, caps)
     trt = import_tensorrt(backend) if backend not in ("onnxruntime", "torch") else None
-    if max_batch < 1 or max_seq_len < 1:
+    if max_batch < 1 or (max_seq_len is not None and max_seq_len < 1):
         raise TrtkvError(f"--max-batch and --max-seq-len must be positive (got {max_batch}, {max_seq_len})", "pass positive integers")
     if calibration is not None:  # a format the calibration holds by name (e.g. a --budget choice) is its definition
         kv = load_calibration(calibration).definition(kv)
@@ -181,7 +181,11 @@ def build_engine(
     if reasons:
         raise TrtkvError(f"{attention} attention cannot build {fmt.spec()}: {'; '.join(reasons)}", "choose another --block-size / --kv, or the other --attention")
     max_pos = info.max_position_embeddings
-    if max_seq_len > max_pos:
+    if max_seq_len is None:
+        max_seq_len, note = default_max_seq_len(info, backend, max_batch, bs)
+        if console and note:
+            console.print(f"note: {note}", highlight=False)
+    elif max_pos and max_seq_len > max_pos:
         raise TrtkvError(f"--max-seq-len {max_seq_len} is beyond {info.name}'s {max_pos} positions", f"pass --max-seq-len {max_pos} or less")
     layout1 = PagedKVLayout(fmt, info.num_kv_heads, info.head_dim, bs, 1, 1)  # validates group sizes, int4 head dim
     cal_ref: dict[str, Any] = {}
@@ -259,6 +263,36 @@ def build_engine(
     if console:
         print_summary(console, manifest, out)
     return out
+
+
+UNKNOWN_CONTEXT = 2048  # --max-seq-len of a model whose record names no context length
+
+
+def default_max_seq_len(info, backend: str, max_batch: int, block_size: int) -> tuple[int, str | None]:
+    """--max-seq-len when it is not given: the model's context, bounded by the memory plan of the engine on the device
+    this machine would run it on (``trtkv.runtime.torch_engine.longest_context``: the weights and the activations of
+    ``max_batch`` sequences' largest step); a TensorRT-RTX build, for GPUs this machine lacks, takes the model's
+    context, and so does a machine that cannot hold the weights at all (the engine is for another). The note says why."""
+    import torch
+
+    from trtkv.runtime.torch_engine import longest_context
+
+    context = info.max_position_embeddings
+    if not context:
+        return UNKNOWN_CONTEXT, f"--max-seq-len {UNKNOWN_CONTEXT}: {info.name}'s record names no context length; pass --max-seq-len to choose"
+    if backend == "tensorrt-rtx":
+        return context, None
+    device = torch.device("cuda" if backend in ("torch", "tensorrt") and torch.cuda.is_available() else "cpu")
+    n = longest_context(info, device, max_batch=max_batch, block_size=block_size, context=context)
+    if n is None:
+        return context, (f"--max-seq-len {context}, {info.name}'s context: its weights do not fit this machine's {device.type} "
+                         "memory, so the memory plan is made where the engine opens (`trtkv serve` refuses in one line if "
+                         "it does not fit there); pass --max-seq-len to choose")
+    if n == context:
+        return context, None
+    return n, (f"--max-seq-len {n}: {info.name}'s context of {context} tokens at --max-batch {max_batch} does not fit the memory "
+               f"plan on {device.type} (the weights and the activations of a step over every sequence's context); "
+               "pass --max-seq-len, or a smaller --max-batch")
 
 
 @dataclass

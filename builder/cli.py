@@ -32,16 +32,17 @@ def register(app: typer.Typer, handle_errors) -> None:
         calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate` (formats with static scales / smoothing need it)")] = None,
         kv: Annotated[str, typer.Option("--kv", help="KV format: preset, spec string or JSON file")] = "int4",
         out: Annotated[Path, typer.Option("--out", "-o", help="engine directory (written atomically)")] = Path("trtkv-out/engine"),
-        backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt-rtx | tensorrt | torch (no network: the model by reference, runs on CPU or CUDA)")] = "auto",
+        backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt-rtx | tensorrt | torch (the torch engine: no network, the model by "
+                                                  "reference, runs on CPU or CUDA); auto: tensorrt on a GPU with TensorRT installed, else torch")] = "auto",
         attention: Annotated[str, typer.Option(help="native | plugin")] = "native",
-        max_batch: Annotated[int, typer.Option(help="largest batch of sequences per step")] = 16,
-        max_seq_len: Annotated[int, typer.Option(help="longest sequence (prompt + generated)")] = 2048,
+        max_batch: Annotated[int, typer.Option(help="most sequences the engine runs at once: the batch limit `serve --max-seqs` defaults to and cannot exceed")] = 16,
+        max_seq_len: Annotated[Optional[int], typer.Option(help="longest sequence (prompt + generated)", show_default="the model's context, bounded by the memory plan")] = None,
         block_size: Annotated[Optional[int], typer.Option(help="tokens per sealed block (default: the format's own, else 64)")] = None,
         compute_capability: Annotated[str, typer.Option("--compute-capability", help="TensorRT-RTX targets, e.g. 80,86,89,120")] = "80,86,89,120",
         dtype: Annotated[Optional[str], typer.Option(help="fp16 | fp32 compute (default: fp32 on onnxruntime, fp16 on TensorRT)")] = None,
         force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
     ) -> None:
-        """Export the ONNX step network for a KV format and build engines (ONNX Runtime, TensorRT-RTX, TensorRT)."""
+        """Build an engine directory for one KV format: the torch engine (CPU or CUDA), or an ONNX step network for ONNX Runtime, TensorRT-RTX or TensorRT."""
         from trtkv.builder.build import build_engine
 
         build_engine(

@@ -24,7 +24,7 @@ def check_capabilities(backend: str, caps: list[int]) -> None:
     if bad:
         raise TrtkvError(
             f"TensorRT-RTX cannot target compute capability {', '.join(f'SM{c}' for c in bad)} (it targets {', '.join(f'SM{c}' for c in RTX_CAPABILITIES)})",
-            "drop it from --compute-capability; for SM90 / SM100 (H100, B200) use --backend tensorrt on that GPU",
+            "drop it from --compute-capability; for SM90 / SM100 (H100, H200, B200) use --backend torch (the Triton kernels), or --backend tensorrt on that GPU with TensorRT installed",
         )
 
 

@@ -29,7 +29,7 @@ the perplexity of a few windows by less than their noise, often downwards, so a 
 model predicts, the expected change of log-perplexity *is* the mean KL, so a Δppl budget of p % is searched as KL ≤
 ln(1 + p/100). And held-out text costs more than the calibration windows (for SmolLM2 up to 19 % more KL than the
 check's windows, and on text unlike the calibration text up to 16 % more Δppl than that KL predicts:
-bench/results/budget-ppl-margin-bisect-2026-12-01.md), so the search aims ``margin`` (default a third,
+bench/results/budget-ppl1-margin025.md), so the search aims ``margin`` (default a third,
 ``trtkv.calibration.DEFAULT_BUDGET_MARGIN``) below.
 
 The result is a per-layer ``KVFormat`` (``KVFormat.layers``) saved in the recipe under ``--budget-name`` (default

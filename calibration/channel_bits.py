@@ -2,8 +2,8 @@
 
 Pre-RoPE key channels are far from alike: within a sealed block their spread, weighted by what the queries read of
 them, differs by orders of magnitude per KV head. An ``allocB`` format keeps the channels apart (no rotation) and gives
-each the code width its error earns (transform coding's reverse water-filling; bench/results/screen-key-bits-2026-12-06.md
-measured it against a Hadamard rotation with equal bits: half the KL at the same bits):
+each the code width its error earns (transform coding's reverse water-filling; against a Hadamard rotation with equal bits it measured half the
+key-side KL at the same bits, docs/accuracy.md):
 
 1. the whole calibration windows (``KVStats.windows``) are cut into the blocks the cache seals and brought to the
    format's frame (``prerope``: RoPE undone at each row's position, from the model's own table);

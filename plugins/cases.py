@@ -250,7 +250,7 @@ class PagedCase:
                 self.kp.scale, self.kp.smooth, self.vp.scale, self.vp.smooth)
 
     def extras_kwargs(self, pools: tuple[KVPool, KVPool] | None = None) -> dict:
-        """What the issue-27 formats add to a read (``ops.SealedExtras``' fields): codebooks, outlier lists, RoPE table,
+        """What the calibrated storage features add to a read (``ops.SealedExtras``' fields): codebooks, outlier lists, RoPE table,
         code widths."""
         kp, vp = pools or (self.k_pool, self.v_pool)
         return dict(k_codebook=self.kp.codebook, v_codebook=self.vp.codebook, k_bits=self.kp.bits, v_bits=self.vp.bits, k_outlier_index=kp.outlier_index,

@@ -10,7 +10,7 @@ and the format's scale granularity:
 * ``dequant``: the sealed rows as float32 ``[B, H, rows, D]`` (stored channel space), with room after them for the
   rows the caller adds, for one fused torch attention (prefill steps).
 
-Every issue-27 feature is read: codebooks (``nuq``), outlier lists (``outN``: the pools' ``outlier_index`` /
+Every calibrated storage feature is read: codebooks (``nuq``), outlier lists (``outN``: the pools' ``outlier_index`` /
 ``outlier_value``) and keys stored before RoPE (``prerope``: brought back to model space with the model's RoPE table,
 which ``DecodeStep`` / ``dequant`` take as ``rope``; the decode then scores them with the model-space query).
 

@@ -1253,7 +1253,7 @@ def next_pow2(n: int) -> int:
 def format_constexprs(spec, paths: tuple[str, ...] = ("kernels", "seal")) -> dict:
     """A TensorFormat (or its short spec string) -> the constexprs of its storage: DTYPE / STATIC / SYM / GS /
     BCH / SMOOTH / HAD, the code range from ``trtkv.formats.DTYPES`` (QMIN / QMAX / QMAX_ASYM, and
-    CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4) and the issue-27 features
+    CODE_OFFSET: the bias of symmetric codes stored unsigned, i.e. packed int4) and the calibrated storage features
     (LEVELS / OUT / PRE / ALLOC), for the capability table's rows ``paths`` (the attention kernels', the seal's)."""
     fmt = _C.as_tensor_format(spec)
     if (why := kernel_refusal(fmt, paths)) is not None:

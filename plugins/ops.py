@@ -171,7 +171,7 @@ def _seal_outputs(tf: TensorFormat, n: int, kvh: int, bs: int, d: int, dev) -> K
 
 
 def _seal_extras(tf: TensorFormat, kvh: int, n: int, head_dim: int, dev, codebook, first_positions, rope, bits) -> dict:
-    """The seal kernel's issue-27 parameters: the codebook (nuq), each block's first position and the RoPE table
+    """The seal kernel's parameters for calibrated storage: the codebook (nuq), each block's first position and the RoPE table
     (prerope), the channel table (allocB), checked; dummies where the format has none."""
     cos, sin = _rope_table(tf, *(rope if rope is not None else (None, None)), head_dim, dev)
     out = dict(cb_ptr=_codebook_table(tf, codebook, kvh, dev), rope_cos_ptr=cos, rope_sin_ptr=sin, pos_ptr=_dummy(dev, torch.int32),
@@ -232,7 +232,7 @@ def launch_seal_pool(rows, fmt, static_scale=None, smooth=None, clip=None, inter
 
 def launch_seal(rows, fmt, static_scale=None, smooth=None, clip=None, interpret: bool | None = None):
     """``launch_seal_pool``'s (codes [n, kv_heads, block_size, packed], scale, zero) in pool-block form (None when the
-    format has none), for formats without the issue-27 features' extra inputs and outputs."""
+    format has none), for formats without the calibrated storage features' extra inputs and outputs."""
     pool = launch_seal_pool(rows, fmt, static_scale, smooth, clip, interpret)
     return pool.data, pool.scale, pool.zero
 
@@ -269,7 +269,7 @@ class _Attn:
 
 @dataclass(frozen=True)
 class SealedExtras:
-    """What the issue-27 formats add to a read of the sealed blocks (all None for the others): the layers' codebooks
+    """What the calibrated storage features add to a read of the sealed blocks (all None for the others): the layers' codebooks
     (``nuq``: ``[levels]`` or ``[kv_heads, levels]`` in code units), the pools' outlier lists (``outN``:
     ``[num_blocks, kv_heads, N]`` int16 positions and fp16 values) and the model's RoPE table for keys stored before
     it (``prerope``: ``(cos, sin)`` [P, head_dim] of positions ``0 .. P - 1``, ``trtkv.rope.RopeTable.upto``); and the
@@ -423,7 +423,7 @@ def launch_paged_decode(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_t
                         softcap: float = 0.0, extras: SealedExtras = NO_EXTRAS) -> torch.Tensor:
     """Split-K decode attention of one new token per sequence: q [batch, heads, head_dim] -> same (q's dtype).
     ``window`` > 0: keys at positions > position - window only; ``softcap`` > 0: scores capped (``_window_softcap``);
-    ``extras``: codebooks, outlier lists and the RoPE table of the issue-27 formats."""
+    ``extras``: codebooks, outlier lists and the RoPE table of the calibrated storage features."""
     window, softcap = _window_softcap(window, softcap)
     batch, heads, head_dim = q.shape
     A = _attn_tensors(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_tail, v_tail, k_new, v_new, block_table,
@@ -510,7 +510,7 @@ def seal_into(rows, blocks, data, scale, zero, fmt: TensorFormat, static_scale=N
               codebook=None, outlier_index=None, outlier_value=None, first_positions=None, rope=None, bits=None) -> None:
     """``seal_blocks`` on a TensorFormat: the kernel on CUDA (or under ``TRITON_INTERPRET=1``), else the reference.
     ``codebook`` (nuq), the pool's outlier lists (outN, written), ``first_positions`` [n] and ``rope`` ``(cos, sin)``
-    (prerope), ``bits`` (allocB) for the issue-27 formats."""
+    (prerope), ``bits`` (allocB) for the calibrated storage features."""
     if rows.is_cuda or interpret_requested():
         launch_seal_into(rows, blocks, data, scale, zero, fmt, static_scale, smooth, clip, interpret=not rows.is_cuda,
                          codebook=codebook, outlier_index=outlier_index, outlier_value=outlier_value,

@@ -64,7 +64,7 @@ def seal_ref_pool(
 
 
 def seal_ref(rows, fmt, static_scale=None, smooth=None, clip=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``seal_ref_pool``'s (codes, scale, zero) in pool-block form, for formats without the issue-27 features."""
+    """``seal_ref_pool``'s (codes, scale, zero) in pool-block form, for formats without the calibrated storage features."""
     pool = seal_ref_pool(rows, fmt, static_scale, smooth, clip)
     return pool.data, pool.scale, pool.zero
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -253,6 +254,55 @@ def test_existing_out_needs_force_and_failed_build_leaves_nothing(tmp_path, tiny
     assert bad.exit_code == 2 and "not an engine directory" in bad.output
 
 
+def test_max_seq_len_defaults_to_the_models_context(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setenv("TRTKV_MEMORY_LIMIT", "64GiB")
+    res = _cli("--model", tiny_dir, "--kv", "int8", "--out", tmp_path / "eng", "--backend", "torch", "--max-batch", "4")
+    assert res.exit_code == 0, res.output
+    m = load_manifest(tmp_path / "eng")
+    assert m.limits.max_seq_len == m.model.max_position_embeddings == 256 and "note: --max-seq-len" not in res.output
+    res = _cli("--model", tiny_dir, "--kv", "int8", "--out", tmp_path / "eng2", "--backend", "torch", "--max-seq-len", "96")
+    assert res.exit_code == 0, res.output
+    assert load_manifest(tmp_path / "eng2").limits.max_seq_len == 96  # given: kept
+
+
+@pytest.mark.parametrize("limit", ["3GiB", "6GiB"])
+def test_max_seq_len_default_is_bounded_by_the_memory_plan(tiny_dir, monkeypatch, limit):
+    """A context the engine could not be opened with on this machine (the weights and its largest step's activations,
+    ``load_plan``'s rule) is halved, in whole blocks, to the longest that opens; the note says so."""
+    from trtkv.builder.build import default_max_seq_len
+    from trtkv.manifest import Limits
+    from trtkv.models import model_info
+    from trtkv.runtime import torch_engine
+
+    monkeypatch.setenv("TRTKV_MEMORY_LIMIT", limit)
+    info = model_info(str(tiny_dir)).model_copy(update={"max_position_embeddings": 1 << 20})
+    n, note = default_max_seq_len(info, "torch", 16, 64)
+
+    def opens(length: int) -> bool:
+        lim = Limits(max_batch=16, max_seq_len=length, block_size=64, max_blocks_per_seq=length // 64, max_new_tokens_per_step=64,
+                     max_num_blocks=16 * length // 64, max_num_slots=16)
+        try:
+            torch_engine.load_plan(types.SimpleNamespace(limits=lim, model=info), torch.device("cpu"))
+            return True
+        except TrtkvError:
+            return False
+
+    assert 64 <= n < 1 << 20 and n % 64 == 0 and opens(n) and not opens(2 * n)
+    assert f"--max-seq-len {n}" in note and str(1 << 20) in note and "--max-batch 16" in note
+    assert default_max_seq_len(info, "tensorrt-rtx", 16, 64) == (1 << 20, None)  # built for GPUs this machine lacks
+
+
+def test_max_seq_len_default_where_the_weights_do_not_fit_is_the_models_context(tiny_dir, monkeypatch):
+    """A build machine that cannot hold the weights at all says nothing about the context: the engine is for another."""
+    from trtkv.builder.build import default_max_seq_len
+    from trtkv.models import model_info
+
+    monkeypatch.setenv("TRTKV_MEMORY_LIMIT", "1MiB")
+    info = model_info(str(tiny_dir))
+    n, note = default_max_seq_len(info, "torch", 16, 64)
+    assert n == info.max_position_embeddings and "do not fit" in note and "trtkv serve" in note
+
+
 @pytest.mark.parametrize("gpu,trt,want", [(False, False, "cpu"), (False, True, "cpu"), (True, False, "torch"), (True, True, "tensorrt")])
 def test_auto_backend_follows_the_machine(monkeypatch, gpu, trt, want):
     """--backend auto: TensorRT only with both a GPU and the package; a GPU without TensorRT (the H200 machine)
@@ -376,7 +426,6 @@ def test_real_model_logits_and_sealed_codes(builtin_model, real_engines, real_pr
     mean = sum(mismatch) / len(mismatch) if mismatch else 0.0
     print(f"{kv}: max |logit diff| vs model_logits {err:.2e}, vs torch reference on the engine's cache {err_same:.2e}, "
           f"sealed bytes differing from the reference's {mean:.2%} (worst layer {worst:.2%})")
-    _record({f"logits_{kv}": {"vs_model_logits": err, "vs_torch_reference_same_cache": err_same, "sealed_bytes_differing_mean": mean, "sealed_bytes_differing_worst_layer": worst}})
     assert err < REF_TOL[kv] and err_same < SAME_CACHE_TOL
     assert torch.equal(out100.logits.argmax(-1), ref[:, 99].argmax(-1)) and torch.equal(out64.logits.argmax(-1), ref[:, 63].argmax(-1))
     assert mean < 0.01 and worst < 0.05
@@ -393,7 +442,6 @@ def test_real_model_greedy_32_tokens_match_reference(builtin_model, real_engines
     with torch.inference_mode():
         ref = greedy_generate(builtin_model.model, real_prompts, eng.manifest.kv_format, cache.params, new_tokens=32)
     same = (got == ref).int().cumprod(-1).sum(-1)  # tokens before the first divergence, per prompt
-    _record({"greedy_int4_tokens_identical": int((got == ref).sum()), "greedy_int4_prefix_lengths": same.tolist()})
     assert (same == 32).sum() >= 2 and same.min() >= 16, same.tolist()  # most continuations identical, none diverging early
     for b in (same < 32).nonzero().flatten().tolist():
         # a divergence is allowed only at a near-tie the measured logit noise (REF_TOL) can flip:
@@ -417,7 +465,6 @@ def test_tensorrt_rtx_builds_the_real_network_sm89(builtin_model, tmp_path):
     plan = m.plans[0]
     assert plan.bytes > 200 * 2**20  # fp16 weights of 135M parameters are ~270 MB
     print(f"TensorRT-RTX SM89 build: {plan.build_seconds:.1f} s, plan {plan.bytes / 2**20:.1f} MiB")
-    _record({"sm89": {"build_seconds": plan.build_seconds, "plan_bytes": plan.bytes}})
 
 
 @pytest.mark.tier2
@@ -429,17 +476,6 @@ def test_tensorrt_rtx_builds_all_capabilities(builtin_model, tmp_path):
     out = build_engine("smollm2-135m", None, "int4", tmp_path / "rtx", backend="tensorrt-rtx", compute_capabilities=[80, 86, 89, 120], max_batch=8, max_seq_len=1024, loaded=builtin_model)
     m = load_manifest(out)
     assert [p.compute_capability for p in m.plans] == [80, 86, 89, 120]
-    _record({f"sm{p.compute_capability}": {"build_seconds": p.build_seconds, "plan_bytes": p.bytes} for p in m.plans})
-
-
-def _record(entry: dict) -> None:
-    """Build times and plan sizes measured by the tests, for bench/results (TRTKV_RECORD=path)."""
-    path = os.environ.get("TRTKV_RECORD")
-    if path:
-        old = json.loads(open(path).read()) if os.path.exists(path) else {}
-        old.update(entry)
-        with open(path, "w") as f:
-            json.dump(old, f, indent=2)
 
 
 # --------------------------------------------------------------------------- plugin attention

@@ -43,7 +43,7 @@ FORMATS = [*PRESETS, *MSE.values(), PER_LAYER]
 @pytest.mark.parametrize("spec", FORMATS)
 def test_format_reasons_of_every_path(spec):
     fmt = get_format(spec)
-    if any(t.codebook or t.outliers or t.pre_rope for f in fmt.layer_formats() for t in (f.k, f.v)):  # issue 27's features
+    if any(t.codebook or t.outliers or t.pre_rope for f in fmt.layer_formats() for t in (f.k, f.v)):  # the calibrated storage features
         for path in CAPABILITIES.values():  # refused in one reason by each path that lacks one; the torch ops read them all
             r = path.layout_reasons(fmt)
             if any(path.lacks(t) for f in fmt.layer_formats() for t in (f.k, f.v)):
@@ -219,5 +219,5 @@ def test_support_matrix_follows_the_table(monkeypatch):
     assert "| no | no | no |" in rows["plugin"]  # per-layer, windows, soft-cap
     monkeypatch.setitem(CAPABILITIES, "plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
     assert gen.table() != before
-    doc = (ROOT / "README.md").read_text()
-    assert gen.render(doc, ROOT / "README.md") != doc
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert gen.render(doc, ROOT / "docs" / "architecture.md") != doc

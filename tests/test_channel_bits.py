@@ -1,4 +1,4 @@
-"""Issue 27 round 10: ``allocB`` formats -- each channel's code width allocated at calibration (calibration/channel_bits.py).
+"""``allocB`` formats -- each channel's code width allocated at calibration (calibration/channel_bits.py).
 
 Every rule is checked against an independent reference (a naive loop, float64) on fresh random inputs of odd sizes.
 """

@@ -1,4 +1,4 @@
-"""Issue 27: codebook formats (``nuq``), dense-and-sparse outliers (``outN``) and what calibration fits for them.
+"""Codebook formats (``nuq``), dense-and-sparse outliers (``outN``) and what calibration fits for them.
 
 Every rule is checked against an independent float64 reference (a naive loop) on fresh random inputs of odd sizes.
 """
@@ -706,7 +706,7 @@ def test_the_op_contract_refuses_each_new_feature(spec, words, side):
 
 
 def test_the_triton_launchers_refuse_what_they_cannot_read_in_one_line():
-    """The Triton kernels read every issue-27 feature; what they refuse, each in one line naming the fix: an outlier
+    """The Triton kernels read every calibrated storage feature; what they refuse, each in one line naming the fix: an outlier
     count that is not a multiple of 16 (one-hot products by chunks), a codebook format without its codebook, keys stored
     before RoPE without the model's table or the blocks' first positions."""
     pytest.importorskip("triton")

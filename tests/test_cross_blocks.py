@@ -70,7 +70,7 @@ def _fill(engine, cache, prompts, pre, tables, cross: bool):
 
 @needs_c
 @pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "k=int4:g8:asym,v=int8:g16:asym", "fp8",
-                                # keys stored before RoPE with outlier lists, values through a codebook (issue 27)
+                                # keys stored before RoPE with outlier lists, values through a codebook
                                 "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g8:sym:hadamard:nuq:out2,block=8,sink=4"])
 @pytest.mark.parametrize("bs", [5, 8])
 def test_a_step_across_blocks_gives_the_block_by_block_logits_and_cache(llama, kv, bs):

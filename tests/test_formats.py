@@ -547,10 +547,10 @@ def test_scale_shape(spec, want):
 
 @pytest.mark.parametrize("name, measured", [("int3-nuq-kout64", "int3-kout64.json"), ("int2-nuq-kout128", "int2-kout128.json")])
 def test_the_named_budget_candidates_are_the_measured_twins(name, measured):
-    """The key-outlier twins ``--budget-formats nuq`` names store what the measured candidates of bench/results stored
+    """The key-outlier twins ``--budget-formats nuq`` names store what the measured candidates (tests/data) stored
     (docs/calibration.md's best 2.5-bit mix), and differ from their preset only in the keys' outlier count."""
     twin = get_format(name)
-    file = get_format(str(Path(__file__).resolve().parents[1] / "bench/results/budget-candidates" / measured))
+    file = get_format(str(Path(__file__).resolve().parent / "data/budget-candidates" / measured))
     assert (twin.k, twin.v, twin.block_size, twin.sink_tokens) == (file.k, file.v, file.block_size, file.sink_tokens)
     preset = PRESETS[name.rsplit("-kout", 1)[0]]
     assert twin.v == preset.v and twin.k.outliers != preset.k.outliers

@@ -26,7 +26,7 @@ def test_gpu_engine_dry_run(tmp_path):
     [check] = tmp_path.glob("gpu-check-*-dry-run.json")
     engine = json.loads(check.read_text())["engine"]
     assert engine["returncode"] == 0 and engine["complete"], engine
-    [report] = tmp_path.glob("gpu-engine-dry-run-*.json")
+    [report] = tmp_path.glob("gpu-engine-dry-run.json")
     assert engine["report"] == str(report)
     data = json.loads(report.read_text())
     assert report.with_suffix(".md").is_file() and data["dry_run"]

@@ -640,7 +640,7 @@ def test_fake_impls_and_opcheck(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. issue 27's formats: codebooks (nuq), outlier lists (outN), keys stored before RoPE (prerope)
+# 4. calibrated storage: codebooks (nuq), outlier lists (outN), keys stored before RoPE (prerope)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -684,7 +684,7 @@ SEAL27_PRESETS = [("int3-nuq", 64), ("int2-nuq", 128), ("k=int3:bchannel:asym:pr
 
 
 @pytest.mark.parametrize("fmt,d", SEAL27_PRESETS)
-def test_seal_issue27_presets_match_the_reference(fmt, d):
+def test_seal_of_calibrated_formats_matches_the_reference(fmt, d):
     """The presets' K (pre-RoPE, smoothed, rotated, outliers) and V (codebook): the reference's codes, scales and outlier
     lists. Where a rotation sums products, within its summation-order tolerance (module docstring); outlier lists may then
     swap an element whose score sits within an ulp of the threshold."""
@@ -784,7 +784,7 @@ def test_attention_reads_each_feature():
         assert _rel_err(_decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, **change})), ref) > 1e-2, list(change)
 
 
-def test_issue27_reads_refuse_what_is_missing_in_one_line():
+def test_calibrated_reads_refuse_what_is_missing_in_one_line():
     case = PagedCase(get_format("int3-nuq"), [130], heads_q=2, kv_heads=1, head_dim=64, seed=1)
     kw = case.extras_kwargs()
     for missing, words in (("v_codebook", "none was given"), ("k_outlier_index", "outlier lists"),

@@ -314,7 +314,7 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
 @pytest.mark.slow
 @pytest.mark.parametrize("named", ["nuq", "alloc"])
 def test_calibrate_takes_a_named_candidate_set(tiny_models, tmp_path, named):
-    """``--budget-formats nuq`` searches the set's five formats (issue 27's and their key-outlier twins, widest first),
+    """``--budget-formats nuq`` searches the set's five formats (the codebook recipes and their key-outlier twins, widest first),
     ``alloc`` int4-b128 and the alloc presets (their per-channel bits calibrated per candidate and carried into the
     mix's layers); each candidate is calibrated, and the saved mix stores every side as one of them within the bits
     asked for."""

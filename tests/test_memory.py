@@ -1,4 +1,4 @@
-"""Issue 24 item 1: the memory plan before any weights are read (trtkv/memory.py).
+"""The memory plan before any weights are read (trtkv/memory.py).
 
 The host readers run on fake /proc and cgroup trees (v1 and v2) in tmp dirs; the GPU side on fake NVML /
 ``torch.cuda.mem_get_info`` readings (it is unexercised on a real GPU here); ``choose_load``'s decisions on a

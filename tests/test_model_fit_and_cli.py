@@ -1,4 +1,4 @@
-"""Issue #10: formats fitted to any head_dim, cheap checks before the weights, readable tables,
+"""Formats fitted to any head_dim, cheap checks before the weights, readable tables,
 traceable eval JSON, error texts that name the right fix, plots for small models, CLI details."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from trtkv.plugins.contract.capabilities import kernels_take, op_refusal
 from trtkv.quant import TensorParams, hadamard_matrix, quantize_block
 
 ROOT = Path(__file__).resolve().parents[1]
-# every preset the ops take (int3 / int2 included; the issue-27 presets only the Triton kernels read); mse seals: rejected below
+# every preset the ops take (int3 / int2 included; the calibrated-storage presets only the Triton kernels read); mse seals: rejected below
 PRESET_NAMES = [n for n, f in PRESETS.items() if kernels_take(f) and not (op_refusal(f.k) or op_refusal(f.v))]
 GEOM = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 

@@ -1,4 +1,4 @@
-"""Prefix caching over sealed blocks (issue 17, runtime/prefix_cache.py), over the torch reference engine: no server.
+"""Prefix caching over sealed blocks (runtime/prefix_cache.py), over the torch reference engine: no server.
 
 A hit never changes an output (tokens and log-probabilities equal to the same requests without the cache,
 every preset format, sink rows included); it reuses exactly the blocks the rules allow (full blocks of a

@@ -1,4 +1,4 @@
-"""``RuntimeConfig``: one typed definition of the serving settings (issue 25 item 3).
+"""``RuntimeConfig``: one typed definition of the serving settings.
 
 Its JSON round trip, its one-line validation errors, the repository's ``runtime_config.json`` as the python model
 reads it (a hand-corrupted file included), and the CLI options generated from its fields (the defaults the help
@@ -24,7 +24,7 @@ from trtkv.triton_repo.repository import RUNTIME_CONFIG, RepoOptions, instance_r
 # A value unlike the default for every field (the round trip must carry each one; a new field must be added here).
 CHANGED = {
     "kv_memory_gib": 0.37,
-    "kv_memory_fraction": 0.55,
+    "reserve": 0.25,
     "max_seqs": 7,
     "max_batched_tokens": 33,
     "backend": "torch",
@@ -73,8 +73,8 @@ def test_every_engine_backend_is_accepted():
     ("max_batched_tokens", 0, "--max-batched-tokens"),
     ("kv_memory_gib", 0.0, "--kv-memory"),
     ("kv_memory_gib", -1.0, "--kv-memory"),
-    ("kv_memory_fraction", 0.0, "--kv-fraction"),
-    ("kv_memory_fraction", 1.01, "--kv-fraction"),
+    ("reserve", -0.1, "--reserve"),
+    ("reserve", 1.0, "--reserve"),
     ("backend", "trt", "--backend"),
     ("cpu_threads", 0, "--cpu-threads"),
     ("device", "tpu", None),
@@ -92,7 +92,7 @@ def test_a_bad_value_is_one_line_naming_the_field(name, bad, flag):
 
 
 def test_the_ranges_include_their_bounds():
-    assert RuntimeConfig(kv_memory_fraction=1.0).kv_memory_fraction == 1.0  # (0, 1]
+    assert RuntimeConfig(reserve=0.0).reserve == 0.0  # [0, 1)
     assert RuntimeConfig(max_seqs=1, max_batched_tokens=1).max_seqs == 1
 
 
@@ -174,7 +174,7 @@ def test_python_model_runs_with_the_config_the_repository_wrote(python_model, tm
     (lambda d: {**d, "max_seqs": "8"}, "max_seqs"),
     (lambda d: {**d, "enable_prefix_caching": "0"}, "enable_prefix_caching"),
     (lambda d: {**d, "backend": "tensorrt-llm"}, "backend"),
-    (lambda d: {**d, "kv_memory_fraction": 2}, "kv_memory_fraction"),
+    (lambda d: {**d, "reserve": 2}, "reserve"),
     (lambda d: {**d, "max_batched_tokns": 64}, "max_batched_tokns"),
     (lambda d: json.dumps(d)[:-3], "Invalid JSON"),
 ])
@@ -263,9 +263,9 @@ def test_serve_help_shows_the_config_defaults_and_the_real_backends(command):
 
     text = _help(command)
     default = RuntimeConfig()
-    for name, flag in [("kv_memory_fraction", "--kv-fraction"), ("max_seqs", "--max-seqs"), ("max_batched_tokens", "--max-batched-tokens"),
-                       ("backend", "--backend")]:
+    for name, flag in [("reserve", "--reserve"), ("max_batched_tokens", "--max-batched-tokens"), ("backend", "--backend")]:
         assert f"[default: {getattr(default, name)}]" in _option_help(text, flag), flag
+    assert default.max_seqs is None and "[default: (the engine's --max-batch)]" in _option_help(text, "--max-seqs")
     assert "[default: prefix-cache]" in _option_help(text, "--prefix-cache")  # typer names the default side of a flag
     assert f"{RuntimeConfig.CPU_KV_MEMORY_GIB:g} GiB on CPU" in _option_help(text, "--kv-memory")
     backend_help = _option_help(text, "--backend")
@@ -295,8 +295,9 @@ def test_triton_repo_cli_writes_the_json_and_no_runtime_strings(tiny_model, tmp_
     engine = build_engine(str(model_dir), None, "int8", tmp_path / "eng", backend="torch", block_size=16, max_batch=2, max_seq_len=64)
     out = runner.invoke(app, ["triton-repo", str(engine), "--out", str(tmp_path / "repo"), "--instance-kind", "cpu", "--instances", "2",
                               "--kv-memory", "0.5", "--max-seqs", "7", "--max-batched-tokens", "33", "--backend", "torch", "--no-prefix-cache",
-                              "--keep-window-blocks", "--kv-fraction", "0.55", "--cpu-threads", "3"])
+                              "--keep-window-blocks", "--reserve", "0.25", "--cpu-threads", "3"])
     assert out.exit_code == 0, out.output
+    assert "warning: --max-seqs 7 is above the engine's batch limit (build-engine --max-batch 2)" in " ".join(out.output.split())
     got = RuntimeConfig.load(tmp_path / "repo" / "ensemble" / "1" / RUNTIME_CONFIG)
     assert got == RuntimeConfig(**{**CHANGED, "kv_memory_gib": 0.25})  # the 0.5 GiB split between 2 instances
     pbtxt = (tmp_path / "repo" / "ensemble" / "config.pbtxt").read_text()
@@ -343,3 +344,14 @@ def test_a_commands_own_options_keep_their_flags_and_help_beside_the_generated_o
             assert re.search(rf"(^|[\s,]){re.escape(flag)}(\s|,|$)", text, re.M), (command, flag)
     if command == "generate":
         assert "-n" in _option_help(text, "--max-tokens")
+
+
+@pytest.mark.parametrize("command", [None, "serve", "build-engine", "calibrate", "generate"])
+def test_flags_print_no_type(command):
+    """A flag takes no value: typer's rich help prints no type for it (``<bool>``), while an option that takes one keeps its type."""
+    from trtkv.cli import app
+
+    out = runner.invoke(app, [command, "--help"] if command else ["--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}, terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "<bool>" not in out.output and "--help" in out.output
+    assert command is None or "<int>" in out.output or "<str>" in out.output

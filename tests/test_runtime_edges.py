@@ -1,4 +1,4 @@
-"""Edges the mutation run found unchecked (issue 15): each test fails on the mutant named in its docstring."""
+"""Edges mutation testing found unchecked: each test fails on the mutant named in its docstring."""
 
 from __future__ import annotations
 

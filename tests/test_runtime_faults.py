@@ -1,4 +1,4 @@
-"""The runtime under faults (issue 15), over the torch reference engine and a tiny random model: no server.
+"""The runtime under faults, over the torch reference engine and a tiny random model: no server.
 
 Preemption is exact for every preset format (the preempted sequence's cache is swapped to host
 memory and back, runtime/swap.py), bad words are matched as token sequences, and the checks the

@@ -1,7 +1,7 @@
 """How the runtime is put together (llm_engine.py's plan_budget / resolve_kv_budget / window_ring / prefix_salt /
 describe_cache / layer_type_bytes, kv_pool.py's pool groups and engine limits, engine.py's feeds, backends.open_engine,
 verify.py's static driver), each against hand-computed expectations: the budget split of a fixed-shape engine clamped
-to its profile, a shape-free one's slots, GiB -> bytes, the GPU fraction of free memory, one pool group per distinct
+to its profile, the slots the engine's batch limit allows, GiB -> bytes, the GPU's memory less the reserve, one pool group per distinct
 layer storage, uint8 pools fed as int8 only where the graph declares int8, the backend ``auto`` picks.
 """
 
@@ -40,9 +40,11 @@ def manifest(fmt="int8", *, max_batch=4, max_num_slots=6, max_num_blocks=50, blo
 
 
 @pytest.mark.parametrize("backend, max_seqs, slots, blocks", [
-    ("onnxruntime", 10, 10, (GIB // 4 - 10 * 300) // 1000),  # shape-free: the configured slots, every block the budget holds
+    ("onnxruntime", 3, 3, (GIB // 4 - 3 * 300) // 1000),  # shape-free: the configured slots, every block the budget holds
     ("torch", 3, 3, (GIB // 4 - 3 * 300) // 1000),
-    ("tensorrt", 10, 4, 50),  # a plan: slots up to its batch and slots, blocks up to its profile
+    ("torch", None, 4, (GIB // 4 - 4 * 300) // 1000),  # unset: the engine's max_batch
+    ("onnxruntime", 10, 4, (GIB // 4 - 4 * 300) // 1000),  # the engine's max_batch caps --max-seqs on every backend
+    ("tensorrt", 10, 4, 50),  # a plan: also blocks up to its profile
     ("tensorrt", 2, 2, 50),
 ])
 def test_plan_budget(backend, max_seqs, slots, blocks):
@@ -76,9 +78,55 @@ def test_resolve_kv_budget(monkeypatch):
     import trtkv.gpu
 
     seen = []
-    monkeypatch.setattr(trtkv.gpu, "device_memory", lambda index: seen.append(index) or (10 * GIB, 80 * GIB))
-    assert llm_engine.resolve_kv_budget(RuntimeConfig(kv_memory_fraction=0.25), torch.device("cuda", 1)) == int(2.5 * GIB) and seen == [1]
-    assert llm_engine.resolve_kv_budget(RuntimeConfig(), "cuda") == int(8 * GIB) and seen == [1, 0]
+    monkeypatch.setattr(trtkv.gpu, "device_memory", lambda index: seen.append(index) or (20 * GIB, 80 * GIB))
+    # on a GPU without --kv-memory: what the reserve (a fraction of the total) leaves of the free memory
+    assert llm_engine.resolve_kv_budget(RuntimeConfig(reserve=0.125), torch.device("cuda", 1)) == 10 * GIB and seen == [1]
+    assert llm_engine.resolve_kv_budget(RuntimeConfig(), "cuda") == 12 * GIB and seen == [1, 0]
+    with pytest.raises(TrtkvError, match="--reserve 0.25 leave no GPU memory") as info:
+        llm_engine.resolve_kv_budget(RuntimeConfig(reserve=0.25), "cuda")
+    assert "--kv-memory" in info.value.fix
+
+
+@pytest.mark.parametrize("weights_gib, total_gib, reserve", [(15, 80, 0.1), (16, 141, 0.05), (1, 24, 0.0), (70, 80, 0.1)])
+def test_plan_and_serve_size_the_kv_cache_by_one_rule(monkeypatch, weights_gib, total_gib, reserve):
+    """`trtkv plan`'s KV budget for a GPU is what `serve` allocates on it once the weights are loaded, for the same
+    --reserve; and both default to the same reserve."""
+    import trtkv.gpu
+    from trtkv.plan import ModelShape, plan
+
+    total, weights = total_gib * GIB, weights_gib * GIB
+    monkeypatch.setattr(trtkv.gpu, "device_memory", lambda index: (total - weights, total))
+    served = lambda: llm_engine.resolve_kv_budget(RuntimeConfig(reserve=reserve), "cuda")
+    shape = ModelShape("m", 32, 8, 128, weights)
+    if total * (1 - reserve) <= weights:  # nothing left: both refuse
+        with pytest.raises(TrtkvError):
+            plan(shape, [get_format("fp16")], context_len=4096, gpu_bytes=total, reserve_fraction=reserve)
+        with pytest.raises(TrtkvError):
+            served()
+        return
+    budget, _ = plan(shape, [get_format("fp16")], context_len=4096, gpu_bytes=total, reserve_fraction=reserve)
+    assert budget == served() == pytest.approx(total * (1 - reserve) - weights, abs=1)
+
+
+def test_plan_and_serve_default_to_one_reserve():
+    import inspect
+
+    from trtkv.cli import plan as plan_cmd
+    from trtkv.gpu import DEFAULT_RESERVE
+    from trtkv.plan import plan
+
+    assert RuntimeConfig().reserve == DEFAULT_RESERVE
+    assert inspect.signature(plan_cmd).parameters["reserve"].default == DEFAULT_RESERVE
+    assert inspect.signature(plan).parameters["reserve_fraction"].default == DEFAULT_RESERVE
+
+
+@pytest.mark.parametrize("max_seqs, max_batch, slots, warned", [(None, 16, 16, False), (4, 16, 4, False), (16, 16, 16, False),
+                                                                  (64, 16, 16, True), (2, 1, 1, True)])
+def test_the_engines_batch_limit_caps_max_seqs_with_a_warning(max_seqs, max_batch, slots, warned):
+    got, warning = RuntimeConfig(max_seqs=max_seqs).slots(max_batch)
+    assert got == slots and (warning is not None) == warned
+    if warned:
+        assert f"--max-seqs {max_seqs}" in warning and f"--max-batch {max_batch}" in warning and "\n" not in warning
 
 
 def test_prefix_salt_names_the_engine_format_block_and_manifest():

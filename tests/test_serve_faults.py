@@ -1,4 +1,4 @@
-"""Serving under faults (issue 15), against a real tritonserver (nvidia-pytriton's 2.51, python backend, CPU).
+"""Serving under faults, against a real tritonserver (nvidia-pytriton's 2.51, python backend, CPU).
 
 One tiny random-weight int4 engine and one shared server for the faults that leave it serving
 (disconnects, cancels, bad input); the faults that end a server (stub kill, SIGTERM) start their own.

@@ -44,7 +44,7 @@ def _dtype_name(pb2, value: int) -> str:
 
 
 def test_public_model_parses_and_matches_tensorrt_llm_ensemble(tmp_path):
-    """The public model ``ensemble`` is the python model itself (cancellation reaches it; issue 15)."""
+    """The public model ``ensemble`` is the python model itself (cancellation reaches it)."""
     from trtkv.triton_repo.repository import load_model_config_pb2
 
     pb2 = load_model_config_pb2()
@@ -74,7 +74,7 @@ def test_llm_config_is_decoupled_python_with_instance_kind(tmp_path, kind, want)
     ("gpu", 12.0, 2, 6.0),
     ("cpu", None, 4, None),  # the CPU default budget, split (checked below against its home)
     ("cpu", 0.5, 1, 0.5),
-    ("gpu", None, 1, None),  # one instance on a GPU: a fraction of free memory at load
+    ("gpu", None, 1, None),  # one instance on a GPU: what --reserve leaves at load
 ])
 def test_instances_split_the_kv_budget(tmp_path, kind, gib, instances, want):
     opts = RepoOptions(runtime=RuntimeConfig(kv_memory_gib=gib), instances=instances)

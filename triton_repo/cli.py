@@ -25,7 +25,7 @@ InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton 
 
 # The RuntimeConfig fields that `triton-repo` and `serve` take as options, their flags, help and defaults generated from
 # the fields (trtkv.cli_options.field_option); `device` is not one: the repository writes the instance kind's.
-RUNTIME_OPTIONS = ("kv_memory_gib", "kv_memory_fraction", "max_seqs", "max_batched_tokens", "backend", "cpu_threads", "enable_prefix_caching",
+RUNTIME_OPTIONS = ("kv_memory_gib", "reserve", "max_seqs", "max_batched_tokens", "backend", "cpu_threads", "enable_prefix_caching",
                    "free_window_blocks")
 # `generate --engine` runs one prompt offline: four slots and a small pool that loads fast. Its own, named defaults
 # (the options and their help take them from here, and so does the run).
@@ -78,6 +78,13 @@ def _repo_options(*, instances, instance_kind, copy_engine, **runtime):
     return RepoOptions(runtime=RuntimeConfig(**runtime), instance_kind=instance_kind, instances=instances, copy_engine=copy_engine)
 
 
+def _warn_batch(m, runtime: RuntimeConfig) -> None:
+    """Say so when the engine's batch limit caps --max-seqs (the rule: ``RuntimeConfig.slots``)."""
+    _slots, warning = runtime.slots(m.limits.max_batch)
+    if warning:
+        err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+
+
 def _pool_summary(m, opts) -> str:
     """What the server's block manager will allocate for manifest ``m`` (the server's own ``plan_budget``, for the banner)."""
     import torch
@@ -85,7 +92,9 @@ def _pool_summary(m, opts) -> str:
     from trtkv.runtime.llm_engine import plan_budget
 
     if opts.runtime.kv_memory_gib is None and torch.cuda.is_available():
-        return f"KV format {m.kv_spec}: pool sized from free GPU memory at load (see the trtkv_kv_blocks metric)"
+        slots, _ = opts.runtime.slots(m.limits.max_batch)
+        return (f"KV format {m.kv_spec}: {slots} slots; the pool takes what --reserve {opts.runtime.reserve:g} leaves of the GPU "
+                "once the engine is loaded (see the trtkv_kv_blocks metric)")
     from trtkv.triton_repo.repository import instance_runtime
 
     cfg = instance_runtime(opts, "cpu")
@@ -139,7 +148,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         from trtkv.triton_repo.k8s import K8sOptions, write_k8s
         from trtkv.triton_repo.repository import write_repository
 
-        load_manifest(engine_dir)
+        manifest = load_manifest(engine_dir)
         kube = None
         if k8s is not None:
             kube = K8sOptions(name=k8s_name, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
@@ -148,6 +157,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             repo_opts["copy_engine"] = True  # replicas read the repository elsewhere: the engine travels inside it
             repo_opts["instance_kind"] = "gpu" if gpus else "cpu"  # what the replicas have, not this machine
         opts = _repo_options(**repo_opts)
+        _warn_batch(manifest, opts.runtime)
         path = write_repository(engine_dir, out, opts, force=force)
         console.print(f"model repository written to [bold]{path}[/] (model: ensemble)")
         if kube is not None:
@@ -175,7 +185,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         restarts: Annotated[int, typer.Option("--restarts", help="restart the server this many times when the model process dies, then exit 3")] = 3,
         **repo_opts,
     ) -> None:
-        """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C / SIGTERM.
+        """Serve ENGINE_DIR with Triton Inference Server (TensorRT-LLM's interface; --openai-port adds the OpenAI API) until Ctrl-C / SIGTERM.
 
         Exit codes: 0 stopped and drained; 3 the model process died more than --restarts times (or the
         server exited); 4 stopped, but requests in flight were failed after --grace or the server had to be killed."""
@@ -186,6 +196,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         manifest = load_manifest(engine_dir)
         binary = find_tritonserver()
         opts = _repo_options(**repo_opts)
+        _warn_batch(manifest, opts.runtime)
         if manifest.backend == "torch" and opts.runtime.backend in ("auto", "torch"):
             _plan_torch_serve(manifest, opts)  # the weights + KV of every instance, before the server reads any
         summary = _pool_summary(manifest, opts)

@@ -9,7 +9,7 @@
 The public model ``ensemble`` *is* the python model, not a Triton ensemble in front of it: Triton
 2.51's ensemble scheduler does not forward a client's cancellation (HTTP disconnect, gRPC
 ``cancel_requests``) to the model inside it, so behind an ensemble a disconnected stream ran to
-``max_tokens`` (issue 15). Called directly, the model sees ``is_cancelled()`` and aborts.
+``max_tokens``. Called directly, the model sees ``is_cancelled()`` and aborts.
 
 The engine directory is **referenced** by absolute path (parameter ``engine_dir``) by default, so a
 rebuilt engine is served without rewriting the repository; ``copy_engine=True`` copies it to
@@ -91,8 +91,8 @@ def _io_block(kind: str, tensors, *, with_optional: bool) -> str:
 
 def instance_budget(opts: RepoOptions, kind: str) -> float | None:
     """KV GiB each model instance allocates: the server's budget (--kv-memory, else the CPU default) split evenly
-    among ``opts.instances``; None (one instance on a GPU without --kv-memory): a fraction of free memory at load.
-    On a GPU, instances load one after another and a fraction of *free* memory would not split evenly, so more than
+    among ``opts.instances``; None (one instance on a GPU without --kv-memory): what --reserve leaves of the GPU at load.
+    On a GPU, instances load one after another and what the reserve leaves of *free* memory would not split evenly, so more than
     one instance needs an explicit --kv-memory."""
     if opts.instances == 1:
         return opts.runtime.kv_memory_gib

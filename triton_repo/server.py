@@ -226,7 +226,7 @@ class TritonServer:
 
     def dead_model_pids(self) -> list[int]:
         """Model processes (python backend stubs) that died since the server became ready. Triton 2.51 does
-        not notice: it keeps answering ready and leaves the dead stub's streams hanging (issue 15)."""
+        not notice: it keeps answering ready and leaves the dead stub's streams hanging."""
         return [pid for pid in self.model_pids if _proc_state(pid) in (None, "Z", "X")]
 
     def remove_shared_memory(self) -> list[str]:

@@ -31,10 +31,12 @@ from trtkv.cli_options import (
     handle_errors,
 )
 from trtkv.errors import TrtkvError
+from trtkv.gpu import DEFAULT_RESERVE
 
 app = typer.Typer(
     name="trtkv",
-    help="Quantize the KV cache of LLaMA-family models (INT8, INT4, FP8) and deploy it through TensorRT and Triton.",
+    help="Quantize an LLM's KV cache (fp8, int8, int4, int3, int2), measure what that costs, and serve the model with it "
+    "through Triton Inference Server.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -118,7 +120,8 @@ def plan(
     gpu: Annotated[Optional[str], typer.Option(help="A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4-24GB, RTX4090-24GB, or auto (this machine's GPU via pynvml)")] = None,
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GiB (instead of --gpu)")] = None,
     context: Annotated[int, typer.Option(help="context length per sequence")] = 4096,
-    reserve: Annotated[float, typer.Option(help="fraction of GPU memory kept for activations and workspace")] = 0.1,
+    reserve: Annotated[float, typer.Option(help="fraction of the GPU's memory kept for activations and workspace; the KV cache "
+                                           "takes the rest after the weights (the rule of `trtkv serve --reserve`)")] = DEFAULT_RESERVE,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the plan as JSON here")] = None,
     debug: DebugOpt = False,
 ) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 
@@ -20,6 +21,23 @@ from trtkv.errors import TrtkvError
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _no_type_for_flags() -> None:
+    """Typer's rich help prints a type column for every option, ``<bool>`` for a flag (``--force``, ``--help``), which
+    takes no value; show the type of options that take one only. Done once, here, for every command."""
+    shown = typer.core.TyperOption.display_type_rich
+    if getattr(shown, "flags_without_type", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_without_type = True
+    typer.core.TyperOption.display_type_rich = display_type_rich
+
+
+_no_type_for_flags()
 _state = {"debug": False}
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -1,11 +1,23 @@
-"""Device memory as the driver reports it: pynvml when installed (guarded), else torch.cuda.
+"""Device memory as the driver reports it: pynvml when installed (guarded), else torch.cuda; and the one rule for how
+much of it the KV cache takes (``kv_budget_bytes``).
 
-``trtkv serve`` sizes the KV pool from it and ``trtkv plan --gpu auto`` reads the same numbers.
+``trtkv serve`` sizes the KV pool from it and ``trtkv plan`` (``--gpu auto`` reads the same numbers) plans with the
+same rule and the same default reserve.
 """
 
 from __future__ import annotations
 
 from trtkv.errors import TrtkvError
+
+# The fraction of a GPU's memory kept out of the KV cache for activations, workspace and the CUDA context: `plan
+# --reserve` and `serve --reserve` (RuntimeConfig.reserve) default to it (vLLM's --gpu-memory-utilization 0.9 is the same rule).
+DEFAULT_RESERVE = 0.1
+
+
+def kv_budget_bytes(total: int, in_use: int, reserve: float) -> int:
+    """Bytes the KV cache may take on a device of ``total`` bytes: all of it but ``reserve`` x total and what is in use
+    (the weights: ``plan`` counts them, ``serve`` reads the device once the engine is loaded). Not positive: nothing fits."""
+    return total - in_use - int(reserve * total)
 
 
 def device_memory(index: int = 0) -> tuple[int, int]:

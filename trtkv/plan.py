@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from trtkv.cache_layout import first_window_block, window_ring_blocks
 from trtkv.errors import TrtkvError
 from trtkv.formats import DEFAULT_BLOCK_SIZE, PRESETS, KVFormat
+from trtkv.gpu import DEFAULT_RESERVE, kv_budget_bytes
 from trtkv.models import FULL_ATTENTION, SLIDING_ATTENTION
 
 MIB = 1024**2
@@ -141,14 +142,15 @@ def plan(
     *,
     context_len: int,
     gpu_bytes: int,
-    reserve_fraction: float = 0.1,
+    reserve_fraction: float = DEFAULT_RESERVE,
 ) -> tuple[int, list[PlanRow]]:
-    """KV budget after weights and a reserve, and per format the tokens and batch that fit at ``context_len``."""
+    """KV budget after weights and a reserve (``trtkv.gpu.kv_budget_bytes``, the rule `serve` sizes its pool by), and
+    per format the tokens and batch that fit at ``context_len``."""
     if context_len <= 0:
         raise TrtkvError(f"context length must be positive, got {context_len}", "pass --context N with N >= 1")
     if not 0 <= reserve_fraction < 1:
-        raise TrtkvError(f"reserve fraction {reserve_fraction} is outside [0, 1)", "pass e.g. --reserve 0.1")
-    budget = gpu_bytes - shape.weight_bytes - int(reserve_fraction * gpu_bytes)
+        raise TrtkvError(f"reserve fraction {reserve_fraction} is outside [0, 1)", f"pass e.g. --reserve {DEFAULT_RESERVE:g}")
+    budget = kv_budget_bytes(gpu_bytes, shape.weight_bytes, reserve_fraction)
     if budget <= 0:
         raise TrtkvError(
             f"the weights ({shape.weight_bytes / GIB:.1f} GiB) and reserve leave no memory for the KV cache on this GPU",

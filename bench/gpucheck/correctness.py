@@ -77,7 +77,7 @@ def run(r: Run) -> None:
                 c = PagedCase(fmt_name, sh["ctx"], _within_open_block(fmt_name, sh), heads_q=sh["hq"],
                               kv_heads=sh["hkv"], head_dim=sh["d"], device=r.device, seal=False)
                 c.seal_with(_kernel_seal(c, rows, tag))
-                ext = ops.SealedExtras(**c.extras_kwargs())  # codebooks, outlier lists, RoPE table (issue 27)
+                ext = ops.SealedExtras(**c.extras_kwargs())  # codebooks, outlier lists, RoPE table
                 psize = 64 if r.dry else 512  # the ops default (several partitions at ctx 1024)
                 e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=psize, extras=ext), c.reference())
                 rows.append(dict(kernel="paged_decode", case=f"{tag} part{psize}", rel_err=e, ok=e < 2e-2))

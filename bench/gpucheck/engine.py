@@ -23,7 +23,7 @@ def run(r: Run) -> None:
     r.log(f"engine: {' '.join(cmd)}")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 120)
-    reports = sorted(out.glob("gpu-engine-*.json"), key=lambda p: p.stat().st_mtime)
+    reports = sorted(out.glob("gpu-engine*.json"), key=lambda p: p.stat().st_mtime)
     summary = json.loads(reports[-1].read_text()) if reports and reports[-1].stat().st_mtime >= t0 else None
     r.result["engine"] = dict(returncode=proc.returncode, seconds=time.time() - t0, report=str(reports[-1]) if summary else None,
                               stderr_tail=proc.stderr[-2000:], complete=bool(summary and summary.get("complete")))

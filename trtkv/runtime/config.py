@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtkv.engine_backends import RUNTIME_BACKENDS
 from trtkv.errors import TrtkvError
+from trtkv.gpu import DEFAULT_RESERVE
 
 RuntimeBackend = Literal[RUNTIME_BACKENDS]  # Literal of a tuple: its members
 
@@ -33,13 +34,15 @@ class RuntimeConfig(BaseModel):
     CPU_KV_MEMORY_GIB: ClassVar[float] = 1.0  # the KV budget on CPU when kv_memory_gib is unset
     kv_memory_gib: float | None = Field(
         None, gt=0, description="KV cache budget in GiB (pool blocks + open blocks of every slot)",
-        json_schema_extra=_flag("--kv-memory", f"{CPU_KV_MEMORY_GIB:g} GiB on CPU, --kv-fraction of free GPU memory"))
-    kv_memory_fraction: float = Field(
-        0.8, gt=0, le=1, description="on a GPU without --kv-memory: the fraction of device memory free once the engine is loaded, for the KV cache",
-        json_schema_extra=_flag("--kv-fraction"))
-    max_seqs: int = Field(
-        64, ge=1, description="sequence slots = most sequences running at once (each costs one fp16 open block per layer and K/V)",
-        json_schema_extra=_flag("--max-seqs"))
+        json_schema_extra=_flag("--kv-memory", f"{CPU_KV_MEMORY_GIB:g} GiB on CPU; on a GPU what --reserve leaves"))
+    reserve: float = Field(
+        DEFAULT_RESERVE, ge=0, lt=1, description="on a GPU without --kv-memory: the fraction of the GPU's memory kept for "
+        "activations and workspace; the KV cache takes the rest of what the loaded engine leaves free (the rule of `trtkv plan --reserve`)",
+        json_schema_extra=_flag("--reserve"))
+    max_seqs: int | None = Field(
+        None, ge=1, description="sequence slots = most sequences running at once (each costs one fp16 open block per layer "
+        "and K/V); at most the engine's --max-batch, which caps a larger value with a warning",
+        json_schema_extra=_flag("--max-seqs", "the engine's --max-batch"))
     max_batched_tokens: int = Field(
         512, ge=1, description="tokens per scheduler step (prefill chunks + decodes)", json_schema_extra=_flag("--max-batched-tokens"))
     backend: RuntimeBackend = Field(
@@ -48,15 +51,14 @@ class RuntimeConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="the device of the model instance (the repository writes its instance kind; the engine backend places itself)")
     enable_prefix_caching: bool = Field(
-        True, description="share the sealed KV blocks of common prompt prefixes between requests (runtime/prefix_cache.py; "
-        "a hit gives the same outputs as recomputing)", json_schema_extra=_flag("--prefix-cache/--no-prefix-cache"))
+        True, description="share the sealed KV blocks of common prompt prefixes between requests (a hit gives the same "
+        "outputs as recomputing them)", json_schema_extra=_flag("--prefix-cache/--no-prefix-cache"))
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads of a CPU engine's steps (torch engine on CPU); unset: every core the process may "
-        "use, for prefill and decode steps alike (measured on 2 cores: a decode step 1.6-1.7x faster on both than on one, "
-        "the server's request path needs little)", json_schema_extra=_flag("--cpu-threads", "every core"))
+        None, ge=1, description="torch threads of each step of a torch engine on CPU",
+        json_schema_extra=_flag("--cpu-threads", "every core the process may use"))
     free_window_blocks: bool = Field(
-        True, description="sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing; "
-        "torch engine only, and no prefix caching for such a model then)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))
+        True, description="sliding-window layers free the sealed blocks their window has passed (torch engine; a model "
+        "with such layers then serves without prefix caching)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))
 
     def __init__(self, **values):
         """Validate, and turn a bad value into one ``TrtkvError`` line that names the field (and its CLI flag)."""
@@ -95,10 +97,18 @@ class RuntimeConfig(BaseModel):
 
     def kv_memory(self, *, gpu: bool) -> float | None:
         """The KV budget in GiB: kv_memory_gib, else the CPU default off a GPU; None on a GPU without
-        kv_memory_gib (the pool takes kv_memory_fraction of what is free once the engine is loaded)."""
+        kv_memory_gib (the pool takes what ``reserve`` leaves of the device once the engine is loaded)."""
         if self.kv_memory_gib is not None:
             return self.kv_memory_gib
         return None if gpu else self.CPU_KV_MEMORY_GIB
+
+    def slots(self, max_batch: int) -> tuple[int, str | None]:
+        """The sequence slots served by an engine built for ``max_batch`` sequences, and a warning when the engine caps
+        ``max_seqs``. The one batch rule: the engine's --max-batch is the limit, --max-seqs (default: it) may only lower it."""
+        if self.max_seqs is None or self.max_seqs <= max_batch:
+            return (max_batch if self.max_seqs is None else self.max_seqs), None
+        return max_batch, (f"--max-seqs {self.max_seqs} is above the engine's batch limit (build-engine --max-batch {max_batch}): "
+                           f"serving {max_batch} sequences at once; rebuild the engine with --max-batch {self.max_seqs} for more")
 
 
 class RuntimeConfigError(TrtkvError):

@@ -93,7 +93,7 @@ class LLMEngine:
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size, prefix)
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=min(config.max_seqs, budget.num_slots),
+            max_num_seqs=budget.num_slots,
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
@@ -124,7 +124,7 @@ class LLMEngine:
         kw = {}
         if config.backend == "torch" or (config.backend == "auto" and manifest.backend == "torch"):
             # the torch engine plans its weights with the KV budget before it reads them (torch_engine.load_plan);
-            # on CUDA without --kv-memory the pool takes a fraction of what is free after the weights: not counted
+            # on CUDA without --kv-memory the pool takes what --reserve leaves once the weights are loaded: not counted
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             kw["kv_bytes"] = resolve_kv_budget(config, dev) if (dev.type == "cpu" or config.kv_memory_gib is not None) else 0
         engine = open_engine(engine_dir, config.backend, manifest=manifest, **kw)
@@ -450,7 +450,7 @@ def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: 
     With a window ring the pool blocks hold the global layers only, and each slot also pays for its ring blocks."""
     lim = manifest.limits
     any_shape = accepts_any_shape(backend)
-    num_slots = config.max_seqs if any_shape else min(config.max_seqs, lim.max_batch, lim.max_num_slots)
+    num_slots = min(config.slots(lim.max_batch)[0], lim.max_num_slots)  # the one batch rule: RuntimeConfig.slots
     bytes_per_block, bytes_per_slot = manifest.bytes_per_block, manifest.tail_bytes_per_slot
     ring = window_ring(manifest, config, backend)
     if ring is not None:
@@ -471,13 +471,18 @@ def plan_budget(manifest, config: RuntimeConfig, device: torch.device, backend: 
 
 
 def resolve_kv_budget(config: RuntimeConfig, device: torch.device) -> int:
-    """The KV budget in bytes: ``config.kv_memory`` on this device, else (a GPU) its fraction of free device memory.
+    """The KV budget in bytes: ``config.kv_memory`` on this device, else (a GPU) what ``config.reserve`` leaves of the
+    device once the engine is loaded (``trtkv.gpu.kv_budget_bytes``, the rule `trtkv plan` plans with).
     The values were validated when ``config`` was made (RuntimeConfig's ranges)."""
     device = torch.device(device)
     gib = config.kv_memory(gpu=device.type == "cuda")
     if gib is not None:
         return int(gib * GIB)
-    from trtkv.gpu import device_memory
+    from trtkv.gpu import device_memory, kv_budget_bytes
 
-    free, _total = device_memory(device.index or 0)
-    return int(free * config.kv_memory_fraction)
+    free, total = device_memory(device.index or 0)
+    budget = kv_budget_bytes(total, total - free, config.reserve)
+    if budget <= 0:
+        raise TrtkvError(f"the loaded engine and --reserve {config.reserve:g} leave no GPU memory for the KV cache "
+                         f"({free / GIB:.1f} of {total / GIB:.1f} GiB free)", "lower --reserve, or pass --kv-memory GIB")
+    return budget

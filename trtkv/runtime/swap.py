@@ -3,7 +3,7 @@
 Recomputing a preempted sequence (prefilling prompt + output again) computes its K/V rows in a
 different chunking than the steps that first produced them; the rows then differ in their last bits,
 and a quantized format (int4 above all) can round one of them to a different code — the same prompt
-gave a different output once preempted (issue 15). Sealed blocks and the open block are exact, so
+gave a different output once preempted. Sealed blocks and the open block are exact, so
 they are copied out instead: ``swap_out`` saves the sequence's sealed pool blocks and its slot's open
 block (sink rows included) -- and, in a cache with a window ring, its slot's ring blocks -- before the block
 manager frees them; ``swap_in`` writes them into the

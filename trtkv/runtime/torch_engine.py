@@ -110,15 +110,36 @@ def load_plan(m: EngineManifest, device: torch.device, dtype: str | None = None,
     the weights resident (default dtype: float32 on CPU when it fits, else bfloat16; bfloat16 on CUDA), the KV budget
     ``kv_bytes``, and the activations of the largest step the engine takes (``max_batch`` sequences x one block of new
     tokens over ``max_seq_len`` of context, last-token logits). Raises the one-line refusal when they do not fit."""
+    lim = m.limits
+    return _plan_load(m.model, device, dtype, kv_bytes=kv_bytes, max_batch=lim.max_batch, step_tokens=lim.max_new_tokens_per_step,
+                      context=lim.max_seq_len)
+
+
+def _plan_load(info, device, dtype=None, *, kv_bytes: int, max_batch: int, step_tokens: int, context: int):
     from trtkv.memory import activation_bytes, choose_load
 
     device = torch.device(device)
     request = dtype or ("auto" if device.type == "cpu" else "bfloat16")
-    lim, info = m.limits, m.model
-    act = activation_bytes(info, batch=lim.max_batch, seq_len=lim.max_new_tokens_per_step, context=lim.max_seq_len,
-                           dtype=torch.float32, logits=False) + lim.max_batch * info.vocab_size * 4
+    act = activation_bytes(info, batch=max_batch, seq_len=step_tokens, context=context, dtype=torch.float32, logits=False) \
+        + max_batch * info.vocab_size * 4
     return choose_load(info, device, request, activations=act, kv=kv_bytes, can_stream=False, stream="never",
                        command=f"opening the torch engine of {info.name}")
+
+
+def longest_context(info, device, *, max_batch: int, block_size: int, context: int) -> int | None:
+    """The longest sequence (``context``, else halved, in whole blocks) an engine for ``max_batch`` sequences can be
+    opened with on ``device``: ``load_plan``'s rule (the weights and the largest step's activations, which grow with
+    the context, against what the process can have). None when not even one block fits: the weights alone do not fit
+    ``device``, which then says nothing about the context (the engine will be opened on another machine)."""
+    n = context
+    while True:
+        try:
+            _plan_load(info, device, max_batch=max_batch, step_tokens=block_size, context=n, kv_bytes=0)
+            return n
+        except TrtkvError:
+            if n <= block_size:
+                return None
+            n = max(block_size, (n // 2) // block_size * block_size)
 
 
 class TorchEngine(Engine):
