@@ -843,3 +843,21 @@ def test_health_is_200_when_triton_is_ready_and_503_when_it_cannot_be_reached(fr
     monkeypatch.setattr(front.served, "triton_url", f"http://127.0.0.1:{free_port()}")
     code, data = raw(front, "/health", None, method="GET")
     assert_openai_error(code, data, 503, "not ready")
+
+
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_is_read_as_json_whatever_its_content_type(front, ctype):
+    """`curl -d '{...}'` sends form encoding: the body is still the request."""
+    import http.client
+
+    host, port = front.url.removeprefix("http://").split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 8}).encode()
+    if ctype:
+        conn.putheader("Content-Type", ctype)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["choices"][0]["text"] == "abc"
+    assert front.triton.calls[-1] == ("generate_stream", DEFAULT_BODY)

@@ -114,18 +114,18 @@ def open_stream(server: TritonServer, body: dict, events: int, timeout: float = 
 
 
 def generated_tokens(server: TritonServer) -> float:
-    return metric(server, "trtkv_generated_tokens")
+    return metric(server, "trtkv_generated_tokens_total")
 
 
 def cancelled(server: TritonServer) -> float:
-    return metric(server, "trtkv_requests", state="cancelled")
+    return metric(server, "trtkv_requests_total", state="cancelled")
 
 
 def assert_aborted_within_a_few_steps(server: TritonServer, cancelled_before: float, tokens_before: float, seen: int) -> None:
     """The runtime counted the request cancelled, holds no sequence or block, and stopped soon after ``seen`` tokens.
     "Soon" is counted in tokens: well before the request's end (half of it). Under CI's load (two test workers beside
     the server) noticing a closed socket took ~500 tokens of the tiny test model once, and a 10 s wait flaked."""
-    got = server.wait_for_metric("trtkv_requests", cancelled_before + 1, timeout=60, state="cancelled")
+    got = server.wait_for_metric("trtkv_requests_total", cancelled_before + 1, timeout=60, state="cancelled")
     assert got >= cancelled_before + 1, "the runtime never aborted the request"
     wait_idle(server)
     produced = generated_tokens(server) - tokens_before
@@ -224,11 +224,11 @@ def test_grpc_missing_required_input_is_invalid_argument_naming_it(server, given
 
 @pytest.mark.parametrize("extra", [{"foo": 1}, {"ignore_eos": True}, {"lora_task_id": 3}])
 def test_http_undeclared_input_is_400_naming_it_and_counted_rejected(server, extra):
-    rejected = metric(server, "trtkv_requests", state="rejected")
+    rejected = metric(server, "trtkv_requests_total", state="rejected")
     status, text = post(server, "/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 3, **extra})
     (name,) = extra
     assert status == 400 and name in text and "unknown input" in text, (status, text)
-    assert server.wait_for_metric("trtkv_requests", rejected + 1, timeout=5, state="rejected") >= rejected + 1
+    assert server.wait_for_metric("trtkv_requests_total", rejected + 1, timeout=5, state="rejected") >= rejected + 1
     assert generate(server.http_url, "still", 3)["text_output"].startswith("still")
 
 
@@ -309,7 +309,7 @@ def test_small_pool_preemption_changes_no_output(engine, tmp_path):
             t.join(150)
         assert not errors and len(together) == 8, errors
         # the loop pushes its counters after the step that answered the last request: wait for that push
-        assert s.wait_for_metric("trtkv_preemptions", 1, timeout=10) >= 1, "the pool was not small enough to preempt"
+        assert s.wait_for_metric("trtkv_preemptions_total", 1, timeout=10) >= 1, "the pool was not small enough to preempt"
         for i, p in enumerate(prompts):
             status, text = post(s, "/v2/models/ensemble/generate", {"text_input": p, **body})
             alone = json.loads(text)

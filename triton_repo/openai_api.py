@@ -321,10 +321,11 @@ def _without_template_bos(tokenizer, text: str) -> str:
     return text
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets a 413 in OpenAI's shape before anything parses it. The
-    body is read and dropped first (up to ``DRAIN_LIMIT``): a client still sending would otherwise see a reset
-    connection instead of the answer."""
+class RequestBody:
+    """ASGI middleware for request bodies. Every POST body is read as JSON whatever its Content-Type (``curl -d`` sends
+    form encoding; OpenAI's API takes JSON only). A body over ``limit`` bytes gets a 413 in OpenAI's shape before
+    anything parses it; the body is read and dropped first (up to ``DRAIN_LIMIT``): a client still sending would
+    otherwise see a reset connection instead of the answer."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -332,6 +333,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._refuse(int(declared), receive, send)
@@ -389,7 +393,7 @@ def create_app(served: Served):
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="trtkv OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=max_body_bytes(served.max_seq_len))
+    app.add_middleware(RequestBody, limit=max_body_bytes(served.max_seq_len))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, exc: OpenAIError):
@@ -579,6 +583,7 @@ def start_openai_server(served: Served, host: str, port: int):
     server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name="trtkv-openai", daemon=True)
     thread.start()
+    server.trtkv_thread = thread  # stop_openai_server joins it
     deadline = time.monotonic() + 30
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -587,3 +592,14 @@ def start_openai_server(served: Served, host: str, port: int):
 
         raise TrtkvError(f"the OpenAI-compatible server did not start on {host}:{port}", "choose a free --openai-port")
     return server
+
+
+def stop_openai_server(server, timeout: float) -> bool:
+    """Stop the front: no new connections, idle ones closed, the responses in flight (their last events) finished,
+    for up to ``timeout`` s. True when it stopped in time."""
+    server.should_exit = True
+    thread = getattr(server, "trtkv_thread", None)
+    if thread is not None:
+        thread.join(timeout)
+        return not thread.is_alive()
+    return True

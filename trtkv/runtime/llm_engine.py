@@ -154,6 +154,8 @@ class LLMEngine:
             vocab = self.manifest.model.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise TrtkvError(f"prompt token ids must be in [0, {vocab})", "use the engine's tokenizer")
+            if params.end_id is not None and not 0 <= params.end_id < vocab:
+                raise TrtkvError(f"end_id {params.end_id} is not a token id of this model (0 ... {vocab - 1})", "leave end_id out for the model's own end token")
             seq = Sequence(ids, params, request_id)
             self.scheduler.check(seq)
         except TrtkvError:
