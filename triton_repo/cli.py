@@ -300,7 +300,7 @@ EXIT_MARGIN_S = 5  # serve waits this long past the grace for the drain's answer
 # tritonserver's own exit timeout: serve's drain (the drain file) gives requests in flight their grace period, so once the
 # model has answered tritonserver only flushes the last responses; its HTTP service would otherwise wait the whole timeout
 # for every idle keep-alive connection a client left open ("Found 1 HTTP service connections")
-TRITON_EXIT_TIMEOUT_S = 2
+TRITON_EXIT_TIMEOUT_S = 3
 
 
 def _restart_dead_model(server, restarts: int, timeout: float) -> int:
@@ -346,10 +346,12 @@ def _drain(server, drain_file: Path, grace: float) -> str | None:
 def _shutdown_outcome(outcome: str | None, rc) -> tuple[int, str]:
     """Exit code and sentence for a stop: 0 when every request in flight finished (the model said so: a tritonserver
     that then had to be killed cut nothing), 4 when some were failed or the end is unknown."""
-    if outcome == "drained" and rc is not None and rc >= 0:
+    if outcome == "drained" and rc == 0:
         return 0, "drained, every request in flight finished"
-    if outcome == "drained":
-        return 0, "drained, every request in flight finished (tritonserver did not exit by itself afterwards and was killed)"
+    if outcome == "drained":  # Triton's HTTP service spends its exit timeout waiting for idle keep-alive connections
+        how = f"exited with code {rc}" if rc is not None and rc > 0 else "was killed"
+        return 0, (f"drained, every request in flight finished (tritonserver {how} at the end of its exit timeout, with idle client "
+                   "connections or the model's unload still open: nothing was cut)")
     if outcome and outcome.startswith("failed"):
         return 4, f"{outcome.split()[-1]} requests in flight did not finish within --grace and were failed with an error"
     if rc is None or rc < 0:
