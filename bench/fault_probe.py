@@ -510,14 +510,20 @@ def probe_large_body(p: Probe, s: Serve) -> None:
     def others(during: threading.Event | None) -> tuple[float, float]:
         """Most GET /v1/models latency and most gap between SSE chunks of a short stream, while ``during`` is unset."""
         lat = []
-        resp = openai_request(s.openai_port, False, p.model, True, max_tokens=40)
-        times = []
+        resp = openai_request(s.openai_port, False, p.model, True, max_tokens=60)
+        times: list[float] = []
+
+        def read():  # each chunk's arrival, while the GETs run
+            while resp.readline():
+                times.append(time.monotonic())
+
+        reader = threading.Thread(target=read)
+        reader.start()
         stop = time.monotonic() + 6
         while not lat or (time.monotonic() < stop and (during is None or not during.is_set())):
             lat.append(_timed_get(s.openai_port, "/v1/models"))
             time.sleep(0.05)
-        for _ in sse_events(resp):
-            times.append(time.monotonic())
+        reader.join(120)
         resp.conn.close()
         return max(lat), max((b - a for a, b in zip(times, times[1:])), default=0.0)
 

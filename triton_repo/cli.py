@@ -26,7 +26,7 @@ InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton 
 # The RuntimeConfig fields that `triton-repo` and `serve` take as options, their flags, help and defaults generated from
 # the fields (trtkv.cli_options.field_option); `device` is not one: the repository writes the instance kind's.
 RUNTIME_OPTIONS = ("kv_memory_gib", "kv_memory_fraction", "max_seqs", "max_batched_tokens", "backend", "cpu_threads", "enable_prefix_caching",
-                   "free_window_blocks")
+                   "free_window_blocks", "deterministic")
 # `generate --engine` runs one prompt offline: four slots and a small pool that loads fast. Its own, named defaults
 # (the options and their help take them from here, and so does the run).
 GENERATE_CONFIG = RuntimeConfig(kv_memory_gib=0.25, max_seqs=4)

@@ -54,6 +54,10 @@ class RuntimeConfig(BaseModel):
         None, ge=1, description="torch threads of a CPU engine's steps (torch engine on CPU); unset: every core the process may "
         "use, for prefill and decode steps alike (measured on 2 cores: a decode step 1.6-1.7x faster on both than on one, "
         "the server's request path needs little)", json_schema_extra=_flag("--cpu-threads", "every core"))
+    deterministic: bool = Field(
+        False, description="batch-invariant mode: greedy outputs and log-probabilities independent of batching, chunking, preemption "
+        "and prefix caching (each sequence's chunks run as engine calls of their own, prefill one whole block per step; "
+        "costs throughput: bench/results/deterministic-*.md)", json_schema_extra=_flag("--deterministic/--no-deterministic"))
     free_window_blocks: bool = Field(
         True, description="sliding-window layers free the sealed blocks their window has passed (trtkv.cache_layout.WindowRing; "
         "torch engine only, and no prefix caching for such a model then)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))

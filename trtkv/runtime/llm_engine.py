@@ -97,8 +97,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
-            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block
-            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None,
+            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block;
+            # not in the deterministic mode, where every prefill chunk is one whole block (or a prompt's last part)
+            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None and not config.deterministic,
+            whole_blocks=config.deterministic,
         )
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
@@ -211,7 +213,9 @@ class LLMEngine:
         self.stats_counters["steps"] += 1
         self.stats_counters["peak_running"] = max(self.stats_counters["peak_running"], len(self.scheduler.running))
         logits: dict[int, torch.Tensor] = {}
-        for batch in [*padded_batches(out.prefill, self.max_batch), *padded_batches(out.decode, self.max_batch)]:
+        # deterministic: one engine call per chunk, so a sequence's numbers never depend on what else is in the step
+        per_call = 1 if self.config.deterministic else self.max_batch
+        for batch in [*padded_batches(out.prefill, per_call), *padded_batches(out.decode, per_call)]:
             logits.update(self._run(batch))
         self.scheduler.postprocess(out)
         return self._sample(out, logits)
