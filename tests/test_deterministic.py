@@ -1,8 +1,13 @@
-"""The deterministic (batch-invariant) mode (``RuntimeConfig.deterministic``, ``serve --deterministic``) on a tiny
-torch engine on CPU (the C kernels, steps across blocks in the default mode): greedy outputs and log-probabilities are
-bit-equal with the prefix cache on and off, alone and batched with others, and under preemption; each sequence's
-chunks are engine calls of their own, every prefill chunk a whole block from a block boundary or a prompt's rest.
-bench/deterministic.py measures the same on SmolLM2 and what it costs."""
+"""Exactness of the torch engine on CPU (the C kernels; steps across blocks in the default mode) on a tiny model.
+
+* Both modes: a prefix-cache hit gives bit-equal greedy outputs and log-probabilities to recomputing the prefix, for
+  prompt tails of every length (prefill attention per query block in position order, prefill calls padded to 16 rows,
+  a prompt's one-token rest computed as a prefill call).
+* The deterministic (batch-invariant) mode (``RuntimeConfig.deterministic``, ``serve --deterministic``): the same alone
+  and batched with others, and under preemption; each sequence's chunks are engine calls of their own, every prefill
+  chunk a whole block from a block boundary or a prompt's rest.
+
+bench/deterministic.py measures the same on SmolLM2 and what the deterministic mode costs."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from trtkv.runtime.llm_engine import LLMEngine, RuntimeConfig
 from trtkv.runtime.sequence import SamplingParams
 
 BLOCK = 16
+PREFIX = 96  # tokens the prompts share: more than a step of 64 tokens, so the default mode steps across blocks
 pytestmark = [pytest.mark.slow]
 
 
@@ -29,12 +35,15 @@ def engine(tmp_path_factory):
     return build_engine(str(root / "model"), kv="int4", out=root / "engine", backend="torch", block_size=BLOCK, max_batch=8, max_seq_len=256, loaded=loaded)
 
 
+TAILS = (1, 2, 3, 5, 9, 30)  # tokens after the shared prefix: a hit leaves 2 ... 34 tokens to compute
+
+
 def prompts(llm: LLMEngine, n: int = 6) -> list[list[int]]:
-    """``n`` prompts of odd lengths sharing a 70-token prefix (4 whole blocks and a part)."""
+    """``n`` prompts sharing a ``PREFIX``-token prefix (6 whole blocks), then ``TAILS`` tokens of their own."""
     g = torch.Generator().manual_seed(3)
     vocab = llm.manifest.model.vocab_size
-    prefix = torch.randint(3, vocab, (70,), generator=g).tolist()
-    return [prefix + torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist() for i in range(n)]
+    prefix = torch.randint(3, vocab, (PREFIX,), generator=g).tolist()
+    return [prefix + torch.randint(3, vocab, (TAILS[i % len(TAILS)],), generator=g).tolist() for i in range(n)]
 
 
 def run(engine, together: bool, n: int = 6, max_tokens: int = 12, **config) -> list[tuple[list[int], list[float]]]:
@@ -56,6 +65,15 @@ def run(engine, together: bool, n: int = 6, max_tokens: int = 12, **config) -> l
     return [(o.new_token_ids, lps[o.request_id]) for o in outs]
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_prefix_hit_is_bit_equal_to_recomputing_the_prefix(engine, deterministic):
+    """One request at a time, cache on vs off: the default mode prefills the prefix in steps across blocks (64 tokens
+    here) and a hit computes the rest from a block boundary -- still the same bits, whatever the tail's length."""
+    off = run(engine, False, enable_prefix_caching=False, deterministic=deterministic)
+    on = run(engine, False, enable_prefix_caching=True, deterministic=deterministic)
+    assert on == off
+
+
 def test_deterministic_outputs_are_bit_equal_with_and_without_the_cache_alone_and_batched(engine):
     alone_off = run(engine, False, enable_prefix_caching=False, deterministic=True)
     calls = run.calls
@@ -71,16 +89,17 @@ def test_deterministic_outputs_are_bit_equal_with_and_without_the_cache_alone_an
 
 
 def test_deterministic_outputs_survive_preemption_in_a_squeezed_pool(engine):
-    """Six requests in a pool that holds about two of them: preempted (swapped) and resumed, bit-equal to alone."""
+    """Six requests of 7-11 blocks each in a pool of 20: two run, grow, and one is preempted (swapped) and resumed; the
+    outputs are bit-equal to each request alone."""
     from trtkv.manifest import load_manifest
 
     m = load_manifest(engine)
-    gib = (8 * m.tail_bytes_per_slot + 12.5 * m.bytes_per_block) / 1024**3
-    alone = run(engine, False, enable_prefix_caching=False, deterministic=True, max_tokens=40)
+    gib = (8 * m.tail_bytes_per_slot + 20.5 * m.bytes_per_block) / 1024**3
+    alone = run(engine, False, enable_prefix_caching=False, deterministic=True, max_tokens=60)
     llm = LLMEngine.from_engine_dir(engine, RuntimeConfig(kv_memory_gib=gib, max_seqs=8, max_batched_tokens=64, enable_prefix_caching=False, deterministic=True))
     ps = prompts(llm)
     lps: dict[str, list[float]] = {}
-    outs = llm.generate(ps, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), on_output=lambda o: lps.setdefault(o.request_id, []).extend(o.new_logprobs))
+    outs = llm.generate(ps, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), on_output=lambda o: lps.setdefault(o.request_id, []).extend(o.new_logprobs))
     assert llm.scheduler.num_preemptions >= 1, "the pool was not small enough to preempt"
     assert [(o.new_token_ids, lps[o.request_id]) for o in outs] == alone
 

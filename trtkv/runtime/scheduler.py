@@ -47,8 +47,8 @@ class Chunk:
 
 @dataclass
 class SchedulerOutput:
-    decode: list[Chunk] = field(default_factory=list)  # one token each
-    prefill: list[Chunk] = field(default_factory=list)  # several tokens each
+    decode: list[Chunk] = field(default_factory=list)  # one generated token each
+    prefill: list[Chunk] = field(default_factory=list)  # prompt tokens (one, when a prefix hit leaves one), or several
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -147,7 +147,7 @@ class Scheduler:
             if not self._reserve_block(seq, chunk, out):
                 continue
             budget -= chunk.length
-            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+            (out.prefill if chunk.length > 1 or chunk.start < len(seq.prompt_ids) else out.decode).append(chunk)
         if not out.preempted:
             budget = self._admit(out, budget)
         return out
@@ -232,7 +232,7 @@ class Scheduler:
             assert reserved, "admission checked the free blocks"
             committed += need + len(hit) - len(seq.block_table)
             budget -= chunk.length
-            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+            (out.prefill if chunk.length > 1 or chunk.start < len(seq.prompt_ids) else out.decode).append(chunk)
         return budget
 
     def _swap_in(self, seq: Sequence) -> None:

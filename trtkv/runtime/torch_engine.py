@@ -703,6 +703,8 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
         return _cpu_decode(st, layer, lay, qg, k16, v16, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
     keys = _context_rows(st, layer, lay, "k", k16, kc)
     values = _context_rows(st, layer, lay, "v", v16, vc)
+    if window is None and not softcap:  # every prefill chunk, so that a chunk's numbers never depend on where it began
+        return _blockwise(st, lay, qg.contiguous(), keys, values, scaling).view(B, Hq, T, D).transpose(1, 2)
     bias = _mask_bias(st, window, G, qg.dtype)
     if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
         scores = torch.tanh(qg @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
@@ -710,6 +712,48 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
     else:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scaling)
     return out.view(B, Hq, T, D).transpose(1, 2)
+
+
+def _blockwise(st: _Step, lay: PagedKVLayout, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A prefill chunk attended one sequence and one query block at a time, over that block's keys in position order --
+    the sealed blocks before it (the pool's, then those a step across blocks seals, as the seal stores them) and its
+    own block's fp16 rows -- with the causal mask of its own block. The call for a query block is the same whatever
+    the chunk it is part of began with (a prefix-cache hit, block-by-block steps, a step across blocks, other
+    sequences in the batch): the same shapes, values and column order, so the same bits (a fused attention over the
+    whole padded chunk sums its keys in an order that depends on the chunk's layout). ``keys`` / ``values`` are
+    ``_context_rows``' ``[B, H, S + O + T (+ in_step * bs), D]``; padding rows are left zero; returns ``[B, H, G * T, D]``."""
+    b, bs = st.batch, st.cache.block_size
+    B, H, GT, D = qg.shape
+    T = int(b.input_ids.shape[1])
+    G, S, O = GT // T, st.sealed_max * bs, st.open_max
+    out = torch.zeros_like(qg)
+    qv, ov = qg.view(B, H, G, T, D), out.view(B, H, G, T, D)
+    sink = lay.sink_tokens
+    for i, (ctx, n, held) in enumerate(zip(b.context_lens.tolist(), b.new_lens.tolist(), st.held.tolist())):
+        opened, j0 = ctx % bs, ctx // bs
+        first_in_step = S + O + T  # the column of the step's first sealed block
+        t = 0
+        while t < n:
+            k = (ctx + t) // bs - j0  # the query block, counted from the step's first
+            t1 = min(n, (j0 + k + 1) * bs - ctx)
+            own = [slice(S, S + opened), slice(S + O, S + O + t1)] if k == 0 else [slice(S + O + t, S + O + t1)]
+            parts = [slice(0, held * bs), slice(first_in_step, first_in_step + k * bs)]
+            cols = torch.cat([torch.arange(p.start, p.stop) for p in parts + own])
+            if sink and j0 == 0 and k:  # the step sealed the first block: its sink positions are read in fp16
+                fp16 = torch.tensor([S + p if p < opened else S + O + p - opened for p in range(sink)])
+                cols[:sink] = fp16
+            kj, vj = keys[i : i + 1, :, cols], values[i : i + 1, :, cols]
+            rows = t1 - t
+            C = cols.numel()
+            causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+            mask = torch.cat([torch.ones(rows, C - rows, dtype=torch.bool), causal], 1)
+            bias = torch.zeros(rows, C, dtype=qg.dtype).masked_fill_(~mask, float("-inf"))
+            bias = bias[None].expand(G, rows, C).reshape(1, 1, G * rows, C)
+            q = qv[i : i + 1, :, :, t:t1].reshape(1, H, G * rows, D)
+            got = F.scaled_dot_product_attention(q, kj, vj, attn_mask=bias, scale=scaling)
+            ov[i, :, :, t:t1] = got.view(H, G, rows, D)
+            t = t1
+    return out
 
 
 def _context_rows(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, codec) -> torch.Tensor:
