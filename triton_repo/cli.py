@@ -349,9 +349,8 @@ def _shutdown_outcome(outcome: str | None, rc) -> tuple[int, str]:
     if outcome == "drained" and rc == 0:
         return 0, "drained, every request in flight finished"
     if outcome == "drained":  # Triton's HTTP service spends its exit timeout waiting for idle keep-alive connections
-        how = f"exited with code {rc}" if rc is not None and rc > 0 else "was killed"
-        return 0, (f"drained, every request in flight finished (tritonserver {how} at the end of its exit timeout, with idle client "
-                   "connections or the model's unload still open: nothing was cut)")
+        how = f"exited with code {rc} at the end of its exit timeout" if rc is not None and rc > 0 else "was stopped after its exit timeout"
+        return 0, f"drained, every request in flight finished (tritonserver {how}, with idle client connections still open)"
     if outcome and outcome.startswith("failed"):
         return 4, f"{outcome.split()[-1]} requests in flight did not finish within --grace and were failed with an error"
     if rc is None or rc < 0:
