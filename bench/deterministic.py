@@ -8,9 +8,12 @@ For each mode (``RuntimeConfig.deterministic`` off, then on), fresh ``LLMEngine`
 * **together**: all at once, cache off (continuous batching): its output tokens/s is the throughput compared.
 
 Reported per mode: texts equal and bit-equal log-probabilities of cache on vs off and together vs alone, the largest
-log-probability difference, and the throughput; the cost is deterministic / default of the same run.
+log-probability difference, and the throughput; the cost is deterministic / default of the same run. ``--repeat N``
+then runs the "together" workload N more times per mode, alternating the modes (default, deterministic, default, ...)
+so that a shared machine's changing load falls on both alike, and reports each run and the ratio of the medians;
+``--cost-only`` skips the exactness runs.
 
-    .venv/bin/python bench/deterministic.py --engine trtkv-out/engine-int4 [--requests 16 --prefix 1000 --max-tokens 32]
+    .venv/bin/python bench/deterministic.py --engine trtkv-out/engine-int4 [--requests 16 --prefix 1000 --max-tokens 32] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=0, help="alternating throughput runs per mode after the exactness runs")
+    ap.add_argument("--cost-only", action="store_true", help="only the alternating throughput runs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "deterministic")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(str(args.engine / "tokenizer"), local_files_only=True)
     prompts = prefix_prompts(tok, args.requests, args.prefix)
     info = machine()
     rows, tput = [], {}
-    for det in (False, True):
+    for det in () if args.cost_only else (False, True):
         name = "deterministic" if det else "default"
         off, _ = run(args.engine, prompts, args.max_tokens, False, enable_prefix_caching=False, deterministic=det)
         on, _ = run(args.engine, prompts, args.max_tokens, False, enable_prefix_caching=True, deterministic=det)
@@ -79,6 +84,13 @@ def main() -> None:
             rows.append(f"| {name} | {what} | {texts}/{args.requests} | {bits}/{args.requests} | {diff:.3g} |")
             print(rows[-1], flush=True)
         print(f"{name}: {tput[name]:.1f} tok/s together", flush=True)
+    runs: dict[str, list[float]] = {"default": [], "deterministic": []}
+    for _ in range(args.repeat):
+        for det in (False, True):
+            name = "deterministic" if det else "default"
+            runs[name].append(run(args.engine, prompts, args.max_tokens, True, enable_prefix_caching=False, deterministic=det)[1])
+            print(f"{name}: {runs[name][-1]:.2f} tok/s together", flush=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items() if v}
     m = load_manifest(args.engine)
     date = datetime.now(timezone.utc)
     md = (f"# Deterministic (batch-invariant) mode vs the default mode\n\n"
@@ -88,9 +100,14 @@ def main() -> None:
           f"Date: {date:%Y-%m-%d %H:%M} UTC\n\n"
           f"{args.requests} greedy prompts sharing a {args.prefix}-token prefix, {args.max_tokens} new tokens each (offline `LLMEngine`, "
           "a fresh engine per run).\n\n"
-          "| mode | comparison | texts equal | log-probabilities bit-equal | largest difference |\n|---|---|---:|---:|---:|\n" + "\n".join(rows) + "\n\n"
-          f"| mode | output tok/s, {args.requests} together (cache off) | vs default |\n|---|---:|---:|\n"
-          f"| default | {tput['default']:.1f} | 1.00 |\n| deterministic | {tput['deterministic']:.1f} | {tput['deterministic'] / tput['default']:.2f} |\n")
+          + ("| mode | comparison | texts equal | log-probabilities bit-equal | largest difference |\n|---|---|---:|---:|---:|\n" + "\n".join(rows) + "\n\n"
+             f"| mode | output tok/s, {args.requests} together (cache off) | vs default |\n|---|---:|---:|\n"
+             f"| default | {tput['default']:.2f} | 1.00 |\n| deterministic | {tput['deterministic']:.2f} | {tput['deterministic'] / tput['default']:.2f} |\n"
+             if tput else "")
+          + (f"\nAlternating runs (default, deterministic, ...), output tok/s of {args.requests} together over the whole run (their prefill "
+             "included), cache off:\n\n| mode | runs | median | vs default |\n|---|---|---:|---:|\n"
+             + "\n".join(f"| {k} | {', '.join(f'{x:.2f}' for x in runs[k])} | {med[k]:.2f} | {med[k] / med['default']:.2f} |" for k in med) + "\n"
+             if med else ""))
     out = Path(f"{args.out}-{date:%Y-%m-%d}.md")
     out.write_text(md)
     print(md + f"\nwritten to {out}")
