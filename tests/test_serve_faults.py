@@ -660,6 +660,7 @@ def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(en
         for t in threads:
             t.start()
         s.wait_in_loop(n_plain + 3)
+        stub = s.stub_pid()
         s.proc.send_signal(signal.SIGTERM)
         if grace != "0":  # while draining new requests are refused (UNAVAILABLE; Triton 2.51's HTTP generate answers it with 400)
             s.wait_for_log("shutdown: draining")  # the model took the drain: it admits nothing new from here
@@ -692,5 +693,8 @@ def test_sigterm_drains_or_fails_in_flight_requests_and_leaves_nothing_behind(en
         for x in sessions:
             x.close()
         assert not list(Path("/dev/shm").glob(prefix + "*")), "shared memory left behind"
+        from trtkv.triton_repo.server import _proc_state
+
+        assert _proc_state(stub) in (None, "Z", "X"), "the model process outlived tritonserver"
     finally:
         s.close()
