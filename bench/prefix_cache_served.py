@@ -107,21 +107,21 @@ def run_mode(name: str, engine_dir: Path, prefix_caching: bool, args, workdir: P
     with server:
         url = server.http_url
         list(stream_generate(url, system + question(10_000), 1, temperature=0.0))  # warm-up: the system prompt once
-        server.wait_for_metric("trtkv_requests", 1, state="finished")
-        hit0 = sum(server.metric_values("trtkv_prefix_cache_hit_tokens"))
+        server.wait_for_metric("trtkv_requests_total", 1, state="finished")
+        hit0 = sum(server.metric_values("trtkv_prefix_cache_hit_tokens_total"))
         load0 = os.getloadavg()
         res = burst(url, [system + question(i) for i in range(args.requests)], args.max_tokens)
-        server.wait_for_metric("trtkv_requests", 1 + res["completed"], state="finished")
+        server.wait_for_metric("trtkv_requests_total", 1 + res["completed"], state="finished")
         res["load_avg"] = [round(x, 2) for x in os.getloadavg()]
         res["load_avg_before"] = [round(x, 2) for x in load0]
-        hit = sum(server.metric_values("trtkv_prefix_cache_hit_tokens")) - hit0
+        hit = sum(server.metric_values("trtkv_prefix_cache_hit_tokens_total")) - hit0
         prompt_tokens = sum(len(tok.encode(system + question(i))) for i in range(args.requests))
         blocks = dict(zip(("used", "free", "cached"), (0, 0, 0)))
         for state in blocks:
             blocks[state] = int(sum(server.metric_values("trtkv_kv_blocks", state=state)))
         res.update(prefix_caching=prefix_caching, prompt_tokens=prompt_tokens, hit_tokens=int(hit), hit_rate=hit / prompt_tokens,
                    blocks_after=blocks, peak_running=int(max(server.metric_values("trtkv_peak_running_sequences"))),
-                   preemptions=int(max(server.metric_values("trtkv_preemptions"))))
+                   preemptions=int(max(server.metric_values("trtkv_preemptions_total"))))
     print(f"[{name} cache {mode}] TTFT p50 {res['ttft_s']['p50']:.2f} s, {res['output_tok_s']:.2f} tok/s, wall {res['wall_s']:.1f} s, "
           f"hit rate {res['hit_rate']:.1%}, load {res['load_avg']}", flush=True)
     return res

@@ -134,7 +134,7 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path, instances: in
         t0 = time.monotonic()
         level = run_level(url, prompts, args.admission_requests, 1, args.admission_max_tokens) if prompts else None
         if level is not None:
-            server.wait_for_metric("trtkv_requests", 1 + level["requests"], state="finished")  # warm-up + admission pushed
+            server.wait_for_metric("trtkv_requests_total", 1 + level["requests"], state="finished")  # warm-up + admission pushed
             out["admission"] = {
                 "offered": args.admission_requests,
                 "prompt_tokens": args.admission_prompt,
@@ -143,7 +143,7 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path, instances: in
                 "errors": level["errors"],
                 "seconds": time.monotonic() - t0,
                 "max_running": int(sum(server.metric_values("trtkv_peak_running_sequences"))),  # summed over instances
-                "preemptions": int(sum(server.metric_values("trtkv_preemptions"))),
+                "preemptions": int(sum(server.metric_values("trtkv_preemptions_total"))),
             }
             print(f"[{name}] admission: {out['admission']}", flush=True)
         # 2. throughput
@@ -154,7 +154,7 @@ def bench_engine(name: str, engine_dir: Path, args, workdir: Path, instances: in
             out["levels"].append(level)
             print(f"[{name}] c={c}: {level['tokens_per_s']:.1f} tok/s, ttft p50 {level['ttft_ms']['p50']:.0f} ms, itl p50 {level['itl_ms']['p50']:.0f} ms", flush=True)
         out["success_requests_metric"] = server.metric_values("nv_inference_request_success")
-        out["finished_per_instance"] = [int(v) for v in server.metric_values("trtkv_requests", state="finished")]  # how Triton spread them
+        out["finished_per_instance"] = [int(v) for v in server.metric_values("trtkv_requests_total", state="finished")]  # how Triton spread them
     return out
 
 

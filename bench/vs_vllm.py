@@ -406,7 +406,7 @@ def server_metrics(kind: str, url: str):
         return (lambda m: metric_sum(m, "vllm:num_requests_running"), lambda m: metric_sum(m, "vllm:num_requests_waiting"),
                 lambda m: metric_sum(m, "vllm:num_preemptions_total"))
     return (lambda m: metric_sum(m, "trtkv_sequences", state="running"), lambda m: metric_sum(m, "trtkv_sequences", state="waiting"),
-            lambda m: metric_sum(m, "trtkv_preemptions"))
+            lambda m: metric_sum(m, "trtkv_preemptions_total"))
 
 
 # --------------------------------------------------------------------------- the run

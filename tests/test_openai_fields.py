@@ -1,8 +1,10 @@
 """The OpenAI front's contract (triton_repo/openai_api.py), field by field: for every request field of
-``/v1/completions`` and ``/v1/chat/completions``, exactly what reaches Triton (the generate request body and
-endpoint) for its default, its edges (the exact bound and one past it) and bad values (the status, the error type and
-the ``param`` that names the field), and the exact shape of every response (ids, objects, choices, finish_reason,
-usage, server-sent chunks, ``[DONE]``).
+``/v1/completions`` and ``/v1/chat/completions``, exactly what reaches Triton (the generate_stream request body: plain
+requests are streamed from Triton too) for its default, its edges (the exact bound and one past it) and bad values
+(the status, the error type and the ``param`` that names the field; the fields OpenAI defines that trtkv does not
+implement are refused unless neutral), and the exact shape of every response (ids, objects, choices, finish_reason,
+usage, server-sent chunks, error events, ``[DONE]``) and of every error (bad JSON, a body over the limit, unknown
+paths, wrong methods).
 
 No tritonserver: the front runs under uvicorn (``start_openai_server``) in front of ``ScriptedTriton``, an aiohttp
 stand-in for Triton's ``/v2/models/ensemble/generate`` and ``generate_stream`` whose answer each test sets. The
@@ -32,7 +34,7 @@ from trtkv.triton_repo.server import free_port  # noqa: E402
 MODEL = "served-model"
 CONTEXT = 64
 DEFAULT_BODY = {  # what Triton gets for {"model", "prompt": "hello", "max_tokens": 8} and nothing else
-    "text_input": "hello", "max_tokens": 8, "stream": False, "return_log_probs": True, "exclude_input_in_output": True,
+    "text_input": "hello", "max_tokens": 8, "stream": True, "return_log_probs": True, "exclude_input_in_output": True,
     "temperature": 1.0, "top_p": 1.0,
 }
 
@@ -176,7 +178,7 @@ def assert_refused(code, data, call, status: int, param: str | None, *, words: s
 def test_a_minimal_completion_sends_exactly_the_default_body(front):
     code, data, call = front.complete()
     assert code == 200, data
-    assert call == ("generate", DEFAULT_BODY)
+    assert call == ("generate_stream", DEFAULT_BODY)
 
 
 @pytest.mark.parametrize("field, value, sent", [
@@ -205,8 +207,21 @@ def test_a_minimal_completion_sends_exactly_the_default_body(front):
     ("ignore_eos", False, {}),
     ("logprobs", None, {}),
     ("logprobs", False, {}),
-    ("logprobs", 0, {}),
     ("echo", False, {}),
+    ("seed", 2**64 - 1, {"seed": 2**64 - 1}),  # the model's seed input is UINT64
+    ("top_k", 0, {}),  # vLLM's extension: 0 and -1 are off
+    ("top_k", -1, {}),
+    ("top_k", 1, {"top_k": 1}),
+    ("top_k", 40, {"top_k": 40}),
+    ("presence_penalty", 0, {}),  # fields trtkv does not implement: accepted at their neutral value only
+    ("presence_penalty", None, {}),
+    ("frequency_penalty", None, {}),
+    ("repetition_penalty", 1.0, {}),
+    ("logit_bias", {}, {}),
+    ("logit_bias", None, {}),
+    ("response_format", {"type": "text"}, {}),
+    ("best_of", 1, {}),
+    ("suffix", "", {}),
     ("stream_options", {"include_usage": True}, {}),  # a plain request: the option has nothing to change
     ("user", "someone", {}),  # unknown fields are accepted and not forwarded
     ("frequency_penalty", 0.0, {}),
@@ -217,7 +232,7 @@ def test_a_minimal_completion_sends_exactly_the_default_body(front):
 def test_each_field_reaches_triton_as_its_engine_input(front, field, value, sent):
     code, data, call = front.complete(**{field: value})
     assert code == 200, data
-    assert call == ("generate", {**DEFAULT_BODY, **sent})
+    assert call == ("generate_stream", {**DEFAULT_BODY, **sent})
 
 
 def test_ignore_eos_sends_max_tokens_as_min_tokens_whatever_min_tokens_says(front):
@@ -232,17 +247,20 @@ def test_ignore_eos_sends_max_tokens_as_min_tokens_whatever_min_tokens_says(fron
 def test_combined_fields_all_reach_triton(front):
     code, _, call = front.complete(prompt="abc", max_tokens=12, temperature=0.3, top_p=0.9, seed=7, stop=["x", "y"], min_tokens=4)
     assert code == 200
-    assert call == ("generate", {"text_input": "abc", "max_tokens": 12, "stream": False, "return_log_probs": True,
+    assert call == ("generate_stream", {"text_input": "abc", "max_tokens": 12, "stream": True, "return_log_probs": True,
                                  "exclude_input_in_output": True, "temperature": 0.3, "top_p": 0.9, "stop_words": ["x", "y"],
                                  "seed": 7, "min_tokens": 4})
 
 
-def test_streaming_asks_generate_stream_with_stream_true(front):
+def test_plain_and_streaming_requests_both_ask_generate_stream(front):
+    """A plain request is streamed from Triton too: its closed connection is what tells the model that the client left
+    (Triton 2.51's plain generate does not read its connection until the one response)."""
     code, lines, call = front.complete(stream=True)
     assert code == 200 and lines[-1] == "data: [DONE]"
-    assert call == ("generate_stream", {**DEFAULT_BODY, "stream": True})
-    code, _, call = front.complete(stream=False)
-    assert call == ("generate", DEFAULT_BODY)
+    assert call == ("generate_stream", DEFAULT_BODY)
+    code, data, call = front.complete(stream=False)
+    assert code == 200 and data["choices"][0]["text"] == "abc"
+    assert call == ("generate_stream", DEFAULT_BODY)
 
 
 # ---------------------------------------------------------------- refusals: status, type, param, nothing sent
@@ -273,6 +291,30 @@ def test_streaming_asks_generate_stream_with_stream_true(front):
     ("prompt", ["a", "b"], "prompt", "a list of 2 prompts"),
     ("prompt", 5, "prompt.*", "prompt"),
     ("stream", "maybe", "stream", "stream"),
+    ("stream", "true", "stream", "stream"),
+    ("seed", 2**64, "seed", "seed"),
+    ("seed", 10**30, "seed", "seed"),
+    ("temperature", float("nan"), "temperature", "temperature"),
+    ("top_p", float("inf"), "top_p", "top_p"),
+    ("logprobs", 0, "logprobs", "logprobs=0"),
+    ("presence_penalty", 0.5, "presence_penalty", "presence_penalty=0.5"),
+    ("presence_penalty", 2.5, "presence_penalty", "presence_penalty"),
+    ("frequency_penalty", -1, "frequency_penalty", "frequency_penalty=-1"),
+    ("repetition_penalty", 1.2, "repetition_penalty", "repetition_penalty=1.2"),
+    ("logit_bias", {"50256": -100}, "logit_bias", "logit_bias"),
+    ("logit_bias", {"1": "x"}, "logit_bias.1", "logit_bias"),
+    ("response_format", {"type": "json_object"}, "response_format", "structured output"),
+    ("best_of", 2, "best_of", "best_of=2"),
+    ("best_of", 0, "best_of", "best_of"),
+    ("suffix", "after", "suffix", "suffix"),
+    ("top_k", -2, "top_k", "top_k"),
+    ("ignore_eos", "yes", "ignore_eos", "ignore_eos"),
+    ("stream_options", {"include_usage": "maybe"}, "stream_options.include_usage", "include_usage"),
+    ("stream_options", {"include_usage": 1}, "stream_options.include_usage", "include_usage"),
+    ("stream_options", {"usage": True}, "stream_options.usage", "usage"),
+    ("stream_options", {"continuous_usage_stats": True}, "stream_options.continuous_usage_stats", "continuous_usage_stats"),
+    ("prompt", "bad \ud800 text", "prompt", "not valid Unicode"),
+    ("stop", ["ok", "\udfff"], "stop", "not valid Unicode"),
 ])
 def test_each_bad_value_is_a_400_naming_its_field(front, field, value, param, words):
     code, data, call = front.complete(**{field: value})
@@ -367,14 +409,14 @@ def test_finish_reason_is_length_when_max_tokens_tokens_came(front, max_tokens, 
 @pytest.mark.parametrize("logprobs, tokens", [([], 0), ([-1.0], 1), ([[-1.0, -2.0]], 2), ([[[-1.0], [-2.0, -3.0]]], 3)])
 def test_completion_tokens_count_every_log_probability_however_nested(front, logprobs, tokens):
     """Triton's output_log_probs is [1, 1, n] (or flatter): completion tokens are its elements."""
-    front.triton.reply = Reply(json={"text_output": "xy", "output_log_probs": logprobs})
+    front.triton.reply = Reply(events=[{"text_output": "xy", "output_log_probs": logprobs}])
     code, data, _ = front.complete(prompt="p", max_tokens=8)
     assert code == 200 and data["usage"] == {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": 1 + tokens}
     assert data["choices"][0]["text"] == "xy"
 
 
 def test_a_reply_without_text_or_log_probs_is_an_empty_completion(front):
-    front.triton.reply = Reply(json={})
+    front.triton.reply = Reply(events=[{}])
     code, data, _ = front.complete(max_tokens=2)
     assert code == 200 and data["choices"][0]["text"] == "" and data["usage"]["completion_tokens"] == 0
     assert data["choices"][0]["finish_reason"] == "stop"
@@ -388,7 +430,7 @@ def test_a_chat_response_has_openais_shape(front):
     assert data["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None, "message": {"role": "assistant", "content": "abc"}}]
     n = len("[user]hi[assistant]")
     assert data["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
-    assert call == ("generate", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 3})
+    assert call == ("generate_stream", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 3})
 
 
 def test_models_lists_the_served_model(front):
@@ -442,10 +484,26 @@ def test_a_non_text_content_part_is_refused(front, parts):
     ({"n": 3}, "n"),
     ({"temperature": 3}, "temperature"),
     ({"logprobs": True}, "logprobs"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "lone \udc80"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.1.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content"),
 ])
 def test_bad_chat_requests_are_400s_naming_the_field(front, body, param):
     code, data, call = front.chat(**body)
     assert_refused(code, data, call, 400, param)
+
+
+@pytest.mark.parametrize("body", [{"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"top_logprobs": 0},
+                                  {"logprobs": False}, {"response_format": {"type": "text"}}, {"functions": []}])
+def test_neutral_chat_fields_are_accepted_and_change_nothing(front, body):
+    code, _, call = front.chat(**body)
+    assert code == 200 and call == ("generate_stream", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]"})
 
 
 def test_max_completion_tokens_wins_and_max_tokens_is_the_fallback(front):
@@ -459,7 +517,7 @@ def test_max_completion_tokens_wins_and_max_tokens_is_the_fallback(front):
 def test_every_sampling_field_of_a_chat_request_reaches_triton(front):
     code, _, call = front.chat(max_tokens=6, temperature=0.25, top_p=0.75, seed=3, stop=["q"], min_tokens=2)
     assert code == 200
-    assert call == ("generate", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 6, "temperature": 0.25,
+    assert call == ("generate_stream", {**DEFAULT_BODY, "text_input": "[user]hi[assistant]", "max_tokens": 6, "temperature": 0.25,
                                  "top_p": 0.75, "seed": 3, "stop_words": ["q"], "min_tokens": 2})
     _, _, call = front.chat(max_tokens=6, ignore_eos=True)
     assert call[1]["min_tokens"] == 6
@@ -566,6 +624,26 @@ def test_a_request_the_model_refuses_is_a_400_with_its_message(front, stream):
     assert data == {"error": {"message": "top_k must be >= 0", "type": "invalid_request_error", "param": None, "code": None}}
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("message, status, kind", [
+    ("the server is shutting down: the request did not finish within the grace period", 503, "server_error"),
+    ("engine step failed: RuntimeError: boom", 502, "server_error"),
+    ("a refusal of the model", 400, "invalid_request_error"),
+])
+def test_an_error_after_the_first_chunk_ends_the_stream_with_an_error_event_and_done(front, chat, message, status, kind):
+    """Never a silent cut: a stream that fails after it started ends with an error event in OpenAI's shape, then
+    [DONE]; a plain request that fails the same way is an error response of the same status."""
+    front.triton.reply = Reply(events=[{"text_output": "ab", "output_log_probs": [-0.1, -0.2]}, {"error": message}])
+    code, lines, _ = (front.chat if chat else front.complete)(stream=True)
+    assert code == 200 and lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    *chunks, error = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert error == {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert "".join((c["choices"][0].get("delta", {}).get("content") or "") if chat else c["choices"][0]["text"] for c in chunks) == "ab"
+    code, data, _ = (front.chat if chat else front.complete)()
+    assert code == status and data == {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
 def test_an_error_event_in_a_stream_is_a_400_before_any_chunk(front):
     front.triton.reply = Reply(events=[{"error": "bad stop word"}, {"text_output": "never"}])
     code, data, call = front.complete(stream=True)
@@ -579,6 +657,16 @@ def test_any_other_triton_status_is_a_502_server_error(front, status, stream):
     front.triton.reply = Reply(status=status, json={"error": "internal error: boom"})
     code, data, _ = front.complete(stream=stream)
     assert code == 502 and data["error"]["type"] == "server_error" and data["error"]["message"] == "internal error: boom"
+
+
+@pytest.mark.parametrize("body", ['data: {"error": "bad value"}\n\n', 'data:{"error": "bad value"}', '{"error": "bad value"}'])
+def test_a_server_sent_error_body_gives_its_message_without_the_framing(front, body):
+    """Triton answers a refused generate_stream request with its error as one server-sent event: the OpenAI error
+    carries the message, not the "data:" framing."""
+    front.triton.reply = Reply(status=400, text=body, events=[])
+    for stream in (False, True):
+        code, data, _ = front.complete(stream=stream)
+        assert code == 400 and data["error"]["message"] == "bad value"
 
 
 def test_a_non_json_error_body_is_passed_on_as_text(front):
@@ -667,3 +755,109 @@ def test_a_port_in_use_is_a_clear_error():
         port = s.getsockname()[1]
         with pytest.raises(TrtkvError, match=f"did not start on 127.0.0.1:{port}"):
             start_openai_server(Served(MODEL, CharTokenizer(), CONTEXT, "http://127.0.0.1:1"), "127.0.0.1", port)
+
+
+# ---------------------------------------------------------------- what is not a request: bodies, paths, methods
+
+
+def raw(front, path: str, data: bytes | None, method: str = "POST", headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{front.url.removesuffix('/v1')}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_openai_error(code, data, status: int, words: str = ""):
+    assert code == status, data
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
+    assert words.lower() in data["error"]["message"].lower(), data
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"model": "served-model", "prompt": "\xff\xfe", "max_tokens": 3}', "UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested"),
+    (b'{"model": "served-model", "prompt": "x", "max_tokens": 3', "not valid JSON"),
+    (b"not json at all", "not valid JSON"),
+    (b"", "body"),
+    (b'"a string"', "dictionary"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_400_in_openais_shape(front, body, words):
+    before = len(front.triton.calls)
+    code, data = raw(front, "/v1/completions", body)
+    assert_openai_error(code, data, 400, words)
+    assert len(front.triton.calls) == before
+
+
+def test_a_body_over_the_limit_is_a_413_and_nothing_is_tokenized(front):
+    """The limit is max(1 MiB, 64 bytes per context token); the 413 comes after the body was read (a client still
+    sending would otherwise see a reset connection), naming the limit."""
+    limit = api.max_body_bytes(CONTEXT)
+    assert limit == api.MIN_BODY_LIMIT == 1 << 20 and api.max_body_bytes(65536) == 65536 * 64
+    before = len(front.triton.calls)
+    over = json.dumps({"model": MODEL, "prompt": "x" * limit, "max_tokens": 3}).encode()
+    code, data = raw(front, "/v1/completions", over)
+    assert_openai_error(code, data, 413, f"limit of {limit:,} bytes")
+    assert data["error"]["code"] == "request_too_large" and len(front.triton.calls) == before
+    just = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 3, "pad": "y" * (limit - 100)}).encode()
+    assert len(just) <= limit
+    code, data = raw(front, "/v1/completions", just)
+    assert code == 200, data
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(front):
+    """Without a Content-Length (chunked transfer) the limit is counted as the body arrives."""
+    import http.client
+
+    host, port = front.url.removeprefix("http://").split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "x" * (api.max_body_bytes(CONTEXT) + 10), "max_tokens": 3}).encode()
+    conn.request("POST", "/v1/completions", body=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    r = conn.getresponse()
+    assert_openai_error(r.status, json.loads(r.read()), 413, "limit")
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/completions", 405), ("PUT", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
+    ("GET", "/v1/nothing", 404), ("POST", "/v2/models/ensemble/generate", 404),
+])
+def test_a_wrong_path_or_method_is_an_error_in_openais_shape(front, method, path, status):
+    code, data = raw(front, path, b"{}" if method != "GET" else None, method=method)
+    assert_openai_error(code, data, status)
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_a_404(front):
+    code, data = raw(front, f"/v1/models/{MODEL}", None, method="GET")
+    assert code == 200 and data == {"id": MODEL, "object": "model", "created": 0, "owned_by": "trtkv"}
+    code, data = raw(front, "/v1/models/gpt-4o", None, method="GET")
+    assert_openai_error(code, data, 404, "gpt-4o")
+    assert data["error"]["code"] == "model_not_found"
+
+
+def test_health_is_200_when_triton_is_ready_and_503_when_it_cannot_be_reached(front, monkeypatch):
+    code, _ = raw(front, "/health", None, method="GET")
+    assert code == 200
+    monkeypatch.setattr(front.served, "triton_url", f"http://127.0.0.1:{free_port()}")
+    code, data = raw(front, "/health", None, method="GET")
+    assert_openai_error(code, data, 503, "not ready")
+
+
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_is_read_as_json_whatever_its_content_type(front, ctype):
+    """`curl -d '{...}'` sends form encoding: the body is still the request."""
+    import http.client
+
+    host, port = front.url.removeprefix("http://").split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 8}).encode()
+    if ctype:
+        conn.putheader("Content-Type", ctype)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["choices"][0]["text"] == "abc"
+    assert front.triton.calls[-1] == ("generate_stream", DEFAULT_BODY)

@@ -67,6 +67,7 @@ class FakeTriton:
         app = aiohttp_web.Application()
         app.router.add_post(f"/v2/models/{LLM_MODEL}/generate", self._generate)
         app.router.add_post(f"/v2/models/{LLM_MODEL}/generate_stream", self._generate_stream)
+        app.router.add_get("/v2/health/ready", lambda request: aiohttp_web.Response(status=200))
         self.runner = aiohttp_web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(aiohttp_web.TCPSite(self.runner, "127.0.0.1", self.port).start())

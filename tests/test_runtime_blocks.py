@@ -154,7 +154,8 @@ class Sim:
             natural = min(s.num_pending, sched.max_num_batched_tokens) if self.cross else min(s.num_pending, self.step_tokens, bs - c.start % bs)
             assert c.start == s.num_cached and 1 <= c.length <= natural, (c, natural)
             short |= c.length < natural
-            assert (c.length == 1) == (c in out.decode)
+            # decodes: one generated token; a prompt's tokens are a prefill chunk, also one (after a prefix hit)
+            assert (c.length == 1 and c.start >= len(s.prompt_ids)) == (c in out.decode)
             assert c.samples == (c.start + c.length == s.num_tokens)
             assert len(s.block_table) == (c.start + c.length) // bs, "the block a step seals into is allocated before it"
         if short and not self.cross:  # a chunk is cut below its natural length only by the step's token budget

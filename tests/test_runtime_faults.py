@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS
 from trtkv.plugins.contract.capabilities import TORCH_OPS
 from trtkv.runtime.block_manager import CacheBudget
@@ -211,3 +212,16 @@ def test_streamed_pieces_never_show_a_stop_word_that_completes_later(model, toke
     out = make_llm(model, tokenizer).generate([PROMPTS[2]], p, on_output=lambda o: pieces.append(o.new_text))[0]
     assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
     assert "".join(pieces) == out.text  # nothing streamed had to be taken back
+
+
+def test_an_end_id_outside_the_vocabulary_is_refused_and_the_last_id_accepted(model, tokenizer):
+    """end_id names a token the sampler can produce: outside [0, vocab) it could never end the request, so it is a
+    request error (the server's 400), counted rejected; the last id and 0 are accepted."""
+    llm = make_llm(model, tokenizer)
+    vocab = model.config.vocab_size
+    for bad in (vocab, vocab + 7, -1):
+        with pytest.raises(TrtkvError, match=rf"end_id {bad} is not a token id of this model \(0 \.\.\. {vocab - 1}\)"):
+            llm.make_sequence([1, 2], SamplingParams(max_tokens=2, end_id=bad))
+    assert llm.stats_counters["rejected"] == 3
+    for good in (0, vocab - 1):
+        assert llm.make_sequence([1, 2], SamplingParams(max_tokens=2, end_id=good)).params.end_id == good

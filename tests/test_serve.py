@@ -182,7 +182,7 @@ def test_wrong_dtype_is_refused(int4_server):
 def test_metrics_show_requests_and_pool(int4_server):
     generate(int4_server.http_url, PROMPTS[1], 20)
     assert int4_server.wait_for_metric("nv_inference_request_success", 1, model="ensemble") >= 1
-    assert int4_server.wait_for_metric("trtkv_requests", 1, state="finished") >= 1
+    assert int4_server.wait_for_metric("trtkv_requests_total", 1, state="finished") >= 1
     text = urllib.request.urlopen(int4_server.metrics_url, timeout=10).read().decode()
     for family in ("trtkv_kv_blocks", "trtkv_kv_slots", "trtkv_sequences", "trtkv_kv_pool_info", "trtkv_peak_running_sequences"):
         assert f"{family}{{" in text, family
@@ -205,9 +205,9 @@ def test_prefix_cache_hits_through_the_server_change_no_output(engines, int4_ser
     want = [llm.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text for p in prompts]
     got = [generate(int4_server.http_url, p, 12, min_length=12, exclude_input_in_output=True)["text_output"] for p in prompts]
     assert got == want
-    assert int4_server.wait_for_metric("trtkv_prefix_cache_hit_tokens", 2 * 48) >= 2 * 48
+    assert int4_server.wait_for_metric("trtkv_prefix_cache_hit_tokens_total", 2 * 48) >= 2 * 48
     text = urllib.request.urlopen(int4_server.metrics_url, timeout=10).read().decode()
-    for family in ("trtkv_prefix_cache_hit_rate", "trtkv_prefix_cache_evicted_blocks"):
+    for family in ("trtkv_prefix_cache_hit_rate", "trtkv_prefix_cache_evicted_blocks_total"):
         assert f"{family}{{" in text, family
     cached = [ln for ln in text.splitlines() if ln.startswith("trtkv_kv_blocks{") and 'state="cached"' in ln]
     assert float(cached[0].split()[-1]) >= 3
@@ -236,10 +236,10 @@ def test_small_pool_queues_and_preempts_and_rejects_oversized(engines, tmp_path)
             t.join(180)
         assert not errors and len(done) == 12 and all(done.values())
         # the model pushes its counters once the engine drains; wait for that push, then read them
-        assert server.wait_for_metric("trtkv_requests", 12, state="finished") >= 12
-        assert server.metric_values("trtkv_requests", state="rejected") == [1.0]
+        assert server.wait_for_metric("trtkv_requests_total", 12, state="finished") >= 12
+        assert server.metric_values("trtkv_requests_total", state="rejected") == [1.0]
         peak = max(server.metric_values("trtkv_peak_running_sequences"))
-        preempt = max(server.metric_values("trtkv_preemptions"))
+        preempt = max(server.metric_values("trtkv_preemptions_total"))
         assert 1 < peak <= 4 and preempt >= 1
     finally:
         server.stop()
@@ -339,7 +339,7 @@ def test_two_instances_each_run_an_engine_with_half_the_budget(engines, tmp_path
         for t in threads:
             t.join(120)
         assert [got[i] for i in range(2 * len(PROMPTS))] == want * 2
-        server.wait_for_metric("trtkv_requests", 1, state="finished")
+        server.wait_for_metric("trtkv_requests_total", 1, state="finished")
         budgets = server.metric_values("trtkv_kv_pool_info", field="budget_bytes")
         assert len(budgets) == 2 and budgets[0] == budgets[1] == pytest.approx(0.01 * 1024**3, rel=1e-6)
     finally:

@@ -4,7 +4,8 @@ dropped or extra field fails), its default, its edges and its bad values (a ``Tr
 sends back as a 400). And the interface table itself (interface.py) against TensorRT-LLM's ensemble and the
 documented neutral values.
 
-The rules are interface.py's docs: "a request samples when it gives temperature > 0, top_k > 1 or 0 < top_p < 1;
+``end_id`` outside the vocabulary is refused where the vocabulary is known (``LLMEngine.make_sequence``,
+tests/test_runtime_edges.py). The rules are interface.py's docs: "a request samples when it gives temperature > 0, top_k > 1 or 0 < top_p < 1;
 else greedy", "top_p 0 or 1.0: off", "top_k 0: off", ``seed`` / ``min_tokens`` are the newer names of
 ``random_seed`` / ``min_length`` (the newer wins), empty words mean none, neutral inputs accept only their neutral value.
 """
@@ -93,7 +94,6 @@ def test_a_minimal_request_is_greedy_with_every_default():
     ({"min_tokens": 4, "min_length": 2}, want(min_tokens=4)),
     ({"min_tokens": 0, "min_length": 2}, want(min_tokens=0)),
     ({"min_tokens": 8}, want(min_tokens=8)),
-    ({"min_tokens": 20}, want(min_tokens=20)),  # more than max_tokens: the end id is never allowed; not refused
     # end_id
     ({"end_id": 0}, want(end_id=0)),
     ({"end_id": 17}, want(end_id=17)),
@@ -168,6 +168,12 @@ def test_all_flags_at_once():
     ({"top_p": -0.5}, "top_p must be in"),
     ({"min_tokens": -1}, "min_tokens must be >= 0"),
     ({"min_length": -2}, "min_tokens must be >= 0"),
+    ({"min_tokens": 9}, r"min_tokens \(9\) is more than max_tokens \(8\)"),  # as the OpenAI front (and vLLM) refuse it
+    ({"min_length": 20}, r"min_tokens \(20\) is more than max_tokens"),
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"top_p": float("-inf"), "temperature": 0.5}, "top_p must be a finite number"),
     ({"max_tokens": np.zeros((1, 0), dtype=np.int32)}, r"'max_tokens' must hold one value per request, got shape \[1, 0\]"),
     ({"max_tokens": np.array([[2, 3]], dtype=np.int32)}, r"'max_tokens' must hold one value per request, got shape \[1, 2\]"),
     ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, "'text_input' must hold one value"),

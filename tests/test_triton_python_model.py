@@ -48,11 +48,17 @@ class Metric:
         self.family, self.labels, self.values = family, labels, []
 
     def set(self, value):
+        assert self.family.kind == "gauge", f"set() on the counter {self.family.name}"
         self.values.append(value)
+
+    def increment(self, value):
+        assert value > 0, "a counter only grows"
+        self.values.append((self.values[-1] if self.values else 0.0) + value)  # the counter's value after it
 
 
 class MetricFamily:
     GAUGE = "gauge"
+    COUNTER = "counter"
     made: list = []
 
     def __init__(self, name, description, kind):
@@ -344,12 +350,15 @@ def test_log_probabilities_only_when_asked(pm, stream):
     assert r.tensors["output_log_probs"].shape == (1, 1, 0) and r.tensors["cum_log_probs"].tolist() == [[0.0]]
 
 
-@pytest.mark.parametrize("reason, code", [("error", "INVALID_ARG"), ("internal", None)])
-def test_an_output_with_an_error_is_an_error_response_and_ends_the_request(pm, reason, code):
+@pytest.mark.parametrize("reason, error, code", [("error", "it broke", "INVALID_ARG"), ("internal", "it broke", None),
+                                                 ("internal", "the server is shutting down: the request did not finish within the grace period", "UNAVAILABLE")])
+def test_an_output_with_an_error_is_an_error_response_and_ends_the_request(pm, reason, error, code):
+    """A refusal at admission is INVALID_ARG (HTTP 400), a request failed by the drain UNAVAILABLE (503: retry
+    elsewhere), any other failure INTERNAL (500)."""
     cb, sender = callback(pm, stream=True)
-    assert cb(out(finished=True, reason=reason, error="it broke")) is False
+    assert cb(out(finished=True, reason=reason, error=error)) is False
     [(r, flags)] = sender.sent
-    assert flags == FINAL and r.error.message == "it broke" and r.error.code == code
+    assert flags == FINAL and r.error.message == error and r.error.code == code
 
 
 def test_a_cancelled_request_is_closed_once_and_aborted(pm):
@@ -375,26 +384,29 @@ STATS = {
 }
 
 
-def test_metrics_push_every_gauge_with_its_labels(pm):
+def test_metrics_push_every_gauge_and_counter_with_its_labels(pm):
     MetricFamily.made.clear()
     met = pm._Metrics("int4", "inst-0")
     met.update(STATS, force=True)
     got = {(f.name, tuple(sorted((k, v) for k, v in m.labels.items() if k not in ("kv_format", "instance")))): m.values
            for f in MetricFamily.made for m in f.metrics}
     assert all(m.labels["kv_format"] == "int4" and m.labels["instance"] == "inst-0" for f in MetricFamily.made for m in f.metrics)
-    assert all(f.kind == "gauge" for f in MetricFamily.made)
+    counters = {"trtkv_requests_total", "trtkv_preemptions_total", "trtkv_generated_tokens_total", "trtkv_prefix_cache_hit_tokens_total",
+                "trtkv_prefix_cache_evicted_blocks_total"}
+    assert {f.name for f in MetricFamily.made if f.kind == "counter"} == counters  # Prometheus: what only grows, named _total
+    assert all(f.kind == "gauge" for f in MetricFamily.made if f.name not in counters)
     assert got == {
         ("trtkv_kv_blocks", (("state", "used"),)): [3.0], ("trtkv_kv_blocks", (("state", "free"),)): [5.0],
         ("trtkv_kv_blocks", (("state", "cached"),)): [2.0],
-        ("trtkv_prefix_cache_hit_rate", ()): [0.25], ("trtkv_prefix_cache_hit_tokens", ()): [40.0],
-        ("trtkv_prefix_cache_evicted_blocks", ()): [1.0],
+        ("trtkv_prefix_cache_hit_rate", ()): [0.25], ("trtkv_prefix_cache_hit_tokens_total", ()): [40.0],
+        ("trtkv_prefix_cache_evicted_blocks_total", ()): [1.0],
         ("trtkv_kv_slots", (("state", "used"),)): [2.0], ("trtkv_kv_slots", (("state", "free"),)): [6.0],
         ("trtkv_sequences", (("state", "running"),)): [2.0], ("trtkv_sequences", (("state", "waiting"),)): [4.0],
         ("trtkv_kv_pool_info", (("field", "bytes_per_block"),)): [4096.0], ("trtkv_kv_pool_info", (("field", "bytes_per_slot"),)): [8192.0],
         ("trtkv_kv_pool_info", (("field", "tokens_per_block"),)): [16.0], ("trtkv_kv_pool_info", (("field", "budget_bytes"),)): [1e6],
-        ("trtkv_preemptions", ()): [7.0], ("trtkv_peak_running_sequences", ()): [6.0],
-        ("trtkv_requests", (("state", "finished"),)): [11.0], ("trtkv_requests", (("state", "rejected"),)): [3.0],
-        ("trtkv_requests", (("state", "cancelled"),)): [2.0], ("trtkv_generated_tokens", ()): [99.0],
+        ("trtkv_preemptions_total", ()): [7.0], ("trtkv_peak_running_sequences", ()): [6.0],
+        ("trtkv_requests_total", (("state", "finished"),)): [11.0], ("trtkv_requests_total", (("state", "rejected"),)): [3.0],
+        ("trtkv_requests_total", (("state", "cancelled"),)): [2.0], ("trtkv_generated_tokens_total", ()): [99.0],
         ("trtkv_kv_bytes_used", (("layer_type", "full_attention"),)): [1234.0],
         ("trtkv_kv_bytes_used", (("layer_type", "sliding_attention"),)): [56.0],
     }
@@ -405,7 +417,7 @@ def test_metrics_are_pushed_at_most_every_interval_but_always_when_drained(pm, m
     monkeypatch.setattr(pm.time, "monotonic", lambda: clock[0])
     MetricFamily.made.clear()
     met = pm._Metrics("fp16")
-    gen = next(m for f in MetricFamily.made for m in f.metrics if f.name == "trtkv_generated_tokens")
+    gen = next(m for f in MetricFamily.made for m in f.metrics if f.name == "trtkv_generated_tokens_total")
     busy = {**STATS, "running": 1, "waiting": 0}
     met.update({**busy, "generated_tokens": 1})
     assert gen.values == [1.0]

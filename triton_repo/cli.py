@@ -26,7 +26,7 @@ InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton 
 # The RuntimeConfig fields that `triton-repo` and `serve` take as options, their flags, help and defaults generated from
 # the fields (trtkv.cli_options.field_option); `device` is not one: the repository writes the instance kind's.
 RUNTIME_OPTIONS = ("kv_memory_gib", "reserve", "max_seqs", "max_batched_tokens", "backend", "cpu_threads", "enable_prefix_caching",
-                   "free_window_blocks")
+                   "free_window_blocks", "deterministic")
 # `generate --engine` runs one prompt offline: four slots and a small pool that loads fast. Its own, named defaults
 # (the options and their help take them from here, and so does the run).
 GENERATE_CONFIG = RuntimeConfig(kv_memory_gib=0.25, max_seqs=4)
@@ -205,7 +205,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             raise TrtkvError("--grace and --restarts must be >= 0", "e.g. --grace 10 --restarts 3")
         server = TritonServer(
             path, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=(log_file or path / "tritonserver.log").resolve(),
-            extra_args=[f"--exit-timeout-secs={int(grace) + EXIT_MARGIN_S}"],
+            extra_args=[f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}"],
         )  # fmt: skip
         drain_file = path / f"drain-{os.getpid()}"
         drain_file.unlink(missing_ok=True)
@@ -227,6 +227,14 @@ def register(app: typer.Typer, handle_errors) -> None:
             err_console.print(f"starting {binary.path} on {path} ...", highlight=False)
             t0 = time.monotonic()
             server.start(timeout)
+            openai_line = None
+            if openai_port is not None:  # listening before the ready line: "ready" means every front is up
+                from trtkv.triton_repo.openai_api import load_served, start_openai_server
+
+                served = load_served(engine_dir, manifest, server.http_url, served_model_name)
+                openai_server = start_openai_server(served, host, openai_port)
+                openai_line = (f"  OpenAI   http://{server.client_host}:{openai_port}/v1  (model {served.name!r}: completions, chat/completions, "
+                               "models; /health)")
             console.print(f"[bold green]ready[/] in {time.monotonic() - t0:.1f} s — {summary}", highlight=False)
             console.print(f"  HTTP     {server.http_url}  (generate: /v2/models/ensemble/generate, generate_stream)", highlight=False)
             console.print(f"  gRPC     {server.client_host}:{grpc_port}", highlight=False)
@@ -240,12 +248,8 @@ def register(app: typer.Typer, handle_errors) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
-            if openai_port is not None:
-                from trtkv.triton_repo.openai_api import load_served, start_openai_server
-
-                served = load_served(engine_dir, manifest, server.http_url, served_model_name)
-                openai_server = start_openai_server(served, host, openai_port)
-                console.print(f"  OpenAI   http://{server.client_host}:{openai_port}/v1  (model {served.name!r}: completions, chat/completions, models)", highlight=False)
+            if openai_line is not None:
+                console.print(openai_line, highlight=False)
             console.print("  Ctrl-C stops the server", highlight=False)
             while stop["sig"] is None:
                 if server.dead_model_pids():
@@ -261,8 +265,10 @@ def register(app: typer.Typer, handle_errors) -> None:
             err_console.print(f"stopping: no new requests; requests in flight get {grace:g} s ...", highlight=False)
             outcome = _drain(server, drain_file, grace)
         finally:
-            if openai_server is not None:
-                openai_server.should_exit = True
+            if openai_server is not None:  # its streams end first (their last events come from the drained model)
+                from trtkv.triton_repo.openai_api import stop_openai_server
+
+                stop_openai_server(openai_server, EXIT_MARGIN_S)
             rc = server.stop(EXIT_MARGIN_S * 3)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -301,7 +307,11 @@ def register(app: typer.Typer, handle_errors) -> None:
             _generate_offline(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop or [], stream, GENERATE_CONFIG.replace(**runtime_opts))
 
 
-EXIT_MARGIN_S = 5  # tritonserver's own exit timeout is the grace plus this; serve SIGKILLs it after the grace plus twice this
+EXIT_MARGIN_S = 5  # serve waits this long past the grace for the drain's answer, and 3x this for tritonserver to exit
+# tritonserver's own exit timeout: serve's drain (the drain file) gives requests in flight their grace period, so once the
+# model has answered tritonserver only flushes the last responses; its HTTP service would otherwise wait the whole timeout
+# for every idle keep-alive connection a client left open ("Found 1 HTTP service connections")
+TRITON_EXIT_TIMEOUT_S = 3
 
 
 def _restart_dead_model(server, restarts: int, timeout: float) -> int:
@@ -345,9 +355,13 @@ def _drain(server, drain_file: Path, grace: float) -> str | None:
 
 
 def _shutdown_outcome(outcome: str | None, rc) -> tuple[int, str]:
-    """Exit code and sentence for a stop: 0 when every request in flight finished, 4 when some were failed or the end is unknown."""
-    if outcome == "drained" and rc is not None and rc >= 0:
+    """Exit code and sentence for a stop: 0 when every request in flight finished (the model said so: a tritonserver
+    that then had to be killed cut nothing), 4 when some were failed or the end is unknown."""
+    if outcome == "drained" and rc == 0:
         return 0, "drained, every request in flight finished"
+    if outcome == "drained":  # Triton's HTTP service spends its exit timeout waiting for idle keep-alive connections
+        how = f"exited with code {rc} at the end of its exit timeout" if rc is not None and rc > 0 else "was stopped after its exit timeout"
+        return 0, f"drained, every request in flight finished (tritonserver {how}, with idle client connections still open)"
     if outcome and outcome.startswith("failed"):
         return 4, f"{outcome.split()[-1]} requests in flight did not finish within --grace and were failed with an error"
     if rc is None or rc < 0:

@@ -6,6 +6,7 @@ a ``ParsedRequest`` or a ``TrtkvError`` whose message goes back to the client as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,6 +83,9 @@ def parse_request(get: Callable[[str], "np.ndarray | None"]) -> ParsedRequest:
     temperature = _scalar(get, "temperature")
     top_k = _scalar(get, "top_k")
     top_p = _scalar(get, "top_p")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if v is not None and not math.isfinite(float(v)):
+            raise TrtkvError(f"{name} must be a finite number, got {float(v)}", f"send a number ({name} 0 for greedy)" if name == "temperature" else "send a number in (0, 1]")
     if temperature is not None and float(temperature) < 0:
         raise TrtkvError(f"temperature must be >= 0, got {float(temperature)}", "use 0 for greedy decoding")
     top_k = 0 if top_k is None else int(top_k)
@@ -95,6 +99,9 @@ def parse_request(get: Callable[[str], "np.ndarray | None"]) -> ParsedRequest:
     if min_tokens is None:
         min_tokens = _scalar(get, "min_length")
     end_id = _scalar(get, "end_id")
+    min_tokens = 0 if min_tokens is None else int(min_tokens)
+    if min_tokens > max_tokens:
+        raise TrtkvError(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", "ask for at most max_tokens (min_tokens = max_tokens ignores the end id)")
     if top_k < 0:
         raise TrtkvError(f"top_k must be >= 0, got {top_k}", "use 0 to disable top-k")
     params = SamplingParams(
@@ -104,7 +111,7 @@ def parse_request(get: Callable[[str], "np.ndarray | None"]) -> ParsedRequest:
         top_p=top_p,
         seed=None if seed is None else int(seed) & ((1 << 63) - 1),
         end_id=None if end_id is None else int(end_id),
-        min_tokens=0 if min_tokens is None else int(min_tokens),
+        min_tokens=min_tokens,
         stop_words=_words(get, "stop_words"),
         bad_words=_words(get, "bad_words"),
     ).validate()

@@ -4,9 +4,10 @@
 (a bad one gets an INVALID_ARG error response, i.e. HTTP 400, at once), submits it and returns; the
 loop thread sends the responses: one per token-step with ``stream=true`` (the new text), otherwise
 one with the whole text, the last flagged COMPLETE_FINAL. Pool usage is exported as custom metrics
-(``trtkv_kv_blocks{state=used|free}``, ``trtkv_kv_slots``, ``trtkv_sequences{state=running|waiting}``,
-``trtkv_kv_pool_info``, ``trtkv_preemptions``, ``trtkv_peak_running_sequences``, ``trtkv_requests{state=finished|rejected|cancelled}``,
-``trtkv_generated_tokens``) labelled with the KV format.
+(gauges ``trtkv_kv_blocks{state=used|free|cached}``, ``trtkv_kv_slots``, ``trtkv_sequences{state=running|waiting}``,
+``trtkv_kv_pool_info``, ``trtkv_peak_running_sequences``; counters ``trtkv_requests_total{state=finished|rejected|cancelled}``,
+``trtkv_preemptions_total``, ``trtkv_generated_tokens_total``, ``trtkv_prefix_cache_hit_tokens_total``,
+``trtkv_prefix_cache_evicted_blocks_total``) labelled with the KV format.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trtkv.triton_repo.repository import RUNTIME_CONFIG
 from trtkv.triton_repo.server import DRAIN_FILE_ENV, DRAIN_GRACE_ENV
 
 METRIC_INTERVAL_S = 0.25
+SHUTDOWN_FAILURE = "the server is shutting down: the request did not finish within the grace period"
 DEFAULT_DRAIN_GRACE_S = 10.0  # without `trtkv serve --grace` (e.g. the repository in NVIDIA's container)
 
 
@@ -52,28 +54,33 @@ def _response(text: str, logprobs: list[float], want_logprobs: bool):
 
 
 class _Metrics:
+    # the stats that only grow: Prometheus counters (``_total``), pushed as the increase since the last push
+    COUNTERS = ("prefix_hit_tokens", "blocks_evicted", "preemptions", "finished", "rejected", "aborted", "generated_tokens")
+
     def __init__(self, kv_format: str, instance: str = ""):
-        G = pb_utils.MetricFamily.GAUGE
         self._families = []  # a MetricFamily must outlive its Metrics: keep every one
 
-        def fam(name, desc):
-            f = pb_utils.MetricFamily(name=name, description=desc, kind=G)
+        def fam(name, desc, kind=pb_utils.MetricFamily.GAUGE):
+            f = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
             self._families.append(f)
             return f
+
+        def counter(name, desc):
+            return fam(name, desc, pb_utils.MetricFamily.COUNTER)
 
         lab = {"kv_format": kv_format, "instance": instance}  # one series per model instance (--instances): each has its own pool
         blocks = fam("trtkv_kv_blocks", "KV pool blocks of the trtkv runtime by state")
         slots = fam("trtkv_kv_slots", "sequence slots (fp16 open blocks) by state")
         seqs = fam("trtkv_sequences", "sequences in the trtkv scheduler by state")
-        requests = fam("trtkv_requests", "requests finished, rejected or cancelled since start")
+        requests = counter("trtkv_requests_total", "requests finished, rejected or cancelled")
         info = fam("trtkv_kv_pool_info", "KV pool geometry: bytes per block, bytes per slot, tokens per block, budget")
         self.g = {
             "blocks_used": blocks.Metric(labels={**lab, "state": "used"}),
             "blocks_free": blocks.Metric(labels={**lab, "state": "free"}),
             "blocks_cached": blocks.Metric(labels={**lab, "state": "cached"}),  # prefix cache: sealed, unreferenced, evictable
             "prefix_hit_rate": fam("trtkv_prefix_cache_hit_rate", "prompt tokens reused from the prefix cache / prompt tokens, since start").Metric(labels=lab),
-            "prefix_hit_tokens": fam("trtkv_prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache since start").Metric(labels=lab),
-            "blocks_evicted": fam("trtkv_prefix_cache_evicted_blocks", "cached blocks evicted for new allocations since start").Metric(labels=lab),
+            "prefix_hit_tokens": counter("trtkv_prefix_cache_hit_tokens_total", "prompt tokens reused from the prefix cache").Metric(labels=lab),
+            "blocks_evicted": counter("trtkv_prefix_cache_evicted_blocks_total", "cached blocks evicted for new allocations").Metric(labels=lab),
             "slots_used": slots.Metric(labels={**lab, "state": "used"}),
             "slots_free": slots.Metric(labels={**lab, "state": "free"}),
             "running": seqs.Metric(labels={**lab, "state": "running"}),
@@ -82,17 +89,18 @@ class _Metrics:
             "bytes_per_slot": info.Metric(labels={**lab, "field": "bytes_per_slot"}),
             "block_size": info.Metric(labels={**lab, "field": "tokens_per_block"}),
             "kv_budget_bytes": info.Metric(labels={**lab, "field": "budget_bytes"}),
-            "preemptions": fam("trtkv_preemptions", "sequences preempted (recompute) since start").Metric(labels=lab),
+            "preemptions": counter("trtkv_preemptions_total", "sequences preempted").Metric(labels=lab),
             "peak_running": fam("trtkv_peak_running_sequences", "most sequences running at once since start").Metric(labels=lab),
             "finished": requests.Metric(labels={**lab, "state": "finished"}),
             "rejected": requests.Metric(labels={**lab, "state": "rejected"}),
             "aborted": requests.Metric(labels={**lab, "state": "cancelled"}),
-            "generated_tokens": fam("trtkv_generated_tokens", "tokens generated since start").Metric(labels=lab),
+            "generated_tokens": counter("trtkv_generated_tokens_total", "tokens generated").Metric(labels=lab),
         }
         kv_bytes = fam("trtkv_kv_bytes_used", "KV bytes the running sequences hold (sealed blocks + open blocks) by layer type")
         self.g |= {
             f"kv_bytes_used_{t}": kv_bytes.Metric(labels={**lab, "layer_type": t}) for t in ("full_attention", "sliding_attention")
         }
+        self._counted = {key: 0.0 for key in self.COUNTERS}  # what each counter has been increased to
         self._last = 0.0
         self._pushed_finished = -1
 
@@ -108,7 +116,13 @@ class _Metrics:
         self._pushed_finished = ended
         s = {**s, "slots_free": s["slots_total"] - s["slots_used"]}
         for key, metric in self.g.items():
-            metric.set(float(s[key]))
+            if key in self._counted:
+                grown = float(s[key]) - self._counted[key]
+                if grown > 0:
+                    metric.increment(grown)
+                    self._counted[key] = float(s[key])
+            else:
+                metric.set(float(s[key]))
 
 
 class _Drain:
@@ -144,7 +158,7 @@ class _Drain:
             self.logger.log_info(f"trtkv: shutdown: draining, {self.loop.in_flight} requests in flight get {grace:g} s")
         if self.loop.in_flight and now < self.deadline:
             return
-        failed = self.loop.fail_in_flight("the server is shutting down: the request did not finish within the grace period") if self.loop.in_flight else 0
+        failed = self.loop.fail_in_flight(SHUTDOWN_FAILURE) if self.loop.in_flight else 0
         outcome = f"failed {failed}" if failed else "drained"
         if failed:
             self.logger.log_warn(f"trtkv: shutdown: {failed} requests still running after the grace period were failed with an error")
@@ -216,7 +230,7 @@ class TritonPythonModel:
         return None
 
     def _parse(self, request) -> ParsedRequest:
-        """Inputs -> ParsedRequest; a refused request is counted in ``trtkv_requests{state="rejected"}`` like a pool refusal."""
+        """Inputs -> ParsedRequest; a refused request is counted in ``trtkv_requests_total{state="rejected"}`` like a pool refusal."""
         try:
             check_parameters(request.parameters())
             return parse_request(lambda name, r=request: _get(r, name))
@@ -235,8 +249,9 @@ class TritonPythonModel:
                 if not out.finished:
                     sender.send(flags=FINAL)
                 return False
-            if out.error is not None:
-                sender.send(pb_utils.InferenceResponse(error=_error(out.error, invalid_arg=out.finish_reason == "error")), flags=FINAL)
+            if out.error is not None:  # a refusal at admission: INVALID_ARG (400); a shutdown: UNAVAILABLE (503); else INTERNAL
+                code = "UNAVAILABLE" if out.error.startswith("the server is shutting down") else None
+                sender.send(pb_utils.InferenceResponse(error=_error(out.error, invalid_arg=out.finish_reason == "error", code_name=code)), flags=FINAL)
                 return False
             logprobs.extend(out.new_logprobs)
             if req.stream:

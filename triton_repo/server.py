@@ -275,6 +275,11 @@ class TritonServer:
                 pass
         elif p is not None:
             rc = p.returncode
+        if p is not None:  # the model processes (python backend stubs) of a tritonserver that exited at the end of its
+            try:  # exit timeout (code 1) outlive it: its process group goes with it
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.remove_shared_memory()
         self.model_pids = []
         if self._tmp is not None:

@@ -56,6 +56,10 @@ class RuntimeConfig(BaseModel):
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of each step of a torch engine on CPU",
         json_schema_extra=_flag("--cpu-threads", "every core the process may use"))
+    deterministic: bool = Field(
+        False, description="batch-invariant mode: greedy outputs and log-probabilities independent of batching, chunking, preemption "
+        "and prefix caching (each sequence's chunks run as engine calls of their own, prefill one whole block per step; "
+        "slower than the default mode: docs/serving.md)", json_schema_extra=_flag("--deterministic/--no-deterministic"))
     free_window_blocks: bool = Field(
         True, description="sliding-window layers free the sealed blocks their window has passed (torch engine; a model "
         "with such layers then serves without prefix caching)", json_schema_extra=_flag("--free-window-blocks/--keep-window-blocks"))

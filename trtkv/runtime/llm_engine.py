@@ -97,14 +97,17 @@ class LLMEngine:
             max_num_batched_tokens=config.max_batched_tokens,
             max_step_tokens=lim.max_new_tokens_per_step,
             max_model_len=lim.max_seq_len,
-            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block
-            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None,
+            # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block;
+            # not in the deterministic mode, where every prefill chunk is one whole block (or a prompt's last part)
+            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None and not config.deterministic,
+            whole_blocks=config.deterministic,
         )
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         # a CPU torch engine sets its torch threads per step (RuntimeConfig.step_threads); other engines keep theirs
         self.cores = usable_cores() if getattr(engine, "name", "") == "torch" and torch.device(getattr(engine, "device", "cpu")).type == "cpu" else None
+        self.pads_prefill = self.cores is not None and bool(getattr(engine, "cross_blocks", False))
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
@@ -154,6 +157,8 @@ class LLMEngine:
             vocab = self.manifest.model.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise TrtkvError(f"prompt token ids must be in [0, {vocab})", "use the engine's tokenizer")
+            if params.end_id is not None and not 0 <= params.end_id < vocab:
+                raise TrtkvError(f"end_id {params.end_id} is not a token id of this model (0 ... {vocab - 1})", "leave end_id out for the model's own end token")
             seq = Sequence(ids, params, request_id)
             self.scheduler.check(seq)
         except TrtkvError:
@@ -209,20 +214,24 @@ class LLMEngine:
         self.stats_counters["steps"] += 1
         self.stats_counters["peak_running"] = max(self.stats_counters["peak_running"], len(self.scheduler.running))
         logits: dict[int, torch.Tensor] = {}
-        for batch in [*padded_batches(out.prefill, self.max_batch), *padded_batches(out.decode, self.max_batch)]:
+        # deterministic: one engine call per chunk, so a sequence's numbers never depend on what else is in the step
+        per_call = 1 if self.config.deterministic else self.max_batch
+        for batch in padded_batches(out.prefill, per_call):
+            logits.update(self._run(batch, prefill=True))
+        for batch in padded_batches(out.decode, per_call):
             logits.update(self._run(batch))
         self.scheduler.postprocess(out)
         return self._sample(out, logits)
 
-    def _run(self, chunks: list[Chunk]) -> dict[int, torch.Tensor]:
+    def _run(self, chunks: list[Chunk], prefill: bool = False) -> dict[int, torch.Tensor]:
         from trtkv.runtime.step import StepBatch
 
-        batch = StepBatch.make(
-            rows=[c.seq.tokens(c.start, c.start + c.length) for c in chunks],
-            context_lens=[c.start for c in chunks],
-            block_tables=[c.seq.block_table for c in chunks],
-            slot_ids=[c.seq.slot for c in chunks],
-        )
+        rows = [c.seq.tokens(c.start, c.start + c.length) for c in chunks]
+        # a prefill call of the CPU torch engine has MIN_PREFILL_ROWS rows at least (padding): its matrix products then
+        # give each row the bits it gets inside any larger call, so a chunk's numbers do not depend on its length
+        min_len = -(-MIN_PREFILL_ROWS // len(rows)) if prefill and self.pads_prefill else 1
+        batch = StepBatch.make(rows=rows, context_lens=[c.start for c in chunks], block_tables=[c.seq.block_table for c in chunks],
+                               slot_ids=[c.seq.slot for c in chunks], min_len=min_len)
         if self.cores is not None:
             threads = self.config.step_threads(self.cores)
             if threads != torch.get_num_threads():
@@ -378,6 +387,10 @@ class LLMEngine:
         }
 
 
+# Measured with torch 2.13's MKL (AVX-512): a row of a float32 matrix product over 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows
+# differs in its last bits from the same row inside a larger product (MKL's small-matrix kernels); from 12 rows on (and
+# at 4 and 8) it is the same. Prefill calls are padded to this many rows (bench/results/deterministic.md).
+MIN_PREFILL_ROWS = 16
 PAD_LIMIT = 1.25  # a prefill batch is padded to its longest chunk: at most this many computed rows per real token
 
 

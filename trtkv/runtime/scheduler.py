@@ -47,8 +47,8 @@ class Chunk:
 
 @dataclass
 class SchedulerOutput:
-    decode: list[Chunk] = field(default_factory=list)  # one token each
-    prefill: list[Chunk] = field(default_factory=list)  # several tokens each
+    decode: list[Chunk] = field(default_factory=list)  # one generated token each
+    prefill: list[Chunk] = field(default_factory=list)  # prompt tokens (one, when a prefix hit leaves one), or several
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -70,13 +70,19 @@ class Scheduler:
         max_step_tokens: int | None = None,
         max_model_len: int | None = None,
         cross_blocks: bool = False,
+        whole_blocks: bool = False,
     ):
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = min(max_num_seqs or block_manager.num_slots, block_manager.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cross_blocks = cross_blocks  # the engine takes a chunk over several blocks (sealing them in the step)
+        # deterministic mode: a chunk is never cut by the step's token budget (it waits for a step with room), so every
+        # prefill chunk is a whole block from a block boundary or the rest of the prompt, whatever else runs
+        self.whole_blocks = whole_blocks
         self.max_step_tokens = max_num_batched_tokens if cross_blocks else min(max_step_tokens or self.block_size, self.block_size)
+        if whole_blocks:  # a step must hold a whole block
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_step_tokens)
         self._share = self.max_step_tokens  # this step's most tokens per prefill chunk (``_prefill_share``)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -136,10 +142,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             chunk = self._chunk(seq, budget)
+            if chunk.length > budget:  # whole_blocks: not cut, it waits for the next step
+                continue
             if not self._reserve_block(seq, chunk, out):
                 continue
             budget -= chunk.length
-            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+            (out.prefill if chunk.length > 1 or chunk.start < len(seq.prompt_ids) else out.decode).append(chunk)
         if not out.preempted:
             budget = self._admit(out, budget)
         return out
@@ -160,7 +168,14 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
         limit = min(self.max_step_tokens, budget, self._share)
+        if self.whole_blocks:
+            limit = self.max_step_tokens  # its natural length; schedule() skips it when the budget is short
         return Chunk(seq, seq.num_cached, chunk_length(seq.num_cached, seq.num_pending, None if self.cross_blocks else self.block_size, limit))
+
+    def _natural_length(self, seq: Sequence) -> int:
+        """The first chunk of a waiting sequence in whole-blocks mode, after its prefix hit (an upper bound without one)."""
+        start = len(self._prefix_hit(seq)) * self.block_size if not seq.num_cached else seq.num_cached
+        return chunk_length(start, seq.num_tokens - start, self.block_size, self.max_step_tokens)
 
     def _blocks_needed(self, chunk: Chunk) -> int:
         """Pool blocks ``chunk`` seals into that its sequence does not hold yet (0 or 1 unless chunks cross blocks)."""
@@ -199,6 +214,8 @@ class Scheduler:
         committed = sum(self.bm.blocks_to_finish(s) for s in self.running)
         while self.waiting and budget > 0 and self.bm.num_free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.whole_blocks and self._natural_length(seq) > budget:
+                break  # its first chunk would be cut: admitted in a later step
             hit = self._prefix_hit(seq)
             need = self.bm.blocks_for(seq.num_tokens) - len(hit)
             if self.bm.num_free_blocks - self.bm.prefix_evictable(hit) - committed < need:
@@ -215,7 +232,7 @@ class Scheduler:
             assert reserved, "admission checked the free blocks"
             committed += need + len(hit) - len(seq.block_table)
             budget -= chunk.length
-            (out.prefill if chunk.length > 1 else out.decode).append(chunk)
+            (out.prefill if chunk.length > 1 or chunk.start < len(seq.prompt_ids) else out.decode).append(chunk)
         return budget
 
     def _swap_in(self, seq: Sequence) -> None:

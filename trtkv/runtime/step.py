@@ -53,10 +53,11 @@ class StepBatch:
             raise TrtkvError("block_tables has fewer columns than sealed blocks", "size block_tables to the longest context")
 
     @classmethod
-    def make(cls, rows: list[list[int]], context_lens: list[int], block_tables: list[list[int]], slot_ids: list[int]) -> "StepBatch":
-        """Pad ``rows`` of new tokens (any lengths) and ``block_tables`` (with -1) into a batch."""
+    def make(cls, rows: list[list[int]], context_lens: list[int], block_tables: list[list[int]], slot_ids: list[int],
+             min_len: int = 1) -> "StepBatch":
+        """Pad ``rows`` of new tokens (any lengths, to ``min_len`` at least) and ``block_tables`` (with -1) into a batch."""
         B = len(rows)
-        T = max(len(r) for r in rows)
+        T = max(min_len, max(len(r) for r in rows))
         MB = max(1, max((len(b) for b in block_tables), default=1))
         ids = torch.zeros(B, T, dtype=torch.long)
         bt = torch.full((B, MB), -1, dtype=torch.long)

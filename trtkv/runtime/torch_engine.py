@@ -92,6 +92,7 @@ class _Step:
     query_pos: torch.Tensor | None = None  # [B, T]
     window_masks: dict = dataclasses.field(default_factory=dict)  # sliding window -> its mask, built once per step
     biases: dict = dataclasses.field(default_factory=dict)  # window (None: global) -> additive mask (``_mask_bias``)
+    blockwise: list | None = None  # a prefill's (sequence, query rows, key columns, mask) per query block (``_blockwise``)
     # a ring view's: [B] bool, True where gathered column 0 is the sequence's first block (its sink rows apply);
     # None: true for every sequence (the block tables start at block 0)
     sink_ok: torch.Tensor | None = None
@@ -726,6 +727,8 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
         return _cpu_decode(st, layer, lay, qg, k16, v16, kc, vc, scaling, window, softcap).view(B, Hq, T, D).transpose(1, 2)
     keys = _context_rows(st, layer, lay, "k", k16, kc)
     values = _context_rows(st, layer, lay, "v", v16, vc)
+    if window is None and not softcap:  # every prefill chunk, so that a chunk's numbers never depend on where it began
+        return _blockwise(st, lay, qg.contiguous(), keys, values, scaling).view(B, Hq, T, D).transpose(1, 2)
     bias = _mask_bias(st, window, G, qg.dtype)
     if softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask, which the fused attention cannot
         scores = torch.tanh(qg @ keys.transpose(-1, -2) * (scaling / softcap)) * softcap
@@ -733,6 +736,56 @@ def _cpu_attention(st: _Step, layer: int, q, k16, v16, scaling: float, window: i
     else:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scaling)
     return out.view(B, Hq, T, D).transpose(1, 2)
+
+
+def _blockwise(st: _Step, lay: PagedKVLayout, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A prefill chunk attended one sequence and one query block at a time, over that block's keys in position order --
+    the sealed blocks before it (the pool's, then those a step across blocks seals, as the seal stores them) and its
+    own block's fp16 rows -- with the causal mask of its own block. The call for a query block is the same whatever
+    the chunk it is part of began with (a prefix-cache hit, block-by-block steps, a step across blocks, other
+    sequences in the batch): the same shapes, values and column order, so the same bits (a fused attention over the
+    whole padded chunk sums its keys in an order that depends on the chunk's layout). ``keys`` / ``values`` are
+    ``_context_rows``' ``[B, H, S + O + T (+ in_step * bs), D]``; padding rows are left zero; returns ``[B, H, G * T, D]``."""
+    B, H, GT, D = qg.shape
+    T = int(st.batch.input_ids.shape[1])
+    G = GT // T
+    if st.blockwise is None:  # the same for every layer: made once per step
+        st.blockwise = _blockwise_plan(st, lay, G, qg.dtype)
+    out = torch.zeros_like(qg)
+    qv, ov = qg.view(B, H, G, T, D), out.view(B, H, G, T, D)
+    for i, t, t1, cols, bias in st.blockwise:
+        rows = t1 - t
+        q = qv[i : i + 1, :, :, t:t1].reshape(1, H, G * rows, D)
+        got = F.scaled_dot_product_attention(q, keys[i : i + 1].index_select(2, cols), values[i : i + 1].index_select(2, cols),
+                                             attn_mask=bias, scale=scaling)
+        ov[i, :, :, t:t1] = got.view(H, G, rows, D)
+    return out
+
+
+def _blockwise_plan(st: _Step, lay: PagedKVLayout, G: int, dtype) -> list:
+    """``(sequence, first row, end row, key columns, additive mask)`` of each query block of the step (``_blockwise``)."""
+    b, bs = st.batch, st.cache.block_size
+    T = int(b.input_ids.shape[1])
+    S, O = st.sealed_max * bs, st.open_max
+    first_in_step = S + O + T  # the column of the step's first sealed block
+    plan = []
+    for i, (ctx, n, held) in enumerate(zip(b.context_lens.tolist(), b.new_lens.tolist(), st.held.tolist())):
+        opened, j0 = ctx % bs, ctx // bs
+        t = 0
+        while t < n:
+            k = (ctx + t) // bs - j0  # the query block, counted from the step's first
+            t1 = min(n, (j0 + k + 1) * bs - ctx)
+            own = [*range(S, S + opened), *range(S + O, S + O + t1)] if k == 0 else [*range(S + O + t, S + O + t1)]
+            cols = [*range(held * bs), *range(first_in_step, first_in_step + k * bs), *own]
+            if lay.sink_tokens and j0 == 0 and k:  # the step sealed the first block: its sink positions are read in fp16
+                cols[: lay.sink_tokens] = [S + p if p < opened else S + O + p - opened for p in range(lay.sink_tokens)]
+            rows, C = t1 - t, len(cols)
+            visible = torch.cat([torch.ones(rows, C - rows, dtype=torch.bool), torch.ones(rows, rows, dtype=torch.bool).tril()], 1)
+            bias = torch.zeros(rows, C, dtype=dtype).masked_fill_(~visible, float("-inf"))
+            bias = bias[None].expand(G, rows, C).reshape(1, 1, G * rows, C).to(st.engine.device)
+            plan.append((i, t, t1, torch.tensor(cols, device=st.engine.device), bias))
+            t = t1
+    return plan
 
 
 def _context_rows(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_rows, codec) -> torch.Tensor:
