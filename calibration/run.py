@@ -86,7 +86,7 @@ def calibrate_formats(
     """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors).
 
     ``progress(line)``, when given, gets one line per format as its search ends (it takes minutes on an 8B model);
-    ``rope`` (the model's ``trtkv.rope.RopeTable``): for formats that allocate bits to keys stored before RoPE."""
+    ``rope`` (each layer's ``trtkv.rope.RopeTable``): for formats that allocate bits to keys stored before RoPE."""
     params: dict[str, list[LayerParams]] = {}
     entries: dict[str, FormatCalibration] = {}
     ratios: dict[str, dict] = {}
@@ -230,7 +230,7 @@ def run_calibration(
     if any(t.allocated_bits is not None and t.pre_rope for f in fmts for lf in f.layer_formats() for t in (lf.k, lf.v)):
         from trtkv.rope import RopeTable
 
-        rope = RopeTable.of(loaded.model)
+        rope = RopeTable.per_layer(loaded.model)
     params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False),
                                                         rope=rope, **knobs)
     search_s = time.perf_counter() - t0

@@ -144,10 +144,11 @@ def _prefill(model, input_ids: torch.Tensor, cache, block_size: int | None, star
 
 
 def make_cache(model, fmt: KVFormat, params=None, num_layers: int | None = None) -> QuantizedKVCache:
-    """The really-quantized cache of ``fmt`` for ``model`` (its RoPE table when the format stores keys before RoPE)."""
+    """The really-quantized cache of ``fmt`` for ``model`` (each layer's RoPE table when the format stores keys before
+    RoPE)."""
     from trtkv.rope import RopeTable
 
-    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.of(model) if fmt.needs_rope else None)
+    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.per_layer(model) if fmt.needs_rope else None)
 
 
 def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None) -> torch.Tensor:
