@@ -91,6 +91,17 @@ def build_tiny_tokenizer(vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
 
 
+def calibration_free(name: str, head_dim: int):
+    """The calibration-free 3- or 2-bit layout (``trtkv.formats.CALIBRATION_FREE``, what the int3 / int2 names stored
+    before they became the calibrated presets; every engine path reads it) fitted to ``head_dim`` as a preset would be
+    (``fit_format``: int3's value groups of 32 become a divisor of it)."""
+    from trtkv.formats import CALIBRATION_FREE, fit_format, get_format
+
+    fmt, note = fit_format(get_format(CALIBRATION_FREE[name]), head_dim)
+    assert fmt is not None, note
+    return fmt.model_copy(update={"name": fmt.spec(), "description": ""})  # named by its spec string, as a written spec is
+
+
 def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key_books_per_layer: bool = False) -> list:
     """Calibration constants a test can make up for ``fmt`` (a ``KVFormat``): smoothing factors in [0.5, 1.5) where a side
     smooths, sorted random levels where it decodes through a codebook (per KV head; the keys' one per layer with

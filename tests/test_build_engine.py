@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from conftest import calibration_free
 
 from trtkv.builder.build import build_engine
 from trtkv.errors import TrtkvError
@@ -53,7 +54,9 @@ def _engine_logits(engine, cache, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "int2", "k=int8:token:asym,v=int4:g8:sym:hadamard", "k=int3:token:asym,v=int2:g8:sym:hadamard"])
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", calibration_free("int3", 24), calibration_free("int2", 24),
+                                "k=int8:token:asym,v=int4:g8:sym:hadamard", "k=int3:token:asym,v=int2:g8:sym:hadamard"],
+                         ids=["fp16", "int8", "int4", "int3-free", "int2-free", "int8-int4", "int3-int2"])
 def test_tiny_engine_matches_reference(tmp_path, tiny_dir, tiny_loaded, kv):
     out = build_engine(str(tiny_dir), None, kv, tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK, max_seq_len=64, max_batch=4, loaded=tiny_loaded)
     eng = OnnxRuntimeEngine(out)

@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from trtkv.cache_layout import sealing
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat, get_format
+from trtkv.formats import KVFormat, TensorFormat, calibration_needed, get_format
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -303,10 +303,7 @@ class QuantizedKVCache(Cache):
                 "calibrate this model with `trtkv calibrate` and pass its artifact",
             )
         if params is None and self.fmt.needs_calibration:
-            raise TrtkvError(
-                f"KV format {self.fmt.name!r} needs calibrated scales or smoothing factors",
-                "run `trtkv calibrate` and pass --calibration",
-            )
+            raise calibration_needed([self.fmt])
         layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], None if rope is None else rope[i])
                   for i in range(num_layers)]
         super().__init__(layers=layers)

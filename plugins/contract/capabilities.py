@@ -34,7 +34,8 @@ KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_proble
 # what a tensor format may keep that a path must read to run it: (TensorFormat field, words in a reason, ExecutionPath flag)
 FEATURES = (("codebook", "codebooks (nuq)", "codebooks"), ("outliers", "outlier lists (outN)", "outliers"),
             ("pre_rope", "keys before RoPE (prerope)", "pre_rope"), ("allocated_bits", "bits allocated per channel (allocB)", "channel_bits"))
-LACKS_HINT = "measure it with trtkv eval; serve int4 / int3-qs / int2-qs (or a --budget choice) meanwhile"
+LACKS_HINT = ("use a format every path reads: int8, int4, or the calibration-free 3- / 2-bit spec strings "
+              "(docs/kv-formats.md)")
 
 
 class Reason(str):
