@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,11 +86,21 @@ def test_presets_are_the_handful_the_docs_name():
         assert not PRESETS[name].needs_calibration
 
 
-def test_spec_help_lists_the_presets():
+def test_spec_help_lists_the_presets_and_the_pasted_error_is_the_real_one():
+    """SPEC_HELP is generated from PRESETS; the invalid-spec error pasted in docs/kv-formats.md is what the CLI prints."""
+    from typer.testing import CliRunner
+
+    from trtkv.cli import app
+
     assert "use a preset (" + ", ".join(PRESETS) + ")" in SPEC_HELP
     with pytest.raises(TrtkvError) as e:
         get_format("int5")
     assert e.value.fix == SPEC_HELP
+    res = CliRunner().invoke(app, ["eval", "--kv", "k=int5:token,v=int8:token"], terminal_width=1000)
+    line = res.output.strip()
+    assert res.exit_code == 2 and SPEC_HELP in line
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kv-formats.md").read_text()
+    assert line in doc.splitlines()
 
 
 # the calibration-free layouts of the names the int3 / int2 presets took over (every engine path reads them)
