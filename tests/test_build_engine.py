@@ -199,7 +199,7 @@ def test_errors_format_needs_scales_the_calibration_lacks(tmp_path, tiny_dir, ti
     res = _cli("--model", tiny_dir, "--calibration", tiny_cal, "--kv", "int8-static", "--out", tmp_path / "eng", "--backend", "onnxruntime", "--max-seq-len", "64")
     _assert_one_line_error(res, "int8-static", "calibrate")
     res = _cli("--model", tiny_dir, "--kv", "fp8", "--out", tmp_path / "eng", "--backend", "onnxruntime", "--max-seq-len", "64")
-    _assert_one_line_error(res, "needs calibrated", "--calibration")
+    _assert_one_line_error(res, "fp8 needs a calibration (scales)", "trtkv calibrate", "--kv fp8", "--calibration")
     assert _nothing_written(tmp_path)
 
 

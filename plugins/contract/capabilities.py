@@ -67,7 +67,7 @@ class ExecutionPath:
     head_dim_max: int | None = None  # None: no bound
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
-    # issue 27: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
+    # decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
     # (eval and the reference paged cache read all of them; of the engines, the torch ops and the CPU kernels read all)
     codebooks: bool = False
     outliers: bool = False
