@@ -26,7 +26,8 @@ import torch
 # which put these last (a 70 s tail).
 LONG_MODULES_FIRST = ("test_kernels.py", "test_serve.py", "test_serve_faults.py", "test_families.py", "test_build_engine.py",
                       "test_families_served.py", "test_torch_engine.py", "test_codebooks_outliers.py", "test_openai.py",
-                      "test_bench_capacity_ceiling.py", "test_gpu_engine_dry_run.py", "test_plugin_contract.py", "test_models.py")
+                      "test_bench_capacity_ceiling.py", "test_gpu_engine_dry_run.py", "test_presets_families.py", "test_plugin_contract.py",
+                      "test_models.py")
 
 
 @pytest.fixture(autouse=True, scope="session")
