@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from trtkv.evaluate import evaluate_formats, render_table, results_to_dict
-from trtkv.formats import PRESETS, KVFormat, get_format
+from trtkv.formats import CALIBRATION_FREE, PRESETS, KVFormat, get_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_report
@@ -58,12 +58,12 @@ V_BEST = "int4:token:asym:hadamard"
 ROWS: list[Row] = [
     # presets
     Row("int8", "int8", method="max", note="preset: keys per channel per sealed block of 64, values per token (no calibration)"),
-    Row("int8-token", "int8-token", method="max", note="preset: per token, every token quantized on write"),
+    Row("int8-token", "k=int8:token,v=int8:token", method="max", note="per token, every token quantized on write"),
     Row("int8-static", "int8-static", note="preset (calibrated, shared K/V scale)"),
     Row("fp8", "fp8", note="preset (calibrated per-tensor scales)"),
     Row("int4", "int4", note="preset: keys rotated, per channel per sealed block of 64; values rotated, symmetric groups of 32; 4 sink tokens fp16"),
-    Row("int4-token", "int4-token", note="preset: per token, keys smoothed+rotated, quantized on write"),
-    Row("int4-g32", "int4-g32", method="max", note="preset: symmetric groups of 32, no transforms (no calibration)"),
+    Row("int4-token", "k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard", note="per token, keys smoothed+rotated, quantized on write"),
+    Row("int4-g32", "k=int4:g32:sym,v=int4:g32:sym", method="max", note="symmetric groups of 32, no transforms (no calibration)"),
     # sealed blocks: block size x key layout (pool bits 4.5 at head_dim 64 for every row but block 16/32 bchannel)
     *[Row(f"int4-kch-b{b}", f"k={K_CHANNEL},v={V_BEST},block={b}", note=f"keys per channel per block, block {b}") for b in (16, 32, 64, 128)],
     *[Row(f"int4-ktok-b{b}", f"k={K_TOKEN},v={V_BEST},block={b}", note=f"keys per token smoothed+rotated, block {b}") for b in (16, 32, 64, 128)],
@@ -73,8 +73,14 @@ ROWS: list[Row] = [
     *[Row(f"int4-kch-b64-vg32-sink{n}", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=64" + (f",sink={n}" if n else ""),
           note=f"first {n} tokens kept fp16 (attention sinks)" if n else "no sink tokens") for n in (0, 1, 4, 16)],
     Row("int4-kch-b32-vg32-sink4", f"k={K_CHANNEL},v=int4:g32:sym:hadamard,block=32,sink=4", note="block 32, 4 sink tokens"),
-    Row("int3", "int3", note="preset: keys rotated, per channel per sealed block of 64; values rotated, symmetric groups of 32; 4 sink tokens fp16"),
-    Row("int2", "int2", note="preset: keys rotated, per channel per sealed block of 64; values rotated, asymmetric per token; 4 sink tokens fp16"),
+    Row("int3", "int3", note="preset: keys before RoPE, per-channel bits (3.5 on average) per sealed block of 128; values rotated, per token "
+        "through a codebook; 4 sink tokens fp16"),
+    Row("int2", "int2", note="preset: keys before RoPE, per-channel bits (2.25 on average) + 16 outliers per block of 128; values rotated, "
+        "per token through a codebook + 48 outliers; 4 sink tokens fp16"),
+    Row("int3-free", CALIBRATION_FREE["int3"], note="calibration-free: keys rotated, per channel per sealed block of 64; values rotated, "
+        "symmetric groups of 32; 4 sink tokens fp16"),
+    Row("int2-free", CALIBRATION_FREE["int2"], note="calibration-free: keys rotated, per channel per sealed block of 64; values rotated, "
+        "asymmetric per token; 4 sink tokens fp16"),
     # keys per channel per block, not rotated
     Row("int3-kplain", "k=int3:bchannel:asym,v=int3:g32:sym:hadamard,block=64,sink=4", note="3-bit keys not rotated"),
     Row("int2-kplain", "k=int2:bchannel:asym,v=int2:token:asym:hadamard,block=64,sink=4", note="2-bit keys not rotated"),
@@ -118,7 +124,7 @@ GROUPS = {
     "presets": [r.name for r in ROWS if r.note.startswith("preset")],
     "grid": [r.name for r in ROWS if "-b" in r.name],
     "fewbits": [r.name for r in ROWS if r.name.startswith(("int3", "int2")) and "mse" not in r.name],
-    "fewbits-diag": ["int3", "int2", "int3-konly", "int3-vonly", "int2-konly", "int2-vonly", "int3-vtok", "int3-b128", "int2-vg32", "int2-khad"],
+    "fewbits-diag": ["int3-free", "int2-free", "int3-konly", "int3-vonly", "int2-konly", "int2-vonly", "int3-vtok", "int3-b128", "int2-vg32", "int2-khad"],
     "mse": [r.name for r in ROWS if "mse" in r.name],
     "all": [r.name for r in ROWS],
 }
@@ -175,8 +181,13 @@ def calibrate(loaded, rows: list[Row], args) -> tuple[dict[str, list], int]:
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             stats.save(str(cache))
+    rope = None
+    if any(r.fmt().needs_rope for r in need):  # per-channel bits of keys stored before RoPE: each layer's RoPE table
+        from trtkv.rope import RopeTable
+
+        rope = RopeTable.per_layer(loaded.model)
     params = {r.name: choose_params(stats, r.fmt(), r.method, smooth_alpha=r.alpha, codebook_per_head=r.codebook_per_head,
-                                    codebook_weight_keys=r.codebook_weight_keys) for r in need}
+                                    codebook_weight_keys=r.codebook_weight_keys, rope=rope) for r in need}
     return params, stats.count // args.seq_len
 
 

@@ -73,10 +73,8 @@ def main() -> None:
     from trtkv.calibration.budget import Budget
     from trtkv.calibration.run import run_calibration
     from trtkv.evaluate import run_eval
-    from trtkv.formats import expand_format_sets
-
     budget = Budget.parse(args.budget, args.margin)
-    cands = expand_format_sets([f.strip() for f in args.budget_formats.split(",")])
+    cands = [f.strip() for f in args.budget_formats.split(",") if f.strip()]
     r = {"date": str(date.today()), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "budget": str(budget),
          "limit": budget.limit, "metric_key": {"kl": "kld_mean", "ppl": "ppl_delta_pct", "bits": "pool_bits_per_element"}[budget.metric], "samples": args.samples,
          "budget_windows": args.budget_windows, "windows": args.windows, "seq_len": args.seq_len, "eval": {}}

@@ -56,7 +56,7 @@ def decode_call(spec: str, batch: int, context: int, seed: int):
     """A ready decode call of ``spec`` over random pools: a zero-argument function."""
     g = torch.Generator().manual_seed(seed)
     fmt = get_format(spec)
-    block = fmt.block_size or BLOCK  # a format's own sealed blocks (the int3-nuq / int2-nuq presets: 128)
+    block = fmt.block_size or BLOCK  # a format's own sealed blocks (the int3 / int2 presets: 128)
     fmt = fmt.with_block_size(block)
     nb = context // block
     lay = PagedKVLayout(fmt, HEADS, HEAD_DIM, block, batch * nb, batch)

@@ -1,12 +1,12 @@
-"""CPU decode throughput of the below-4-bit presets against the int4 preset, through the torch engine's C kernels.
+"""CPU decode throughput of the int3 / int2 presets against the int4 preset, through the torch engine's C kernels.
 
-The speed of the calibrated low-bit formats (codebooks, outlier lists, keys stored before RoPE, bits per channel:
-``int3-nuq`` / ``int2-nuq`` / ``int3-alloc`` / ``int2-alloc``) decode at >= 0.9x the int4 preset in the torch engine on CPU (batch 8, ~2048-token contexts). Builds one
-torch engine per preset with the ``trtkv`` CLI as a user would (``calibrate --kv P`` for the presets that need
-calibrated constants, then ``build-engine --backend torch``), then measures each alone in a fresh process over a
-random paged cache (``bench/torch_engine.py --worker``), rounds alternating the engines; the median of ``--reps`` runs,
-ratios against int4 from the same run. ``--torch-ops`` adds the int3-nuq engine through the torch ops (its attention
-before the C kernels read these formats). Results: bench/results/low-bit-decode.{json,md}.
+The int3 / int2 presets (keys before RoPE at per-channel widths, codebook values, int2's outlier lists) against the
+int4 preset in the torch engine on CPU (batch 8, ~2048-token contexts); ``--presets`` takes other presets or spec
+strings. Builds one torch engine per format with the ``trtkv`` CLI as a user would (``calibrate --kv P`` for the
+formats that need calibrated constants, then ``build-engine --backend torch``), then measures each alone in a fresh
+process over a random paged cache (``bench/torch_engine.py --worker``), rounds alternating the engines; the median of
+``--reps`` runs, ratios against int4 from the same run. ``--torch-ops`` adds the int3 engine through the torch ops.
+Results: bench/results/low-bit-decode.md.
 
     .venv/bin/python bench/low_bit_decode.py [--batch 8] [--context 1920] [--steps 3] [--reps 3] [--torch-ops]
 """
@@ -50,13 +50,13 @@ def build(preset: str, out: Path, samples: int, max_seq_len: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", default="int4,int3,int2,int3-nuq,int2-nuq", help="the first is the baseline")
+    ap.add_argument("--presets", default="int4,int3,int2", help="the first is the baseline")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=1920, help="tokens per sequence (a multiple of 128: whole sealed blocks)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--samples", type=int, default=8, help="calibration windows for the calibrated presets")
-    ap.add_argument("--torch-ops", action="store_true", help="also int3-nuq through the torch ops (attention torch)")
+    ap.add_argument("--torch-ops", action="store_true", help="also int3 through the torch ops (attention torch)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -66,7 +66,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="trtkv-bench-lowbit-"))
     try:
         engines = {p: build(p, tmp, args.samples, args.context + 128) for p in presets}
-        runs = [(p, "auto") for p in presets] + ([("int3-nuq", "torch")] if args.torch_ops and "int3-nuq" in engines else [])
+        runs = [(p, "auto") for p in presets] + ([("int3", "torch")] if args.torch_ops and "int3" in engines else [])
         tok_s: dict = {key: [] for key in runs}
         for _ in range(args.reps):  # rounds alternate the engines: a slow moment of the machine hits each alike
             for key in runs:

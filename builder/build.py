@@ -132,7 +132,7 @@ def build_engine(
     from trtkv.builder.plugin_nodes import get_backend
     from trtkv.builder.trt_build import check_capabilities
     from trtkv.cache_layout import PagedKVLayout
-    from trtkv.formats import DEFAULT_BLOCK_SIZE, fit_formats, get_format
+    from trtkv.formats import DEFAULT_BLOCK_SIZE, calibration_needed, fit_formats, get_format
     from trtkv.manifest import KV_PARAMS_PREFIX, Limits
     from trtkv.plugins.trt_plugins import import_tensorrt
 
@@ -162,6 +162,8 @@ def build_engine(
         raise TrtkvError(r, r.hint)
     bs = block_size or base_fmt.block_size or DEFAULT_BLOCK_SIZE
     base_fmt.with_block_size(bs)  # validates --block-size before the model loads
+    if calibration is None and base_fmt.needs_calibration:  # before any weights load
+        raise calibration_needed([base_fmt], model)
     att = get_backend(attention)
     if (rtx := backend_path(backend)) is not None and (r := rtx.attention_reason(attention)) is not None:
         raise TrtkvError(r, r.hint)
@@ -193,8 +195,6 @@ def build_engine(
         cal = load_calibration(calibration)
         params = cal.params_for(base_fmt, info)
         cal_ref = {"path": str(Path(calibration).absolute()), "sha256": calibration_sha256(calibration), "format_name": cal._resolve(base_fmt)[0]}
-    elif fmt.needs_calibration:
-        raise TrtkvError(f"KV format {fmt.spec()} needs calibrated scales or smoothing factors", f"run `trtkv calibrate --model {model} --kv {kv}` and pass --calibration")
     else:
         from trtkv.artifacts import LayerParams
 

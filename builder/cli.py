@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trtkv.errors import TrtkvError
+from trtkv.preset_names import KV_HELP
 
 console = Console()
 
@@ -30,7 +31,7 @@ def register(app: typer.Typer, handle_errors) -> None:
     def build_engine_cmd(
         model: Annotated[str, typer.Option("--model", "-m", help="HF model dir, .gguf file, or the builtin alias smollm2-135m")] = "smollm2-135m",
         calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate` (formats with static scales / smoothing need it)")] = None,
-        kv: Annotated[str, typer.Option("--kv", help="KV format: preset, spec string or JSON file")] = "int4",
+        kv: Annotated[str, typer.Option("--kv", help="KV format of the engine's paged cache: " + KV_HELP)] = "int4",
         out: Annotated[Path, typer.Option("--out", "-o", help="engine directory (written atomically)")] = Path("trtkv-out/engine"),
         backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt-rtx | tensorrt | torch (the torch engine: no network, the model by "
                                                   "reference, runs on CPU or CUDA); auto: tensorrt on a GPU with TensorRT installed, else torch")] = "auto",

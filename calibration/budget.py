@@ -28,9 +28,8 @@ the perplexity of a few windows by less than their noise, often downwards, so a 
 "free" steps that are not free on other text. KL has no sign to exploit, and it is what Δppl estimates: for text the
 model predicts, the expected change of log-perplexity *is* the mean KL, so a Δppl budget of p % is searched as KL ≤
 ln(1 + p/100). And held-out text costs more than the calibration windows (for SmolLM2 up to 19 % more KL than the
-check's windows, and on text unlike the calibration text up to 16 % more Δppl than that KL predicts:
-bench/results/budget-ppl1-margin025.md), so the search aims ``margin`` (default a third,
-``trtkv.calibration.DEFAULT_BUDGET_MARGIN``) below.
+check's windows, and on text unlike the calibration text up to 16 % more Δppl than that KL predicts), so the search
+aims ``margin`` (``trtkv.calibration.DEFAULT_BUDGET_MARGIN``, docs/calibration.md) below.
 
 The result is a per-layer ``KVFormat`` (``KVFormat.layers``) saved in the recipe under ``--budget-name`` (default
 ``budget``), with the per-layer calibrated constants of the candidates it took.
@@ -67,7 +66,7 @@ class Budget:
 
     def __post_init__(self):
         if not 0 <= self.margin < 1:
-            raise TrtkvError(f"invalid budget margin {self.margin:g}: it is a fraction of the budget", "give --budget-margin in [0, 1), e.g. 0.33")
+            raise TrtkvError(f"invalid budget margin {self.margin:g}: it is a fraction of the budget", "give --budget-margin in [0, 1), e.g. 0.6")
 
     @property
     def kl_target(self) -> float:
@@ -156,6 +155,31 @@ class BudgetChoice:
             "sensitivity": self.sensitivity,
             "formats_measured": self.scored,
         }
+
+
+def align_candidates(candidates: Sequence[KVFormat]) -> tuple[list[KVFormat], list[str]]:
+    """The candidates sealing blocks alike, so that any layer may take any candidate's K or V: each brought to the
+    largest block size and the most sink tokens among them (``KVFormat.with_block_size``), with a one-line note per
+    candidate changed. The largest block, not the smallest: the narrow candidates are the ones whose recipes were measured
+    at their own blocks (the int3 / int2 presets, 128), and the int4 layout at 128 costs 0.125 bits less than at 64 for
+    about the same error (the int4 preset searches as int4@block128). Per-layer and shared-scale formats are left as
+    they are (``check_candidates`` refuses them)."""
+    plain = [c for c in candidates if not (c.is_per_layer or c.shared_kv_scale)]
+    if not plain:
+        return list(candidates), []
+    block = max((c.block_size or 0 for c in plain), default=0) or None
+    sink = max(c.sink_tokens for c in plain)
+    out, notes = [], []
+    for c in candidates:
+        if c in plain and (c.block_size, c.sink_tokens) != (block, sink):
+            fitted = c.with_block_size(block) if block else c
+            if block and fitted.sink_tokens != min(sink, block // 2):
+                fitted = fitted.model_copy(update={"sink_tokens": min(sink, block // 2), "name": f"{fitted.name}@sink{min(sink, block // 2)}"})
+            notes.append(f"budget candidate {c.name} searched as {fitted.name} (block {fitted.block_size}, sink {fitted.sink_tokens}): "
+                         "the candidates must seal blocks alike")
+            c = fitted
+        out.append(c)
+    return out, notes
 
 
 def check_candidates(candidates: Sequence[KVFormat]) -> list[KVFormat]:
@@ -253,8 +277,8 @@ def choose_layer_bits(
         for s in SIDES:
             for lev in range(1, len(cands)):
                 # a side stored as an earlier candidate stores it, with the same constants, is that format again: its
-                # cost is known (the start's side: 0). Twins such as int3-nuq and int3-nuq with key outliers share
-                # their values, and the search then measures a quarter fewer formats.
+                # cost is known (the start's side: 0). Twins such as a format and the same format with other key
+                # outliers share their values, and the search then measures a quarter fewer formats.
                 alike = next((j for j in range(lev) if _stores_alike(cands, params, layer, s, j, lev)), None)
                 if alike is not None:
                     cost[s][layer][lev] = cost[s][layer][alike]
@@ -276,7 +300,7 @@ def choose_layer_bits(
     def next_level(layer: int, s: str, cur: int) -> int | None:
         """The (layer, side)'s next step: of the candidates whose ``s`` stores fewer bits than ``cur``'s, those of the
         most bits, and of them the one that measured cheapest. Candidates are ordered by their total bits, so along
-        them one side may repeat (``int3-nuq`` and a twin with fewer key outliers share their values) or even widen:
+        them one side may repeat (a format and a twin with fewer key outliers share their values) or even widen:
         "the next candidate" would save nothing there and stop that side for good."""
         narrower = [j for j in range(len(cands)) if bits[j][s] < bits[cur][s] - 1e-12]
         if not narrower:

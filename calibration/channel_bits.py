@@ -6,7 +6,7 @@ each the code width its error earns (transform coding's reverse water-filling; a
 key-side KL at the same bits, docs/accuracy.md):
 
 1. the whole calibration windows (``KVStats.windows``) are cut into the blocks the cache seals and brought to the
-   format's frame (``prerope``: RoPE undone at each row's position, from the model's own table);
+   format's frame (``prerope``: RoPE undone at each row's position, from the layer's own table);
 2. every channel goes through the seal's own per-block grid (``trtkv.quant.channel_codes``) at each width the format
    allows (``TensorFormat.channel_widths``: 0 = the block mean alone, 1, 2, 4, 8), and its squared error is weighted by
    what a logit reads of it -- ``E[q_c^2]`` of the queries of its KV head (``codebook.key_channel_weights``), averaged
@@ -89,7 +89,8 @@ def allocate_channel_bits(windows: dict[str, torch.Tensor], fmt: KVFormat, param
     """Set ``params[i].k/v.bits`` [H, D] for every layer of ``fmt`` whose K or V is ``allocB``, in place (module docstring).
 
     ``windows[kind]`` [L, W, S, H, D] whole calibration windows (``KVStats.windows``); ``query_moment`` [L, H, D, D]
-    (``KVStats.query_moment``) weights key errors (``weight_keys``); ``rope`` (``trtkv.rope.RopeTable``) for ``prerope``."""
+    (``KVStats.query_moment``) weights key errors (``weight_keys``); ``rope`` (each layer's ``trtkv.rope.RopeTable``,
+    ``RopeTable.per_layer(model)``) for ``prerope``: a layer's keys leave RoPE by its own table."""
     for i in range(len(params)):
         f = fmt.layer(i)
         for kind, tf in (("k", f.k), ("v", f.v)):
@@ -105,7 +106,7 @@ def allocate_channel_bits(windows: dict[str, torch.Tensor], fmt: KVFormat, param
                 if rope is None:
                     raise TrtkvError(f"{tf.short()} keeps keys before RoPE, and no RoPE table was given to allocate its bits",
                                      "calibrate with the model loaded (trtkv calibrate passes its RoPE table)")
-                cos, sin = rope.rows(0, x.shape[1])
+                cos, sin = rope[i].rows(0, x.shape[1])
                 cs = (cos[:, None].to(x.device), sin[:, None].to(x.device))
             frame = forward_transform(x, tf, tp, head_axis=-2, rope=cs)
             blocks = sealed_blocks(frame, fmt)

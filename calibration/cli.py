@@ -12,6 +12,7 @@ from rich.console import Console
 from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS, DEFAULT_FIT_WINDOWS
 from trtkv.cli_options import DEFAULT_DATASET, DEFAULT_MODEL, DatasetOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, StreamOpt, TextFieldOpt, TokenizerOpt
 from trtkv.errors import TrtkvError
+from trtkv.preset_names import BUDGET_NAME, KV_HELP
 
 console = Console()
 
@@ -23,7 +24,7 @@ def register(app: typer.Typer, handle_errors) -> None:
         model: ModelOpt = DEFAULT_MODEL,
         dataset: DatasetOpt = DEFAULT_DATASET,
         out: Annotated[Path, typer.Option("--out", "-o", help="output directory (written atomically)")] = Path("trtkv-out/calibration"),
-        kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable); default: int8-static, fp8, int4 (fitted to the model's head_dim)")] = None,
+        kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to calibrate (repeatable): " + KV_HELP + "; default: int8-static, fp8, int4")] = None,
         method: Annotated[str, typer.Option(help="max | percentile | mse")] = "mse",
         samples: Annotated[Optional[int], typer.Option(help="calibration windows (default: every window of the calib split, at most 64)")] = None,
         seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
@@ -36,14 +37,14 @@ def register(app: typer.Typer, handle_errors) -> None:
         tokenizer: TokenizerOpt = None,
         budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this budget: kl=NATS or ppl=PERCENT "
                                                       "(accuracy, e.g. kl=0.01), or bits=POOL_BITS (size: the least-KL mix, e.g. bits=2.5)")] = None,
-        budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated (same block and sink), or a named set: "
-                                                             "nuq (int4-b128, int3-nuq, int2-nuq and their key-outlier twins), alloc (int4-b128, int3-alloc, "
-                                                             "int2-alloc); those two: torch engine only")] = ",".join(DEFAULT_BUDGET_FORMATS),
+        budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated presets or spec strings; "
+                                                             "they are brought to the largest block size and the most sink tokens among them")] = ",".join(DEFAULT_BUDGET_FORMATS),
         budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = DEFAULT_BUDGET_WINDOWS,
         budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
-        budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = "budget",
+        budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = BUDGET_NAME,
         codebooks: Annotated[str, typer.Option(help="nuq formats: fit the levels per KV head (head) or once per layer, heads pooled (layer)")] = "head",
-        fit_windows: Annotated[int, typer.Option(help="whole calibration windows kept (in the artifact's statistics) to fit nuq codebooks and alloc bits on")] = DEFAULT_FIT_WINDOWS,
+        fit_windows: Annotated[int, typer.Option(help="whole calibration windows kept (in the artifact's statistics) to fit codebooks and "
+                                                     "per-channel bits on (the int3 / int2 presets)")] = DEFAULT_FIT_WINDOWS,
         debug: DebugOpt = False,
     ) -> None:
         """Collect K/V statistics on calibration text and choose scales for each KV format (and, with --budget, per-layer bits)."""

@@ -10,13 +10,14 @@ from typing import Any, Sequence
 from trtkv import __version__
 from trtkv.artifacts import CalibrationRecipe, FormatCalibration, LayerChoice, LayerParams, ModelIdentity, json_floats, save_calibration
 from trtkv.calibration import DEFAULT_BUDGET_FORMATS, DEFAULT_BUDGET_MARGIN, DEFAULT_BUDGET_WINDOWS, DEFAULT_FIT_WINDOWS
-from trtkv.calibration.budget import Budget, Scorer, check_candidates, choose_layer_bits, render_choice
+from trtkv.calibration.budget import Budget, Scorer, align_candidates, check_candidates, choose_layer_bits, render_choice
 from trtkv.calibration.export import export_all
 from trtkv.calibration.report import render_report
 from trtkv.calibration.scales import METHODS, choose_params, clip_ratio, default_clip_grid, default_static_grid, reservoir_error
 from trtkv.calibration.stats import DEFAULT_RESERVOIR, KVStats, collect_stats
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, expand_format_sets, fit_formats, get_format
+from trtkv.formats import KVFormat, fit_formats, get_format
+from trtkv.preset_names import BUDGET_NAME
 
 DEFAULT_FORMATS = ("int8-static", "fp8", "int4")  # calibrated when no --kv is given
 CODEBOOK_SCOPES = ("head", "layer")  # a nuq format's levels: one table per KV head, or one per layer (heads pooled)
@@ -86,7 +87,7 @@ def calibrate_formats(
     """Choose params for every format that wants them. Returns (params, recipe entries, ratios, errors).
 
     ``progress(line)``, when given, gets one line per format as its search ends (it takes minutes on an 8B model);
-    ``rope`` (the model's ``trtkv.rope.RopeTable``): for formats that allocate bits to keys stored before RoPE."""
+    ``rope`` (each layer's ``trtkv.rope.RopeTable``): for formats that allocate bits to keys stored before RoPE."""
     params: dict[str, list[LayerParams]] = {}
     entries: dict[str, FormatCalibration] = {}
     ratios: dict[str, dict] = {}
@@ -157,7 +158,7 @@ def run_calibration(
     budget: str | None = None,
     budget_formats: Sequence[str] = DEFAULT_BUDGET_FORMATS,
     budget_windows: int = DEFAULT_BUDGET_WINDOWS,
-    budget_name: str = "budget",
+    budget_name: str = BUDGET_NAME,
     budget_margin: float = DEFAULT_BUDGET_MARGIN,
     stream: str = "auto",
     fit_windows: int = DEFAULT_FIT_WINDOWS,
@@ -201,7 +202,9 @@ def run_calibration(
     if want_budget is not None:
         if budget_windows < 1:
             raise TrtkvError(f"--budget-windows must be at least 1, got {budget_windows}", "pass e.g. --budget-windows 4")
-        candidates = check_candidates(resolve_formats(expand_format_sets(budget_formats), info.head_dim)[0])
+        aligned, budget_notes = align_candidates(resolve_formats(budget_formats, info.head_dim)[0])
+        candidates = check_candidates(aligned)
+        notes += budget_notes
         fmts += [c for c in candidates if c.name not in {f.name for f in fmts}]
     console = Console(stderr=True, quiet=not progress, soft_wrap=True)
     if loaded is None:
@@ -230,7 +233,7 @@ def run_calibration(
     if any(t.allocated_bits is not None and t.pre_rope for f in fmts for lf in f.layer_formats() for t in (lf.k, lf.v)):
         from trtkv.rope import RopeTable
 
-        rope = RopeTable.of(loaded.model)
+        rope = RopeTable.per_layer(loaded.model)
     params, entries, ratios, errors = calibrate_formats(stats, fmts, method, progress=lambda line: console.print(line, highlight=False),
                                                         rope=rope, **knobs)
     search_s = time.perf_counter() - t0

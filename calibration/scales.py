@@ -256,7 +256,7 @@ def choose_params(
     side of the coarse optimum, at 1/(refine+1) of the grid step; 0: grid only). ``nuq`` sides get a codebook
     (calibration/codebook.py: one per KV head, or with ``codebook_per_head`` False one per layer; key errors weighted by
     the queries unless ``codebook_weight_keys`` is False) and no clip: the outer levels are where the range is cut.
-    ``allocB`` sides get their bits per channel (calibration/channel_bits.py; ``rope``, the model's
+    ``allocB`` sides get their bits per channel (calibration/channel_bits.py; ``rope``, each layer's
     ``trtkv.rope.RopeTable``, for keys stored before RoPE).
     """
     if method not in METHODS:

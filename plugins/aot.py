@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trtkv.formats import ELEM_TYPES, PRESETS, KVFormat, TensorFormat
+from trtkv.formats import ELEM_TYPES, PRESETS, KVFormat, TensorFormat, get_format
 
 _REPO_CACHE = Path(__file__).resolve().parents[1] / ".triton_cache"
 if (_REPO_CACHE.parent / "pyproject.toml").is_file():
@@ -332,8 +332,6 @@ def compile_for(fmt: KVFormat | str, head_dim: int, gqa_ratio: int, arch: int, q
                 prefill_precision: str = PREFILL_PRECISION) -> dict[str, CompiledConfig]:
     """Everything one model layer needs, compiled for sm_<arch>: keys "seal_k", "seal_v",
     "decode_partition", "decode_reduce", "prefill" (what the TensorRT plugin glue calls)."""
-    from trtkv.formats import get_format
-
     fmt = get_format(fmt)
     part, red = decode_kernel_configs(fmt, head_dim, gqa_ratio, q_dtype, precision=decode_precision)
     bs = block_size_of(fmt)
@@ -397,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
     ap.add_argument("--gqa-ratios", type=int, nargs="+", default=list(GQA_RATIOS))
-    ap.add_argument("--formats", nargs="+", default=None, help="preset names (default: all presets)")
+    ap.add_argument("--formats", nargs="+", default=None, help="presets or spec strings (default: every preset the kernels read)")
     ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=["ieee", "tf32", "tf32x3"], help="decode dots")
     ap.add_argument("--prefill-precision", default=PREFILL_PRECISION, choices=["ieee", "tf32", "tf32x3"])
     ap.add_argument("--q-dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="query / new K,V dtype")
@@ -406,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.lean:
         configs = lean_configs()
     else:
-        fmts = None if a.formats is None else [PRESETS[f] for f in a.formats]
+        fmts = None if a.formats is None else [get_format(f) for f in a.formats]
         configs = kernel_configs(fmts, tuple(a.head_dims), tuple(a.gqa_ratios), q_dtype=a.q_dtype,
                                  precision=a.precision, prefill_precision=a.prefill_precision)
     results = compile_all(configs, tuple(a.arch), a.out, verbose=True)

@@ -11,7 +11,7 @@ and the format's scale granularity:
   rows the caller adds, for one fused torch attention (prefill steps).
 
 Every calibrated storage feature is read: codebooks (``nuq``), outlier lists (``outN``: the pools' ``outlier_index`` /
-``outlier_value``) and keys stored before RoPE (``prerope``: brought back to model space with the model's RoPE table,
+``outlier_value``) and keys stored before RoPE (``prerope``: brought back to model space with the layer's RoPE table,
 which ``DecodeStep`` / ``dequant`` take as ``rope``; the decode then scores them with the model-space query).
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; C11 with ``_Float16``: gcc
@@ -253,21 +253,23 @@ def _rope(rope) -> tuple:
     (None, None, 0, 0) without a table."""
     if rope is None:
         return None, None, 0, 0
-    # every step asks for the engine's one table (RopeTable.upto, which makes a new one to grow, never changing one in
-    # place; its tensors are inference tensors, which keep no version counter): read once per table object
-    if _ROPE_READ and all(a is b for a, b in zip(_ROPE_READ[0], rope)):
-        return _ROPE_READ[1]
+    # every step asks for the engine's tables, one per kind of layer (RopeTable.upto, which makes a new one to grow, never
+    # changing one in place; its tensors are inference tensors, which keep no version counter): read once per table object
+    for seen, read in _ROPE_READ:
+        if all(a is b for a, b in zip(seen, rope)):
+            return read
     cos, sin = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in rope)
     half = cos.shape[-1] // 2
     if cos.shape[-1] % 2 == 0 and all(torch.equal(t[:, :half], t[:, half:]) for t in (cos, sin)):
         read = (cos[:, :half].contiguous(), sin[:, :half].contiguous(), half, 0)
     else:
         read = (cos, sin, cos.shape[-1], half)
-    _ROPE_READ[:] = [tuple(rope), read]
+    _ROPE_READ[:] = [(tuple(rope), read), *_ROPE_READ[: _ROPE_TABLES - 1]]
     return read
 
 
-_ROPE_READ: list = []  # the last table _rope was given and how the kernels read it
+_ROPE_TABLES = 4  # tables _rope remembers: a model's kinds of layer (Gemma 3: local and global) and a grown copy
+_ROPE_READ: list = []  # the last tables _rope was given, newest first, and how the kernels read each
 
 
 def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Tensor | None, sink_ok: torch.Tensor | None,
@@ -290,12 +292,12 @@ def _ctx(pool, tables: torch.Tensor, held: torch.Tensor, nb: int, sink: torch.Te
 
 
 def _need_rope(codec: RowCodec, ctx: _Ctx) -> None:
-    """Keys stored before RoPE read the model's table at every sealed row's position: one line when it is not there."""
+    """Keys stored before RoPE read the layer's table at every sealed row's position: one line when it is not there."""
     f = codec.fmt
     if not f.pre_rope:
         return
     if not ctx.rope_cos or not ctx.first_pos:
-        raise TrtkvError("keys stored before RoPE (prerope) need the model's RoPE table and the blocks' positions",
+        raise TrtkvError("keys stored before RoPE (prerope) need the layer's RoPE table and the blocks' positions",
                          "pass rope=RopeTable.upto(...) and first_pos (the torch engine does)")
     first = (ctypes.c_int64 * ctx.batch).from_address(ctx.first_pos)
     held = (ctypes.c_int64 * ctx.batch).from_address(ctx.held)

@@ -351,7 +351,7 @@ def _channel_table(tf: TensorFormat, bits: torch.Tensor | None, kvh: int, dev) -
 
 
 def _rope_table(tf: TensorFormat, cos: torch.Tensor | None, sin: torch.Tensor | None, head_dim: int, dev) -> tuple:
-    """The model's RoPE table ``(cos, sin)`` [P, head_dim] float32 for keys stored before RoPE, checked; dummies else."""
+    """The layer's RoPE table ``(cos, sin)`` [P, head_dim] float32 for keys stored before RoPE, checked; dummies else."""
     if not tf.pre_rope:
         return _dummy(dev), _dummy(dev)
     if cos is None or sin is None:

@@ -27,7 +27,8 @@ import torch
 # which put these last (a 70 s tail).
 LONG_MODULES_FIRST = ("test_kernels.py", "test_serve.py", "test_serve_faults.py", "test_families.py", "test_build_engine.py",
                       "test_families_served.py", "test_torch_engine.py", "test_codebooks_outliers.py", "test_openai.py",
-                      "test_bench_capacity_ceiling.py", "test_gpu_engine_dry_run.py", "test_plugin_contract.py", "test_models.py")
+                      "test_bench_capacity_ceiling.py", "test_gpu_engine_dry_run.py", "test_presets_families.py", "test_plugin_contract.py",
+                      "test_models.py")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -78,6 +79,17 @@ def build_tiny_tokenizer(vocab_size: int = 320):
     )
     tk.train_from_iterator([TINY_TEXT] * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+def calibration_free(name: str, head_dim: int):
+    """The calibration-free 3- or 2-bit layout (``trtkv.formats.CALIBRATION_FREE``, what the int3 / int2 names stored
+    before they became the calibrated presets; every engine path reads it) fitted to ``head_dim`` as a preset would be
+    (``fit_format``: int3's value groups of 32 become a divisor of it)."""
+    from trtkv.formats import CALIBRATION_FREE, fit_format, get_format
+
+    fmt, note = fit_format(get_format(CALIBRATION_FREE[name]), head_dim)
+    assert fmt is not None, note
+    return fmt.model_copy(update={"name": fmt.spec(), "description": ""})  # named by its spec string, as a written spec is
 
 
 def random_kv_params(fmt, heads: int, head_dim: int, layers: int, seed: int, key_books_per_layer: bool = False) -> list:

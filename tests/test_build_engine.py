@@ -20,6 +20,7 @@ import types
 
 import pytest
 import torch
+from conftest import calibration_free
 
 from trtkv.builder.build import build_engine
 from trtkv.errors import TrtkvError
@@ -54,7 +55,9 @@ def _engine_logits(engine, cache, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "int2", "k=int8:token:asym,v=int4:g8:sym:hadamard", "k=int3:token:asym,v=int2:g8:sym:hadamard"])
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", calibration_free("int3", 24), calibration_free("int2", 24),
+                                "k=int8:token:asym,v=int4:g8:sym:hadamard", "k=int3:token:asym,v=int2:g8:sym:hadamard"],
+                         ids=["fp16", "int8", "int4", "int3-free", "int2-free", "int8-int4", "int3-int2"])
 def test_tiny_engine_matches_reference(tmp_path, tiny_dir, tiny_loaded, kv):
     out = build_engine(str(tiny_dir), None, kv, tmp_path / "eng", backend="onnxruntime", block_size=TINY_BLOCK, max_seq_len=64, max_batch=4, loaded=tiny_loaded)
     eng = OnnxRuntimeEngine(out)
@@ -197,7 +200,7 @@ def test_errors_format_needs_scales_the_calibration_lacks(tmp_path, tiny_dir, ti
     res = _cli("--model", tiny_dir, "--calibration", tiny_cal, "--kv", "int8-static", "--out", tmp_path / "eng", "--backend", "onnxruntime", "--max-seq-len", "64")
     _assert_one_line_error(res, "int8-static", "calibrate")
     res = _cli("--model", tiny_dir, "--kv", "fp8", "--out", tmp_path / "eng", "--backend", "onnxruntime", "--max-seq-len", "64")
-    _assert_one_line_error(res, "needs calibrated", "--calibration")
+    _assert_one_line_error(res, "fp8 needs a calibration (scales)", "trtkv calibrate", "--kv fp8", "--calibration")
     assert _nothing_written(tmp_path)
 
 

@@ -17,11 +17,15 @@ from trtkv.cache_layout import (
     write_tail,
 )
 from trtkv.errors import TrtkvError
-from trtkv.formats import PRESETS, get_format
+from trtkv.formats import CALIBRATION_FREE, PRESETS, get_format
 from trtkv.quant import TensorParams, fake_quantize_block, quantize, quantize_block
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block_size 16 (formats are stored with sealed blocks of BS)
 H, D, BS = 3, 64, 16
+INT8_TOKEN = "k=int8:token,v=int8:token"  # every token quantized on write, one scale per token
+INT4_TOKEN = "k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard"
+INT4_G32 = "k=int4:g32:sym,v=int4:g32:sym"
+INT3_FREE, INT2_FREE = CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]
 
 # bytes of one pool block (K and V, one layer), counted by hand:
 # per token and head, K and V each: codes (D * bits / 8) + fp16 scale/zero per group; block-wise
@@ -29,33 +33,33 @@ H, D, BS = 3, 64, 16
 HAND_BYTES_PER_BLOCK = {
     "fp16": 2 * H * BS * (D * 2),  # 12288
     "int8": H * BS * D + H * D * 2 + H * BS * (D + 2),  # K codes + one fp16 scale per channel per block; V per token
-    "int8-token": 2 * H * BS * (D + 2),
+    INT8_TOKEN: 2 * H * BS * (D + 2),
     "int8-static": 2 * H * BS * D,  # static scale is a layer constant: 6144
     "fp8": 2 * H * BS * D,  # 6144
     "int4": H * BS * D // 2 + H * D * 2 * 2 + H * BS * (D // 2 + 2 * 2),  # K per channel per block; V 2 groups x scale
-    "int4-token": 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
-    "int4-g32": 2 * H * BS * (D // 2 + 2 * 2),  # 32 code bytes + 2 groups x scale = 3456
-    "int3": H * BS * D * 3 // 8 + H * D * 2 * 2 + H * BS * (D * 3 // 8 + 2 * 2),  # 24 code bytes per row (bit planes 2 + 1)
-    "int2": H * BS * D // 4 + H * D * 2 * 2 + H * BS * (D // 4 + 2 + 2),  # 16 code bytes per row; V one scale + zero per token
+    INT4_TOKEN: 2 * H * BS * (D // 2 + 2 + 2),  # 32 code bytes + 1 group x (scale + zero) = 3456
+    INT4_G32: 2 * H * BS * (D // 2 + 2 * 2),  # 32 code bytes + 2 groups x scale = 3456
+    INT3_FREE: H * BS * D * 3 // 8 + H * D * 2 * 2 + H * BS * (D * 3 // 8 + 2 * 2),  # 24 code bytes per row (bit planes 2 + 1)
+    INT2_FREE: H * BS * D // 4 + H * D * 2 * 2 + H * BS * (D // 4 + 2 + 2),  # 16 code bytes per row; V one scale + zero per token
 }
 
 EXPECTED = {
     # name: (K data dtype, K packed dim, K scale shape per block or None, K has zero)
     "fp16": (torch.float16, 64, None, False),
     "int8": (torch.int8, 64, (H, D), False),
-    "int8-token": (torch.int8, 64, (H, BS, 1), False),
+    INT8_TOKEN: (torch.int8, 64, (H, BS, 1), False),
     "int8-static": (torch.int8, 64, None, False),
     "fp8": (torch.uint8, 64, None, False),
     "int4": (torch.uint8, 32, (H, D), True),
-    "int4-token": (torch.uint8, 32, (H, BS, 1), True),
-    "int4-g32": (torch.uint8, 32, (H, BS, 2), False),
-    "int3": (torch.uint8, 24, (H, D), True),
-    "int2": (torch.uint8, 16, (H, D), True),
+    INT4_TOKEN: (torch.uint8, 32, (H, BS, 1), True),
+    INT4_G32: (torch.uint8, 32, (H, BS, 2), False),
+    INT3_FREE: (torch.uint8, 24, (H, D), True),
+    INT2_FREE: (torch.uint8, 16, (H, D), True),
 }
 
 
 def _fmt(name):
-    return PRESETS[name].with_block_size(BS)
+    return get_format(name).with_block_size(BS)
 
 
 def _pool_bytes(pool: KVPool) -> int:
@@ -74,7 +78,7 @@ def test_preset_layouts(name):
     assert lay.bytes_per_block() == HAND_BYTES_PER_BLOCK[name]
     # the pool's byte count agrees with the format's pool accounting; the open blocks are per slot
     assert lay.bytes_per_block() == fmt.kv_bytes_per_token(1, H, D) * BS
-    tail_rows = BS + {"int4": 4, "int3": 4, "int2": 4}.get(name, 0)  # the open block, then the presets' 4 sink tokens
+    tail_rows = BS + {"int4": 4, INT3_FREE: 4, INT2_FREE: 4}.get(name, 0)  # the open block, then the 4 sink tokens
     assert lay.tail_bytes_per_slot() == fmt.tail_bytes_per_slot(1, H, D) == 2 * H * tail_rows * D * 2
     pools = [lay.allocate(w) for w in ("k", "v")]
     assert all(p.tail.shape == (5, H, tail_rows, D) and p.tail.dtype == torch.float16 for p in pools)
@@ -89,8 +93,8 @@ def test_preset_layouts(name):
 
 def test_smollm2_whole_model_bytes_per_block():
     # the worked example of docs/kv-cache-format.md: 30 layers at block_size 16
-    per_layer = {n: PagedKVLayout(_fmt(n), H, D, BS, 1).bytes_per_block() for n in ("fp16", "int8-token", "int4-token")}
-    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, "int8-token": 190080, "int4-token": 103680}
+    per_layer = {n: PagedKVLayout(_fmt(n), H, D, BS, 1).bytes_per_block() for n in ("fp16", INT8_TOKEN, INT4_TOKEN)}
+    assert {n: 30 * b for n, b in per_layer.items()} == {"fp16": 368640, INT8_TOKEN: 190080, INT4_TOKEN: 103680}
     # the int4 preset at its own block size, 64: 4.5 bits per element in the pool, 64 tokens per block
     int4 = PagedKVLayout(PRESETS["int4"], H, D, 64, 1)
     assert 30 * int4.bytes_per_block() == 30 * 2 * 3 * 64 * 64 * 4.5 / 8 == 414720
@@ -170,7 +174,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("spec", FORMATS)
 def test_sealed_blocks_and_open_block_read_back_as_the_quantizer_defines(spec):
-    fmt = (PRESETS[spec] if spec in PRESETS else get_format(spec)).with_block_size(BS)
+    fmt = get_format(spec).with_block_size(BS)
     g = torch.Generator().manual_seed(len(spec))
     num_blocks = 12
     lay = PagedKVLayout(fmt, H, D, BS, num_blocks, num_slots=4)
@@ -286,3 +290,28 @@ def test_block_chunks_match_a_naive_token_loop():
         assert chunk_length(start, remaining, bs, limit) == chunks[0][1] - chunks[0][0]
     with pytest.raises(ValueError, match="no progress"):
         block_chunks(0, 5, 4, 0)
+
+
+def test_each_layer_is_sealed_with_its_own_static_scale():
+    """A static format's codes of layer i are
+    x / scale_i; read back with layer i's scale they are within half a step of x. Layer 0's scale is 50x finer,
+    so layer 1 sealed with it would clamp at 127 codes and read back 127 * 0.5, far from x."""
+    from trtkv.artifacts import LayerParams
+    from trtkv.cache_layout import gather_paged
+    from trtkv.quant import TensorParams
+
+    scales = (0.01, 0.5)
+    params = [LayerParams(k=TensorParams(scale=torch.tensor(s)), v=TensorParams(scale=torch.tensor(s))) for s in scales]
+    from trtkv.runtime.kv_pool import PagedKVCache
+
+    cache = PagedKVCache(PagedKVLayout(get_format("k=int8:tensor,v=int8:tensor"), 1, 8, BS, 8, 2), 2, params)
+    g = torch.Generator().manual_seed(5)
+    x = torch.stack([(torch.rand(1, BS, 8, generator=g) * 2 - 1) * (100 * s) for s in scales])  # [L, H, bs, D], |x| < 100 steps
+    for name in ("k_tail", "v_tail"):
+        cache.tensors[name][:, 0, :, :BS] = x.half()
+    cache.seal(0, 2, 1)  # slot 0 into pool block 2, the sequence's block 1 (no sinks)
+    for layer, s in enumerate(scales):
+        for which in ("k", "v"):
+            got = gather_paged(cache.layout_of(layer), which, cache.pool(layer, which), torch.tensor([2]), BS, getattr(params[layer], which))
+            want = x[layer].half().float().transpose(0, 1)  # [bs, H, D]
+            assert (got - want).abs().max() <= 0.5 * s * 1.01, (layer, which)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trtkv.cache_layout import PagedKVLayout, WindowRing, open_block_to_seal
-from trtkv.formats import fit_formats, get_format
+from trtkv.formats import CALIBRATION_FREE, fit_formats, get_format
 from trtkv.runtime.kv_pool import PagedKVCache
 
 # bits per stored code and per fp16 scale / zero-point / tail value, as docs/kv-formats.md defines the storage dtypes
@@ -20,11 +20,11 @@ FP16_BITS = 16
 # (format, kv heads, head_dim, block size): int4 / int3 / int2 / fp8 / int8 / fp16, static and per-token, groups,
 # zero-points, sinks, at odd head dims where the format allows them (int8 / fp8 / fp16 any, int4 even, int2 4k, int3 8k)
 CASES = [
-    ("int8-token", 3, 25, 16),
+    ("k=int8:token,v=int8:token", 3, 25, 16),
     ("k=fp8:token,v=fp8:tensor", 2, 27, 8),
     ("int4", 2, 34, 16),
-    ("int3", 1, 40, 16),
-    ("int2", 3, 36, 16),
+    ("k=int3:bchannel:asym:hadamard,v=int3:g20:sym:hadamard,block=64,sink=4", 1, 40, 16),  # bit planes
+    (CALIBRATION_FREE["int2"], 3, 36, 16),
     ("int8", 2, 48, 32),
     ("k=int8:g8:asym,v=int4:token:asym", 3, 24, 4),
     ("fp16", 1, 19, 4),

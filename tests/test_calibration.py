@@ -244,7 +244,7 @@ def test_grid_search_refines_but_never_worsens():
 
 def test_dynamic_mse_clip_ratios():
     stats, k, v = _stats(8, heavy=True, N=600, D=64)
-    fmt = get_format("int4-g32")
+    fmt = get_format("k=int4:g32:sym,v=int4:g32:sym")
     params = choose_params(stats, fmt, "mse")
     for p in params:
         for tp in (p.k, p.v):
@@ -333,7 +333,7 @@ def test_artifact_round_trip(tmp_path):
     with pytest.raises(TrtkvError, match="--kv int8-static"):
         load_calibration(out2).params_for("int8-static", info)
     with pytest.raises(TrtkvError, match="different definition"):
-        load_calibration(out2).params_for(get_format("int4-g32").model_copy(update={"name": "int4"}), info)
+        load_calibration(out2).params_for(get_format("k=int4:g32:sym,v=int4:g32:sym").model_copy(update={"name": "int4"}), info)
 
 
 def test_mismatched_model_is_refused(tmp_path):

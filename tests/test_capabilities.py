@@ -15,7 +15,7 @@ import torch
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
 from trtkv.families import architectures
-from trtkv.formats import PRESETS, fit_formats, get_format
+from trtkv.formats import CALIBRATION_FREE, PRESETS, fit_formats, get_format
 from trtkv.plugins.contract import LIMITS
 from trtkv.plugins.contract import capabilities as cap
 from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, kernels_take, seal_with_kernels
@@ -37,7 +37,7 @@ def model(arch="LlamaForCausalLM", window=None):
     return SimpleNamespace(name="m", architecture=arch, has_sliding_layers=window is not None, sliding_window=window)
 
 
-FORMATS = [*PRESETS, *MSE.values(), PER_LAYER]
+FORMATS = [*PRESETS, *CALIBRATION_FREE.values(), *MSE.values(), PER_LAYER]
 
 
 @pytest.mark.parametrize("spec", FORMATS)
@@ -91,7 +91,7 @@ def test_storage_dtypes_the_kernels_lack_are_reasons(monkeypatch):
     plugin = CAPABILITIES["plugin"].reasons(fmt)
     assert len(plugin) == 2 and plugin[0].startswith("k=int4:") and plugin[1].startswith("v=int4:") and "storage int4" in plugin[0]
     assert not CAPABILITIES["native"].reasons(fmt) and not CAPABILITIES["torch"].reasons(fmt)
-    assert not CAPABILITIES["plugin"].reasons(get_format("int8-token"))
+    assert not CAPABILITIES["plugin"].reasons(get_format("k=int8:token,v=int8:token"))
 
 
 @pytest.mark.parametrize("arch,window", [("LlamaForCausalLM", None), ("Gemma3ForCausalLM", 512), ("Gemma2ForCausalLM", 4096),
@@ -141,7 +141,8 @@ def test_seal_kernel_only_where_the_seal_row_takes_the_format():
     assert not seal_with_kernels(torch.device("cpu"), get_format("int4"), 64, 128)
 
 
-@pytest.mark.parametrize("spec,kernel", [("int4", True), (MSE["int4"], False), (MSE["int2"], False), ("int2", True)])
+@pytest.mark.parametrize("spec,kernel", [("int4", True), (MSE["int4"], False), (MSE["int2"], False), (CALIBRATION_FREE["int2"], True),
+                                         ("int2", True)])
 def test_pool_asks_the_table_before_sealing_with_the_kernel(monkeypatch, spec, kernel):
     """The pool on a (forced) CUDA device seals an ``mse`` format with the reference quantizer (its search): the
     seal kernel would seal it with plain ranges while attention fell back to the torch ops."""
@@ -154,8 +155,9 @@ def test_pool_asks_the_table_before_sealing_with_the_kernel(monkeypatch, spec, k
         return seal_with_kernels(torch.device("cuda"), fmt, block_size, head_dim)
 
     monkeypatch.setattr(kv_pool, "seal_with_kernels", as_if_cuda)
-    cache = kv_pool.PagedKVCache(PagedKVLayout(get_format(spec), 2, 64, 64, 4, 2), 2)
-    assert asked == [("cpu", 64, 64)]
+    fmt = get_format(spec)
+    cache = kv_pool.PagedKVCache(PagedKVLayout(fmt, 2, 64, fmt.block_size, 4, 2), 2)
+    assert asked == [("cpu", fmt.block_size, 64)]
     assert cache.seal_with_kernels is kernel
 
 
@@ -215,7 +217,9 @@ def test_support_matrix_follows_the_table(monkeypatch):
         sys.path.remove(str(ROOT / "docs"))
     before = gen.table()
     rows = {line.split("`")[1]: line for line in before.splitlines()[2:]}
-    assert "| yes (no mse) | yes | yes (no mse) | yes (no mse) | yes (no mse) |" in rows["kernels"]  # int3 / int2 taken
+    # int8, int4 (their mse variants refused), the int3 / int2 presets, the calibration-free 3- / 2-bit layouts
+    assert "| yes (no mse) | yes (no mse) | yes | yes | yes (no mse) |" in rows["kernels"]
+    assert "| yes | yes | no | no | yes |" in rows["native"]  # the int3 / int2 presets' keys: the torch engine only
     assert "| no | no | no |" in rows["plugin"]  # per-layer, windows, soft-cap
     monkeypatch.setitem(CAPABILITIES, "plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
     assert gen.table() != before

@@ -39,9 +39,9 @@ def test_spec_word_round_trips_and_counts_its_bytes_by_hand():
     assert tf.packed_dim(64) == 19
     hand = (128 * 19 * 8 + 64 * 2 * SCALE_BITS + 32 * OUTLIER_BITS) / (128 * 64)
     assert tf.bits_per_element(64, 128) == pytest.approx(hand) == 2.75
-    assert get_format("int2-alloc").pool_bits_per_element(64) == pytest.approx((2.5625 + 2.4375) / 2)
-    assert get_format("int3-alloc").pool_bits_per_element(64) == pytest.approx(3.5)
-    assert get_format("int2-alloc").needs_calibration and get_format("int3-alloc").k.pre_rope
+    assert get_format("int2").pool_bits_per_element(64) == pytest.approx((2.5625 + 2.4375) / 2)
+    assert get_format("int3").pool_bits_per_element(64) == pytest.approx(3.5)
+    assert get_format("int2").needs_calibration and get_format("int3").k.pre_rope
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -283,7 +283,7 @@ def test_calibrating_an_alloc_format_without_whole_windows_or_queries_says_how_t
 def test_the_paged_layout_counts_alloc_rows_by_hand():
     from trtkv.cache_layout import PagedKVLayout
 
-    fmt = get_format("int2-alloc")
+    fmt = get_format("int2")
     lay = PagedKVLayout(fmt, 3, 64, 128, num_blocks=10, num_slots=2)
     assert lay.data_shape("k")[-1] == 18 and lay.scale_shape("k")[-1] == 64
     k_bits = 128 * 18 * 8 + 64 * 32 + 16 * 32  # 2.25 x 64 code bits per row, step and minimum per channel, 16 outliers
@@ -317,7 +317,7 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_alloc_keys(tiny_mode
     ids = torch.randint(0, 320, (2, 14), generator=torch.Generator().manual_seed(23))
     with torch.inference_mode():
         teacher = model_logits(model, ids, fmt, params)
-        paged = PagedReferenceCache(fmt, n_layers, kvh, hd, batch=2, params=params, rope=RopeTable.of(model))
+        paged = PagedReferenceCache(fmt, n_layers, kvh, hd, batch=2, params=params, rope=RopeTable.per_layer(model))
         steps = torch.cat([_forward(model, ids[:, i : i + 1], paged) for i in range(14)], 1)
         for lp in params:
             lp.k.bits = torch.full_like(lp.k.bits, 2.0)
@@ -367,9 +367,9 @@ def test_the_recipe_counts_each_layers_channels_at_each_width():
 def test_presets_fit_a_head_dim_their_bits_do_not_fill_with_fewer_bits_never_more():
     from trtkv.formats import fit_formats
 
-    [fmt], notes = fit_formats(["int2-alloc"], 24)  # 2.25 x 24 = 54 bits: 48 are whole bytes
+    [fmt], notes = fit_formats(["int2"], 24)  # 2.25 x 24 = 54 bits: 48 are whole bytes
     assert fmt.k.allocated_bits == 2.0 and "alloc2.25->alloc2" in notes[0]
-    [fmt], notes = fit_formats(["int2-alloc"], 64)
+    [fmt], notes = fit_formats(["int2"], 64)
     assert fmt.k.allocated_bits == 2.25 and not notes
     with pytest.raises(TrtkvError, match="whole bytes"):  # a spec the user wrote out is not changed
         fit_formats(["k=int8:bchannel:asym:alloc2.25,v=fp16,block=8"], 24)

@@ -1,4 +1,4 @@
-"""Codebook formats (``nuq``), dense-and-sparse outliers (``outN``) and what calibration fits for them.
+"""Codebook formats (``nuq``), dense-and-sparse outliers (``outN``), keys stored before RoPE, and what calibration fits.
 
 Every rule is checked against an independent float64 reference (a naive loop) on fresh random inputs of odd sizes.
 """
@@ -13,10 +13,15 @@ import torch
 from conftest import naive_mse_range
 
 from trtkv.errors import TrtkvError
-from trtkv.formats import DTYPES, OUTLIER_BITS, get_format, parse_tensor_spec
+from trtkv.formats import CALIBRATION_FREE, DTYPES, OUTLIER_BITS, get_format, parse_tensor_spec
 from trtkv.quant import TensorParams, dequantize, fake_quantize_block, hadamard_matrix, lookup_levels, nearest_level, quantize_block
 
 H, BS, D = 3, 5, 24  # odd numbers of heads and tokens per block; head_dim a multiple of 8 (int3)
+# keys before RoPE, smoothed by the queries and rotated, with outlier lists; values through a codebook (what the int3 /
+# int2 presets were before per-channel key bits; the torch engine's paths read them)
+INT3_NUQ = "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out128,v=int3:token:sym:hadamard:nuq,block=128,sink=4"
+INT2_NUQ = "k=int2:bchannel:asym:prerope:qsmooth:hadamard:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4"
+INT3_FREE, INT2_FREE = CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]
 
 
 def _fmt(spec: str):
@@ -41,9 +46,9 @@ def test_spec_words_round_trip_and_bits():
     assert get_format(fmt.spec()) == fmt.model_copy(update={"name": fmt.spec()})
     # pool bits: codes + fp16 scale and zero per channel per block + 32 bits per outlier over the block's elements
     assert tf.bits_per_element(64, 64) == 3 + 32 / 64 + 24 * OUTLIER_BITS / (64 * 64)
-    assert fmt.needs_calibration and not get_format("int3").needs_calibration
+    assert fmt.needs_calibration and not get_format(INT3_FREE).needs_calibration
     # codebooks are layer constants: 8 float32 levels per KV head for K and for V, per layer
-    assert fmt.constant_bytes(30, 3) == 30 * 2 * 3 * 8 * 4 and get_format("int3").constant_bytes(30, 3) == 0
+    assert fmt.constant_bytes(30, 3) == 30 * 2 * 3 * 8 * 4 and get_format(INT3_FREE).constant_bytes(30, 3) == 0
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -630,7 +635,7 @@ NEW_FEATURES = [
     (f"k=int3:bchannel:asym:prerope:qsmooth:hadamard,v=int3:g32:sym:hadamard{_S4}", "keys before RoPE (prerope)", "k"),
     (f"k=int8:bchannel:asym:alloc2.5,v=int3:g32:sym:hadamard{_S4}", "bits allocated per channel (allocB)", "k"),
 ]
-READ_EVERYWHERE = ["int3", "int2", "int4", "int3-qs", "int2-qs", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
+READ_EVERYWHERE = [INT3_FREE, INT2_FREE, "int4", "k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64"]
 
 
 # the paths that read a feature (the torch ops, the C decode kernels and the Triton kernels read them all); others: none
@@ -668,24 +673,24 @@ def test_formats_every_path_reads_are_not_refused_for_the_new_features(spec):
     assert kernels_take(fmt)
 
 
-def test_aot_configurations_take_the_issue_27_presets_and_the_op_contract_does_not():
-    """The Triton kernels (and so the AOT configuration list) take int3-nuq / int2-nuq and int3-alloc / int2-alloc; the
-    trtkv:: ops (ONNX Runtime custom ops, TensorRT plugins) still refuse them, and so the contract tests leave them out."""
+def test_aot_configurations_take_every_preset_and_the_op_contract_refuses_the_calibrated_ones():
+    """The Triton kernels seal and read every preset, so the AOT configuration list compiles them all (int3 / int2:
+    per-channel key widths before RoPE, codebooks, int2's outlier lists); the trtkv:: ops (ONNX Runtime custom ops,
+    TensorRT plugins) refuse the int3 / int2 presets' keys, and so the contract tests leave them out."""
     from trtkv.formats import PRESETS
     from trtkv.plugins import aot
     from trtkv.plugins.contract.capabilities import KERNEL_SEAL, kernels_attend, kernels_take, op_refusal
 
-    taken = {n for n, f in PRESETS.items() if kernels_take(f)}
-    assert {"int3-nuq", "int2-nuq", "int4", "int3", "int2", "int3-qs", "int2-qs"} <= taken
     assert not any(KERNEL_SEAL.lacks(t) for f in PRESETS.values() for t in (f.k, f.v))
-    assert all(kernels_take(f) and kernels_attend(f) for f in PRESETS.values())  # the Triton kernels seal and read every preset
-    assert all(op_refusal(PRESETS[n].k) for n in ("int3-nuq", "int2-nuq", "int3-alloc"))
+    assert all(kernels_take(f) and kernels_attend(f) for f in PRESETS.values())
+    assert kernels_take(get_format(INT3_NUQ)) and kernels_take(get_format(INT2_NUQ))
+    assert all(op_refusal(PRESETS[n].k) for n in ("int3", "int2")) and op_refusal(get_format(INT3_NUQ).k)
     names = {c.name for c in aot.lean_configs()}
-    for n in ("int3-alloc", "int2-alloc"):  # their attention and seal are compiled (and register-checked)
+    for n in ("int3", "int2"):  # their attention and seal are compiled (and register-checked)
         f = PRESETS[n]
         assert any(c.startswith(("paged_decode_partition.", "paged_prefill.")) and f"k-{aot._tag(f.k)}." in c for c in names), n
-        assert any(c.startswith(f"seal.{aot._tag(f.k)}.") for c in names), n
-    assert any("prerope" in n and f"out{PRESETS['int3-nuq'].k.outliers}" in n and n.startswith("seal.") for n in names)
+        assert any(c.startswith(f"seal.{aot._tag(f.v)}.") for c in names), n
+    assert any("prerope" in n and "alloc" in n and n.startswith("paged_decode_partition.") for n in names)
     assert any("nuq" in n and n.startswith("paged_decode_partition.") for n in names)
 
 
@@ -976,7 +981,9 @@ def test_rope_table_is_the_models_and_rotate_inverts(tiny_model):
     from trtkv.rope import RopeTable, rotate
 
     _, model = tiny_model("llama")
-    table = RopeTable.of(model)
+    tables = RopeTable.per_layer(model)
+    assert len(tables) == model.config.num_hidden_layers and all(t is tables[0] for t in tables)  # one rotary module: one table
+    table = tables[0]
     pos = torch.arange(3, 17)
     cos, sin = table.rows(3, 14)
     ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1), pos.unsqueeze(0))
@@ -990,12 +997,24 @@ def test_rope_table_is_the_models_and_rotate_inverts(tiny_model):
     torch.testing.assert_close(cos[:, :12].double(), theta.cos(), rtol=0, atol=1e-6)
 
 
-def test_rope_table_refuses_several_rotary_bases(tiny_model):
+def test_rope_tables_follow_gemma3s_layer_types(tiny_model):
+    """Gemma 3's one rotary module keyed by layer type: one table per type, each layer given its type's (the float64
+    check of the bases themselves is tests/test_presets_families.py)."""
     from trtkv.rope import RopeTable
 
-    _, model = tiny_model("gemma3")
-    with pytest.raises(TrtkvError, match="rotary"):
-        RopeTable.of(model)
+    _, model = tiny_model("gemma3", num_hidden_layers=4, sliding_window_pattern=2)
+    tables = RopeTable.per_layer(model)
+    assert [t.layer_type for t in tables] == model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert tables[0] is tables[2] and tables[1] is tables[3] and tables[0] is not tables[1]
+
+
+def test_rope_tables_refuse_a_partial_rotary_dimension(tiny_model):
+    from trtkv.rope import RopeTable
+
+    _, model = tiny_model("phi3", partial_rotary_factor=0.5)
+    with pytest.raises(TrtkvError, match="partial RoPE") as e:
+        RopeTable.per_layer(model)
+    assert "without prerope" in e.value.fix
 
 
 def test_prerope_block_matches_a_float64_loop():
@@ -1030,11 +1049,17 @@ def test_prerope_block_matches_a_float64_loop():
         quantize_block(x.float(), tf)
 
 
-def test_prerope_eval_cache_needs_the_rope_table():
+def test_prerope_eval_cache_needs_a_rope_table_per_layer(tiny_model):
     from trtkv.kv_cache import QuantizedKVCache
+    from trtkv.rope import RopeTable
 
-    with pytest.raises(TrtkvError, match="RoPE table"):
-        QuantizedKVCache(get_format("k=int4:bchannel:asym:prerope,v=fp16,block=4"), 1)
+    fmt = get_format("k=int4:bchannel:asym:prerope,v=fp16,block=4")
+    with pytest.raises(TrtkvError, match="no RoPE tables"):
+        QuantizedKVCache(fmt, 1)
+    _, model = tiny_model("llama")  # 2 layers
+    with pytest.raises(TrtkvError, match="2 RoPE tables for 3 layers") as e:
+        QuantizedKVCache(fmt, 3, rope=RopeTable.per_layer(model))
+    assert "per_layer" in e.value.fix
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -1055,7 +1080,7 @@ def test_eval_forward_equals_paged_step_by_step_decode_with_prerope_keys(tiny_mo
     ids = torch.randint(0, 320, (2, 14), generator=torch.Generator().manual_seed(23))
     with torch.inference_mode():
         teacher = model_logits(model, ids, fmt, params)
-        paged = PagedReferenceCache(fmt, n_layers, kvh, hd, batch=2, params=params, rope=RopeTable.of(model))
+        paged = PagedReferenceCache(fmt, n_layers, kvh, hd, batch=2, params=params, rope=RopeTable.per_layer(model))
         steps = torch.cat([_forward(model, ids[:, i : i + 1], paged) for i in range(14)], 1)
         post = model_logits(model, ids, get_format("k=int3:bchannel:asym:qsmooth:hadamard:out2,v=int3:g8:sym:hadamard,block=4,sink=1"), params)
     torch.testing.assert_close(steps, teacher, rtol=0, atol=1e-4)
@@ -1107,7 +1132,7 @@ def test_build_engine_torch_takes_outliers_and_prerope_and_its_engine_runs_the_c
     m = engine.manifest
     cache = PagedKVCache(PagedKVLayout(m.kv_format, m.model.num_kv_heads, m.model.head_dim, 8, 4, 1), m.model.num_layers)
     logits = engine.step(StepBatch.make([list(range(3, 11))], [0], [[2, 0]], [0]), cache).logits
-    assert logits.shape[0] == 1 and torch.isfinite(logits).all() and cache.rope is not None
+    assert logits.shape[0] == 1 and torch.isfinite(logits).all() and cache.ropes is not None
 
 
 def test_a_smaller_or_larger_block_keeps_the_outlier_lists_share():
@@ -1122,4 +1147,4 @@ def test_a_smaller_or_larger_block_keeps_the_outlier_lists_share():
     assert [small.layer(i).k.outliers for i in range(2)] == [8, 0]
     from trtkv.cache_layout import PagedKVLayout
 
-    PagedKVLayout(get_format("int3-nuq").with_block_size(4), 1, 32, 4, 2)  # out128 of a block of 128 fits a block of 4 x 32
+    PagedKVLayout(get_format(INT3_NUQ).with_block_size(4), 1, 32, 4, 2)  # out128 of a block of 128 fits a block of 4 x 32

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES, random_widths
+from conftest import FAMILIES, calibration_free, random_widths
 
 from trtkv.cache_layout import PagedKVLayout, WindowRing
 from trtkv.errors import TrtkvError
@@ -32,8 +32,9 @@ from trtkv.runtime.verify import StaticBatch
 pytestmark = pytest.mark.skipif(ca._compiler() is None, reason="no C compiler on this machine")
 
 H, D, BS, NB = 3, 24, 5, 13
+FREE3, FREE2 = (calibration_free(n, D).spec() for n in ("int3", "int2"))  # the calibration-free 3- / 2-bit layouts at D
 SPECS = [
-    "fp16", "int8", "fp8", "int4", "int3", "int2", "int8-static",
+    "fp16", "int8", "fp8", "int4", FREE3, FREE2, "int8-static",
     "k=int8:channel,v=int8:head",  # static per channel / per head
     "k=int4:g8:asym,v=int8:g12:asym",  # per token group, zero-points
     "k=int2:token:sym,v=int3:bchannel:sym,block=5",
@@ -250,7 +251,8 @@ def test_wide_rows_take_the_vector_decoders(spec, monkeypatch):
 
 
 
-@pytest.mark.parametrize("spec", ["int3", "int2", "k=int3:bchannel:asym:nuq,v=int2:g16:sym:nuq,block=13", "k=int2:token:asym,v=int3:g32:asym"])
+@pytest.mark.parametrize("spec", [calibration_free("int3", 64).spec(), calibration_free("int2", 64).spec(),
+                                  "k=int3:bchannel:asym:nuq,v=int2:g16:sym:nuq,block=13", "k=int2:token:asym,v=int3:g32:asym"])
 def test_long_blocks_take_the_batched_dots_and_the_32_channel_decoders(spec, monkeypatch):
     """Blocks of 13 rows at a head dim of 64: the score dots in batches of 8 rows and a remainder, the 2- and 1-bit
     planes spread 32 channels at a time (codebooks too), against float64 in the dequant and the decode."""
@@ -468,7 +470,7 @@ def _logits(engine, cache, prompts, new_tokens):
     # Gemma 3 in fp16: its norms amplify a float-rounding flip of one int4 code at a seal into 1e-2 .. 1e-1 (the
     # kernels' decode is checked against float64 above; test_window_ring.py says the same of the ring)
     ("mistral-sw", "int4", True), ("qwen2-sw", "int8", False), ("gemma2", "int4", False), ("gemma3", "fp16", True),
-    ("phi3", "fp16", False), ("qwen3", "int3", False), ("mistral-sw", "k=int4:g8:asym,v=int2:token:asym", False),
+    ("phi3", "fp16", False), ("qwen3", calibration_free("int3", 128).spec(), False), ("mistral-sw", "k=int4:g8:asym,v=int2:token:asym", False),
 ])
 def test_engine_cpu_attention_gives_the_torch_ops_logits(family, name, kv, ring):
     d, _ = family(name)
@@ -518,7 +520,7 @@ def test_engine_cpu_attention_with_a_per_layer_format(tiny_models):
     model = load_model(str(d), device="cpu", dtype="float32").model
     from trtkv.formats import KVFormat, LayerStorage
 
-    fitted, _ = fit_formats(["int8", "int4", "int2"], info.head_dim)
+    fitted, _ = fit_formats(["int8", "int4", calibration_free("int2", info.head_dim)], info.head_dim)
     int8, int4, int2 = (f.with_block_size(4) for f in fitted)
     layers = (LayerStorage(k=int8.k, v=int4.v), LayerStorage(k=int4.k, v=int2.v), LayerStorage(k=get_format("fp16").k, v=int8.v))
     fmt = KVFormat(name="mixed", k=layers[0].k, v=layers[0].v, block_size=4, sink_tokens=1, layers=layers)
@@ -615,7 +617,7 @@ def test_auto_takes_the_cpu_kernels_on_cpu(tiny_models):
 
 
 @pytest.mark.parametrize("threads", [1, 4], indirect=True)  # 4 threads: 18 (block, head) slabs in unequal shares
-@pytest.mark.parametrize("spec", ["int8", "int4", "int3", "int2", "k=int4:g8:asym,v=int8:g12:asym", "k=int8:token:asym,v=int2:token:sym",
+@pytest.mark.parametrize("spec", ["int8", "int4", FREE3, FREE2, "k=int4:g8:asym,v=int8:g12:asym", "k=int8:token:asym,v=int2:token:sym",
                                   "k=int3:bchannel:sym,v=int4:token:asym,block=5"])
 def test_the_c_seal_writes_the_reference_quantizers_bytes(spec, threads):
     from trtkv.quant import forward_transform
@@ -705,7 +707,7 @@ def test_alloc_rows_are_never_read_past_the_pool():
 
 
 @pytest.mark.parametrize("threads", [1, 4], indirect=True)
-@pytest.mark.parametrize("spec", ["int4", "int3", "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5"] + [s for s, d in FEATURE_CASES if d == D])
+@pytest.mark.parametrize("spec", ["int4", FREE3, "k=int3:bchannel:asym:nuq,v=int4:g8:sym:nuq,block=5"] + [s for s, d in FEATURE_CASES if d == D])
 def test_dequant_blocks_reads_a_seals_blocks_like_float64(spec, threads):
     """``dequant_blocks`` (a step across blocks reads back the blocks it seals): the seal's n blocks per sequence, in
     order, as ``dequantize`` in float64 -- model space, keys stored before RoPE rotated at each sequence's

@@ -21,7 +21,7 @@ import torch
 
 from trtkv.cache_layout import PagedKVLayout, WindowRing, chunk_length
 from trtkv.errors import TrtkvError
-from trtkv.formats import fit_formats
+from trtkv.formats import CALIBRATION_FREE, fit_formats
 from trtkv.models import load_model, model_info
 from trtkv.plugins import cpu_attention
 from trtkv.runtime.block_manager import BlockManager
@@ -69,7 +69,7 @@ def _fill(engine, cache, prompts, pre, tables, cross: bool):
 
 
 @needs_c
-@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", "int3", "k=int4:g8:asym,v=int8:g16:asym", "fp8",
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4", CALIBRATION_FREE["int3"], "k=int4:g8:asym,v=int8:g16:asym", "fp8",
                                 # keys stored before RoPE with outlier lists, values through a codebook
                                 "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out5,v=int3:g8:sym:hadamard:nuq:out2,block=8,sink=4"])
 @pytest.mark.parametrize("bs", [5, 8])
@@ -134,7 +134,7 @@ def test_the_step_seals_every_block_it_fills(llama):
 
 
 @needs_c
-@pytest.mark.parametrize("kv", ["int4", "int3", "k=int4:g8:asym,v=int8:g16:asym"])
+@pytest.mark.parametrize("kv", ["int4", CALIBRATION_FREE["int3"], "k=int4:g8:asym,v=int8:g16:asym"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_pool_stores_the_codes_the_step_attended(tiny_models, kv, dtype):
     """A crossing step hands the blocks it sealed to the pool (``StepSeals``): stored as they are, they are the bytes the

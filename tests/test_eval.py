@@ -23,6 +23,8 @@ from trtkv.evaluate import (
 )
 from trtkv.formats import get_format
 
+INT8_TOKEN = "k=int8:token,v=int8:token"  # every token quantized on write: the eval cache's other semantics
+
 
 def _naive(ref: torch.Tensor, cur: torch.Tensor, targets: torch.Tensor):
     """Per-position KL(p_ref || p), NLL and top-1 agreement with explicit float64 loops over softmax."""
@@ -62,9 +64,9 @@ def test_evaluate_formats_tiny(tiny_model):
     _, model = tiny_model("mistral")
     windows = torch.randint(0, 320, (3, 24), generator=torch.Generator().manual_seed(0))
     res = evaluate_formats(
-        model, windows, ["int8-token", "k=int4:g12:asym,v=int4:g12:asym"], batch_size=2, generate_prompts=2, generate_tokens=6
+        model, windows, [INT8_TOKEN, "k=int4:g12:asym,v=int4:g12:asym"], batch_size=2, generate_prompts=2, generate_tokens=6
     )
-    assert [r.format for r in res] == ["fp16", "int8-token", "k=int4:g12:asym,v=int4:g12:asym"]
+    assert [r.format for r in res] == ["fp16", INT8_TOKEN, "k=int4:g12:asym,v=int4:g12:asym"]
     base, i8, i4 = res
     assert base.ppl_delta_pct == 0.0 and base.kld_mean == 0.0 and base.top1_agreement == 1.0
     assert base.generation_match == 1.0
@@ -72,7 +74,7 @@ def test_evaluate_formats_tiny(tiny_model):
     assert 0 < i8.kld_mean < i4.kld_mean
     assert abs(i8.ppl_delta_pct) < abs(i4.ppl_delta_pct)
     assert i4.bits_per_element == pytest.approx(4 + 32 / 12)
-    assert i8.kv_bytes_per_token == pytest.approx(get_format("int8-token").kv_bytes_per_token(2, 2, 24))
+    assert i8.kv_bytes_per_token == pytest.approx(get_format(INT8_TOKEN).kv_bytes_per_token(2, 2, 24))
     assert i8.tail_bytes_per_slot == 0 and i8.pool_bits_per_element == i8.bits_per_element
     for r in res:
         assert 0.0 <= r.generation_match <= r.generation_match_all <= 1.0  # a matching prefix is a subset of matches
@@ -126,7 +128,7 @@ def test_run_eval_real_model_small(builtin_model, monkeypatch):
 
     monkeypatch.setattr(trtkv.models, "load_model", lambda *a, **k: builtin_model)  # reuse the session's model
     res = run_eval(
-        "smollm2-135m", "builtin:pydoc", ["int8-token", "int4-g32"], windows=2, seq_len=128, device="cpu", dtype="float32",
+        "smollm2-135m", "builtin:pydoc", [INT8_TOKEN, "k=int4:g32:sym,v=int4:g32:sym"], windows=2, seq_len=128, device="cpu", dtype="float32",
         generate_prompts=1, generate_tokens=8, progress=False,
     )
     base, i8, i4 = res

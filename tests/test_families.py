@@ -95,10 +95,13 @@ def test_eval_cache_gives_the_models_own_logits(family, name):
             assert 0 < diff < bound, (kv, diff)
 
 
-def test_int4_presets_fit_head_dim_256_unchanged():
-    fmts, notes = fit_formats(["int8", "int4", "int4-token", "int4-g32", "fp8"], 256)
-    assert notes == [] and [f.name for f in fmts] == ["int8", "int4", "int4-token", "int4-g32", "fp8"]
-    assert fmts[1] == PRESETS["int4"]
+def test_presets_fit_head_dim_256_as_written_but_int2s_outlier_counts():
+    """Gemma 3's head_dim 256: every preset fits as written, but int2, whose outlier lists keep their share of a block."""
+    names = [n for n in PRESETS if n != "int2"]
+    fmts, notes = fit_formats(names, 256)
+    assert notes == [] and [f.name for f in fmts] == names and all(f is PRESETS[n] for f, n in zip(fmts, names))
+    [int2], notes = fit_formats(["int2"], 256)
+    assert notes == ["int2 at head_dim 256: K out16->out64, V out48->out192"] and int2.v.outliers == 192
 
 
 def test_gemma2_loads_with_eager_attention(family):

@@ -13,14 +13,17 @@ from pydantic import ValidationError
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import (
+    CALIBRATION_FREE,
     DTYPES,
     DYNAMIC_GRANULARITIES,
     PRESETS,
+    RETIRED,
     SCALE_BITS,
     SPEC_HELP,
     STATIC_GRANULARITIES,
     KVFormat,
     TensorFormat,
+    fit_format,
     get_format,
     parse_tensor_spec,
 )
@@ -59,22 +62,85 @@ def test_dtype_traits_table():
 # ----------------------------------------------------------------------------- presets
 
 
-def test_presets_exist_and_are_consistent():
-    assert {"fp16", "int8", "fp8", "int4"} <= set(PRESETS)
+def test_presets_are_the_handful_the_docs_name():
+    """At most 8 names a user chooses among (``budget``, the name ``trtkv calibrate --budget`` saves, is the 8th); the
+    torch-free list the --help texts read is the same, in order."""
+    from trtkv.preset_names import BUDGET_NAME, KV_HELP, PRESET_NAMES
+
+    assert len(PRESETS) + 1 <= 8 and BUDGET_NAME not in PRESETS
+    assert tuple(PRESETS) == PRESET_NAMES == ("fp16", "fp8", "int8-static", "int8", "int4", "int3", "int2")
+    assert all(f"{n}," in KV_HELP or f"{n})" in KV_HELP for n in PRESETS)
     for name, fmt in PRESETS.items():
         assert fmt.name == name and fmt.description
     assert not PRESETS["fp16"].is_quantized
     assert PRESETS["int8"].k == TensorFormat(dtype="int8", granularity="per_block_channel") and PRESETS["int8"].block_size == 64
-    assert PRESETS["int8-token"].k == TensorFormat(dtype="int8", granularity="per_token") and not PRESETS["int8-token"].sealed
     assert PRESETS["fp8"].k.dtype == PRESETS["fp8"].v.dtype == "fp8_e4m3" and PRESETS["fp8"].k.is_static
-    for name in ("int4", "int3", "int2"):  # keys rotated, then per channel per block (docs/accuracy.md: rotated keys)
-        assert PRESETS[name].k == TensorFormat(dtype=name, granularity="per_block_channel", symmetric=False, hadamard=True)
+    assert PRESETS["int4"].k == TensorFormat(dtype="int4", granularity="per_block_channel", symmetric=False, hadamard=True)
     assert PRESETS["int4"].v.hadamard and PRESETS["int4"].block_size == 64 and PRESETS["int4"].sealed
-    assert PRESETS["int4-token"].k.smooth and PRESETS["int4-token"].k.hadamard and not PRESETS["int4-token"].sealed
     assert PRESETS["int8-static"].shared_kv_scale and PRESETS["int8-static"].needs_calibration
-    assert PRESETS["int4-token"].needs_calibration  # K smoothing factors come from calibration
-    for name in ("int8", "int4", "int4-g32"):  # dynamic scales and rotations only: usable without calibration
+    for name in ("int3", "int2"):  # keys before RoPE with calibrated per-channel widths, values through calibrated codebooks
+        k, v = PRESETS[name].k, PRESETS[name].v
+        assert k.pre_rope and k.allocated_bits and k.dtype == "int8" and v.codebook and v.dtype == name and v.hadamard
+        assert PRESETS[name].block_size == 128 and PRESETS[name].sink_tokens == 4 and PRESETS[name].needs_calibration
+    for name in ("int8", "int4"):  # dynamic scales and rotations only: usable without calibration
         assert not PRESETS[name].needs_calibration
+
+
+def test_spec_help_lists_the_presets_and_the_pasted_error_is_the_real_one():
+    """SPEC_HELP is generated from PRESETS; the invalid-spec error pasted in docs/kv-formats.md is what the CLI prints."""
+    from typer.testing import CliRunner
+
+    from trtkv.cli import app
+
+    assert "use a preset (" + ", ".join(PRESETS) + ")" in SPEC_HELP
+    with pytest.raises(TrtkvError) as e:
+        get_format("int5")
+    assert e.value.fix == SPEC_HELP
+    res = CliRunner().invoke(app, ["eval", "--kv", "k=int5:token,v=int8:token"], terminal_width=1000)
+    line = res.output.strip()
+    assert res.exit_code == 2 and SPEC_HELP in line
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kv-formats.md").read_text()
+    assert line in doc.splitlines()
+
+
+# the calibration-free layouts of the names the int3 / int2 presets took over (every engine path reads them)
+INT3_FREE, INT2_FREE = CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]
+INT8_TOKEN = "k=int8:token:sym,v=int8:token:sym"  # int8 quantized on write (no sealed blocks)
+
+
+@pytest.mark.parametrize("name", list(RETIRED))
+def test_a_retired_name_answers_with_its_replacement_in_one_line(name):
+    """Every retired preset or --budget-formats set name is refused with one line naming what replaces it, and the
+    replacement is something ``get_format`` takes (a preset, a spec string, or presets to list)."""
+    use, why = RETIRED[name]
+    with pytest.raises(TrtkvError) as e:
+        get_format(name)
+    assert "\n" not in str(e.value) and name in e.value.problem and why in e.value.problem and use in e.value.fix
+    assert name not in PRESETS
+    for one in use.split(",") if "=" not in use else [use]:  # a set's replacement: a list of presets
+        assert get_format(one).is_quantized
+
+
+def test_the_retired_recipes_are_spelled_out_exactly():
+    """The spec strings of the retired presets store what those presets stored (a few spot checks by field)."""
+    assert get_format(RETIRED["int3-alloc"][0]) is PRESETS["int3"] and get_format(RETIRED["int2-alloc"][0]) is PRESETS["int2"]
+    nuq3 = get_format(RETIRED["int3-nuq"][0])
+    assert nuq3.k.pre_rope and nuq3.k.smooth_by == "queries" and nuq3.k.outliers == 128 and nuq3.v.codebook and nuq3.block_size == 128
+    assert get_format(RETIRED["int3-nuq-kout64"][0]).k.outliers == 64 and get_format(RETIRED["int2-nuq-kout128"][0]).k.outliers == 128
+    b128 = get_format(RETIRED["int4-b128"][0])
+    assert (b128.k, b128.v, b128.sink_tokens, b128.block_size) == (PRESETS["int4"].k, PRESETS["int4"].v, 4, 128)
+    assert not get_format(INT8_TOKEN).sealed and get_format(RETIRED["int8-token"][0]) == get_format(INT8_TOKEN)
+
+
+@pytest.mark.parametrize("head_dim,k_out,v_out", [(64, 16, 48), (128, 32, 96), (256, 64, 192), (96, 16, 64), (32, 16, 16), (24, 16, 16)])
+def test_int2_keeps_its_share_of_outliers_at_any_head_dim(head_dim, k_out, v_out):
+    """A preset's outlier counts are per block at head_dim 64: fitted to a model they keep their share of a block's
+    elements, in multiples of 16 (the kernels' tile), at least 16; a spec string keeps the counts it wrote."""
+    fitted, note = fit_format(PRESETS["int2"], head_dim)
+    assert (fitted.k.outliers, fitted.v.outliers) == (k_out, v_out)
+    assert (note is None) == (head_dim == 64) or "Hadamard" in (note or "") or "alloc" in (note or "")
+    spelled = get_format(PRESETS["int2"].spec())
+    assert (fit_format(spelled, head_dim)[0] or spelled).v.outliers == 48
 
 
 def _same_format(a: KVFormat, b: KVFormat) -> bool:
@@ -138,8 +204,8 @@ def test_inline_specs(spec, k, v, block, shared):
     assert _same_format(again, fmt) and again.spec() == fmt.spec()
 
 
-def test_inline_int4_g32_equals_preset():
-    assert _same_format(get_format("k=int4:g32,v=int4:g32:sym"), PRESETS["int4-g32"])
+def test_symmetry_is_the_default_of_a_spec_word():
+    assert _same_format(get_format("k=int4:g32,v=int4:g32:sym"), get_format("k=int4:g32:sym,v=int4:g32:sym"))
 
 
 @st.composite
@@ -292,11 +358,11 @@ def test_llama7b_fp16_is_512_kib_per_token():
 
 def test_int8_per_token_bits_and_bytes():
     # 128 int8 codes + one fp16 scale per token and head: 8 + 16/128 bits per element
-    assert PRESETS["int8-token"].k.bits_per_element(128) == 8 + 16 / 128
-    assert PRESETS["int8-token"].bits_per_element(128) == 8.125
+    assert get_format(INT8_TOKEN).k.bits_per_element(128) == 8 + 16 / 128
+    assert get_format(INT8_TOKEN).bits_per_element(128) == 8.125
     # LLaMA-7B: per token, layer and KV head: K 128 + 2 bytes, V 128 + 2 bytes
-    assert PRESETS["int8-token"].kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (128 + 2)
-    assert PRESETS["int8-token"].bits_per_element(64) == 8 + 16 / 64
+    assert get_format(INT8_TOKEN).kv_bytes_per_token(32, 32, 128) == 32 * 32 * 2 * (128 + 2)
+    assert get_format(INT8_TOKEN).bits_per_element(64) == 8 + 16 / 64
     # the int8 preset: keys one fp16 scale per channel per block of 64 (8 + 16/64 at any head_dim)
     assert PRESETS["int8"].pool_bits_per_element(128) == (8 + 16 / 64 + 8 + 16 / 128) / 2
 
@@ -314,7 +380,7 @@ def test_int4_asym_g64_is_4_5_bits():
     assert PRESETS["int4"].pool_bits_per_element(128) == 4.5
     assert PRESETS["int4"].pool_bits_per_element(64) == 4.5
     # symmetric g32: 4 + 16/32 = 4.5 as well (one fp16 scale per 32 codes)
-    assert PRESETS["int4-g32"].bits_per_element(128) == 4.5
+    assert get_format("k=int4:g32:sym,v=int4:g32:sym").bits_per_element(128) == 4.5
     assert get_format("k=int4:g32:asym,v=int4:g32:asym").bits_per_element(128) == 5.0
 
 
@@ -348,8 +414,8 @@ def test_sealed_block_formats_count_the_open_block_per_sequence():
     # block-wise scales are amortised over the block: bchannel at block 16 costs 4 + 32/16 bits
     assert get_format("k=int4:bchannel:asym,v=int4:bchannel:asym,block=16").pool_bits_per_element(64) == 6.0
     # quantize-on-write formats reserve nothing
-    assert PRESETS["int8-token"].tail_bytes_per_slot(30, 3, 64) == 0
-    assert PRESETS["int8-token"].bits_per_element(64, 512) == PRESETS["int8-token"].bits_per_element(64)
+    assert get_format(INT8_TOKEN).tail_bytes_per_slot(30, 3, 64) == 0
+    assert get_format(INT8_TOKEN).bits_per_element(64, 512) == get_format(INT8_TOKEN).bits_per_element(64)
 
 
 def test_sink_tokens_spec_round_trip_and_errors():
@@ -485,17 +551,29 @@ def test_plane_tables_sum_to_the_codes_of_every_byte(name, symmetric):
 
 
 @pytest.mark.parametrize("name,d,bits", [("int3", 64, 3.5), ("int2", 64, 2.5), ("int2", 128, 2.375), ("int3", 128, 3.5)])
-def test_fewbit_presets_pool_bits(name, d, bits):
-    """Issue 18's budgets at block 64: int3 <= 3.5 pool bits, int2 <= 2.5, scales and zero-points included, by hand:
-    keys 1 fp16 scale + 1 zero per channel per 64 tokens; int3 values 1 fp16 scale per 32 codes, int2 values an fp16
-    scale + zero per token row."""
-    fmt = PRESETS[name]
+def test_calibration_free_fewbit_layouts_pool_bits(name, d, bits):
+    """The calibration-free layouts at block 64: int3 <= 3.5 pool bits, int2 <= 2.5, scales and zero-points included, by
+    hand: keys 1 fp16 scale + 1 zero per channel per 64 tokens; int3 values 1 fp16 scale per 32 codes, int2 values an
+    fp16 scale + zero per token row."""
+    fmt = get_format(CALIBRATION_FREE[name])
     b = DTYPES[name].bits
     k = b + 32 / 64
     v = b + 16 / 32 if name == "int3" else b + 32 / d
     assert fmt.pool_bits_per_element(d) == (k + v) / 2 == bits
-    assert fmt.sealed and fmt.block_size == 64 and fmt.sink_tokens == 4
+    assert fmt.sealed and fmt.block_size == 64 and fmt.sink_tokens == 4 and not fmt.needs_calibration
     assert fmt.k.packed_dim(d) == d * b // 8 and fmt.v.packed_dim(d) == d * b // 8
+
+
+@pytest.mark.parametrize("name,d,bits", [("int3", 64, 3.5), ("int3", 128, 3.4375), ("int2", 64, 2.5), ("int2", 128, 2.4375)])
+def test_fewbit_presets_pool_bits(name, d, bits):
+    """The int3 / int2 presets by hand, fitted to the head_dim: keys ``alloc`` bits per element plus an fp16 step and
+    minimum per channel per block of 128 (0.25 bits), key outliers 32 bits each; values the codes plus one fp16 scale
+    per token row, value outliers (int2: 16 / 48 at head_dim 64, twice as many at 128)."""
+    fmt = fit_format(PRESETS[name], d)[0]
+    alloc = fmt.k.allocated_bits
+    k = alloc + 32 / 128 + fmt.k.outliers * 32 / (128 * d)
+    v = DTYPES[name].bits + 16 / d + fmt.v.outliers * 32 / (128 * d)
+    assert fmt.pool_bits_per_element(d) == pytest.approx((k + v) / 2) == bits
 
 
 def test_fewbit_round_trip_through_quantize_block_against_float64():
@@ -543,27 +621,3 @@ def test_check_head_dim_names_each_rule():
 ])
 def test_scale_shape(spec, want):
     assert parse_tensor_spec(spec).scale_shape(("L", 7), 3, 5, 48) == want
-
-
-@pytest.mark.parametrize("name, measured", [("int3-nuq-kout64", "int3-kout64.json"), ("int2-nuq-kout128", "int2-kout128.json")])
-def test_the_named_budget_candidates_are_the_measured_twins(name, measured):
-    """The key-outlier twins ``--budget-formats nuq`` names store what the measured candidates (tests/data) stored
-    (docs/calibration.md's best 2.5-bit mix), and differ from their preset only in the keys' outlier count."""
-    twin = get_format(name)
-    file = get_format(str(Path(__file__).resolve().parent / "data/budget-candidates" / measured))
-    assert (twin.k, twin.v, twin.block_size, twin.sink_tokens) == (file.k, file.v, file.block_size, file.sink_tokens)
-    preset = PRESETS[name.rsplit("-kout", 1)[0]]
-    assert twin.v == preset.v and twin.k.outliers != preset.k.outliers
-    assert twin.k.model_copy(update={"outliers": preset.k.outliers}) == preset.k
-    assert name not in PRESETS and name in SPEC_HELP
-
-
-def test_a_candidate_set_name_expands_in_place_and_anything_else_passes_through():
-    from trtkv.formats import BUDGET_FORMAT_SETS, expand_format_sets
-
-    fmt = get_format("int4")
-    assert expand_format_sets(["int8", "nuq", fmt]) == ["int8", *BUDGET_FORMAT_SETS["nuq"], fmt]
-    assert expand_format_sets(["int4", "nuq2", "k=int4:token,v=int4:token"]) == ["int4", "nuq2", "k=int4:token,v=int4:token"]
-    for names in BUDGET_FORMAT_SETS.values():
-        members = [get_format(n) for n in names]
-        assert len({(f.block_size, f.sink_tokens) for f in members}) == 1  # a set the search can mix

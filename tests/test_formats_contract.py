@@ -17,6 +17,7 @@ import torch
 
 from trtkv.errors import TrtkvError
 from trtkv.formats import (
+    CALIBRATION_FREE,
     CLIP_GRID,
     DEFAULT_BLOCK_SIZE,
     DTYPES,
@@ -280,8 +281,10 @@ def test_check_head_dim_names_the_rule():
 
 
 def naive_bits(t: TensorFormat, D: int, bs: int | None) -> float:
-    """Bits of one token row of D codes plus its share of fp16 scales (and zero-points when asymmetric), per element."""
-    bits = {"fp16": 16, "fp8_e4m3": 8, "int8": 8, "int4": 4, "int3": 3, "int2": 2}[t.dtype] * D
+    """Bits of one token row of D codes (``allocB``: B per element) plus its share of fp16 scales (and zero-points when
+    asymmetric) and of the block's outliers (an fp16 value and an int16 position each), per element."""
+    bits = t.allocated_bits * D if t.allocated_bits else {"fp16": 16, "fp8_e4m3": 8, "int8": 8, "int4": 4, "int3": 3, "int2": 2}[t.dtype] * D
+    bits += t.outliers * 32 / bs if t.outliers else 0
     per = 16 * (1 if t.symmetric else 2)
     if t.granularity == "per_token":
         bits += per
@@ -307,27 +310,19 @@ def test_bits_per_element_is_the_naive_count(D, bs):
 
 @pytest.mark.parametrize("name, spec, pool_bits", [
     ("fp16", "k=fp16,v=fp16", 16.0),
-    ("int8", "k=int8:bchannel:sym,v=int8:token:sym,block=64", 8.25),
-    ("int8-token", "k=int8:token:sym,v=int8:token:sym", 8.25),
-    ("int8-static", "k=int8:tensor:sym,v=int8:tensor:sym,shared", 8.0),
     ("fp8", "k=fp8_e4m3:tensor:sym,v=fp8_e4m3:tensor:sym", 8.0),
+    ("int8-static", "k=int8:tensor:sym,v=int8:tensor:sym,shared", 8.0),
+    ("int8", "k=int8:bchannel:sym,v=int8:token:sym,block=64", 8.25),
     ("int4", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=64,sink=4", 4.5),
-    ("int3", "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4", 3.5),
-    ("int2", "k=int2:bchannel:asym:hadamard,v=int2:token:asym:hadamard,block=64,sink=4", 2.5),
-    ("int4-b128", "k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=128,sink=4", 4.375),
-    ("int4-token", "k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard", 4.5),
-    ("int4-g32", "k=int4:g32:sym,v=int4:g32:sym", 4.5),
-    ("int3-alloc", "k=int8:bchannel:asym:prerope:alloc3.5,v=int3:token:sym:hadamard:nuq,block=128,sink=4", 3.5),
-    ("int2-alloc", "k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=128,sink=4", 2.5),
+    ("int3", "k=int8:bchannel:asym:prerope:alloc3.5,v=int3:token:sym:hadamard:nuq,block=128,sink=4", 3.5),
+    ("int2", "k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=128,sink=4", 2.5),
 ])
 def test_presets(name, spec, pool_bits):
     p = get_format(name)
     assert p is PRESETS[name] and p.name == name and p.spec() == spec and p.description
     assert p.pool_bits_per_element(64) == pytest.approx(pool_bits)
     assert get_format(spec).model_copy(update={"name": name, "description": p.description}) == p
-    assert list(PRESETS)[:1] == ["fp16"] and set(PRESETS) == {"fp16", "int8", "int8-token", "int8-static", "fp8", "int4", "int3", "int2",
-                                                              "int3-qs", "int2-qs", "int4-b128", "int3-nuq", "int2-nuq", "int3-alloc", "int2-alloc",
-                                                              "int4-token", "int4-g32"}
+    assert list(PRESETS) == ["fp16", "fp8", "int8-static", "int8", "int4", "int3", "int2"]
 
 
 def random_kv_spec(rng: random.Random) -> str:
@@ -480,8 +475,9 @@ def test_with_block_size():
 
 
 @pytest.mark.parametrize("spec, quantized, calibrated, sealed", [
-    ("fp16", False, False, False), ("int8-static", True, True, False), ("int8-token", True, False, False), ("int4", True, False, True),
-    ("int4-token", True, True, False), ("k=fp16,v=int8:token", True, False, False), ("k=int8:head,v=fp16", True, True, False),
+    ("fp16", False, False, False), ("int8-static", True, True, False), ("k=int8:token,v=int8:token", True, False, False),
+    ("int4", True, False, True), ("int3", True, True, True), ("k=int4:token:asym:smooth,v=int4:token", True, True, False),
+    ("k=fp16,v=int8:token", True, False, False), ("k=int8:head,v=fp16", True, True, False),
     ("k=int8:token,v=int8:token,layers=int8:token/int8:token|int8:token/int8:channel", True, True, False),
     ("k=fp16,v=fp16,layers=fp16/fp16|int8:token/fp16", True, False, False),
 ])
@@ -491,11 +487,12 @@ def test_traits(spec, quantized, calibrated, sealed):
 
 
 def _fits(spec: str, D: int) -> bool:
-    return not any(t.group_size and D % t.group_size for lf in get_format(spec).layer_formats() for t in (lf.k, lf.v))
+    return not any((t.group_size and D % t.group_size) or (t.allocated_bits and t.allocated_bits * D % 8)
+                   for lf in get_format(spec).layer_formats() for t in (lf.k, lf.v))
 
 
 @pytest.mark.parametrize("spec, H, D", [(spec, H, D) for spec in [
-    "int8", "int4", "int3", "int2", "fp16", "int8-token", "int4-g32",
+    "int8", "int4", "int3", "int2", "fp16", "k=int8:token,v=int8:token", "k=int4:g32,v=int4:g32", *CALIBRATION_FREE.values(),
     "k=int8:token,v=int4:bchannel:asym,block=8,sink=3,layers=int8:token/int4:bchannel:asym|int2:g8:asym/int3:token"]
     for H, D in [(2, 24), (3, 64), (1, 40)] if _fits(spec, D)])
 def test_bytes_are_the_naive_count(spec, H, D):
@@ -571,8 +568,42 @@ def test_fit_formats_fits_presets_refuses_written_group_sizes_and_skips_optional
     fmts, notes = fit_formats(["int8", "int4", "int3"], 63, optional=True)
     assert [f.name for f in fmts] == ["int8"] and len(notes) == 2 and all(n.startswith("skipped ") for n in notes)
     with pytest.raises(TrtkvError) as info:
-        fit_formats(["int3"], 12)
+        fit_formats(["int3"], 12)  # its values: int3 codes in bit planes
     assert "int3 needs a head_dim that is a multiple of 8" in info.value.fix and "hadamard" not in info.value.fix
     with pytest.raises(TrtkvError) as info:
         fit_formats(["int4"], 63)
     assert "int4 needs a head_dim that is a multiple of 2" in info.value.fix and "hadamard needs an even head_dim" in info.value.fix
+
+
+def test_fit_format_may_take_the_whole_head_dim_as_the_group():
+    """A group size that does not divide head_dim becomes the largest
+    divisor of head_dim up to it -- head_dim itself when the group is larger (g64 -> g32 at 32, g80 -> g48 at 48)."""
+    from trtkv.formats import fit_format
+
+    for g, d in ((64, 32), (80, 48)):
+        fmt, note = fit_format(get_format(f"k=int4:g{g}:sym,v=int8:g{g}:sym"), d)
+        assert (fmt.k.group_size, fmt.v.group_size) == (d, d) and f"K g{g}->g{d}" in note and f"V g{g}->g{d}" in note
+    fmt, note = fit_format(get_format("k=int4:g64:sym,v=int4:g64:sym"), 96)  # 64 does not divide 96: 48 does
+    assert fmt.k.group_size == 48
+
+
+def test_a_per_layer_formats_k_and_v_must_be_its_layer_0s():
+    """A per-layer format's k / v are layer 0's; a spec whose v differs is refused."""
+    ok = get_format("k=int4:token:sym,v=int8:token,layers=int4:token:sym/int8:token|int8:token/int8:token")
+    assert ok.layer(0).v == ok.v and ok.num_layers == 2
+    for spec in ("k=int4:token:sym,v=int4:token:sym,layers=int4:token:sym/int8:token|int8:token/int8:token",
+                 "k=int8:token,v=int8:token,layers=int4:token:sym/int8:token|int8:token/int8:token"):
+        with pytest.raises(TrtkvError, match="must be its layer 0's"):
+            get_format(spec)
+
+
+def test_a_spec_with_mse_round_trips():
+    """Spec() is the inverse of the parser, mse included."""
+    fmt = get_format("k=int4:bchannel:asym:hadamard:mse,v=int4:g8:sym,block=16")
+    assert fmt.k.mse and get_format(fmt.spec()) == fmt.model_copy(update={"name": fmt.spec()})
+
+
+def test_a_format_with_one_quantized_side_is_quantized():
+    """A format that stores K in fp16 and V in int8 is a quantized format."""
+    assert get_format("k=fp16,v=int8:token").is_quantized
+    assert not get_format("k=fp16,v=fp16").is_quantized

@@ -38,7 +38,7 @@ pytest.importorskip("triton")
 
 from trtkv.cache_layout import PagedKVLayout, seal_blocks
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat, get_format, parse_tensor_spec
+from trtkv.formats import CALIBRATION_FREE, KVFormat, TensorFormat, get_format, parse_tensor_spec
 from trtkv.plugins import contract as C
 from trtkv.plugins import kernels as K
 from trtkv.plugins import ops
@@ -47,6 +47,9 @@ from trtkv.plugins.cases import PagedCase, case_params, case_rope
 from trtkv.quant import hadamard_matrix, unpack_int4
 
 ATTN_RTOL = 2e-5
+INT4_G32 = "k=int4:g32:sym,v=int4:g32:sym"  # symmetric groups, no transform (llama.cpp q4_0-like)
+# keys before RoPE, smoothed by the queries, rotated, 128 outliers per block; values through a codebook
+INT3_NUQ = "k=int3:bchannel:asym:prerope:qsmooth:hadamard:out128,v=int3:token:sym:hadamard:nuq,block=128,sink=4"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,17 +302,18 @@ DECODE_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
     ("k=int4:bchannel:sym:hadamard,v=int8:token:asym,block=16", 128, 3, 64, 2),
     ("fp8", 64, 8, 32, 1),
     ("int8-static", 128, 1, 64, 2),
-    ("int4-g32", 64, 3, 512, 3),
+    (INT4_G32, 64, 3, 512, 3),
     ("k=fp8:channel:sym:hadamard,v=int8:head:sym", 64, 1, 16, 2),
     ("fp16", 64, 3, 64, 1),
-    ("int3", 64, 2, 64, 2),  # presets: K per block-channel, V g32 sym (int3) / per token asym (int2), Hadamard V
-    ("int2", 64, 2, 64, 1),
+    # the calibration-free 3- / 2-bit layouts: K per block-channel, V g32 sym (int3) / per token asym (int2), Hadamard V
+    (CALIBRATION_FREE["int3"], 64, 2, 64, 2),
+    (CALIBRATION_FREE["int2"], 64, 2, 64, 1),
     ("k=int3:token:sym,v=int2:token:sym,block=16", 32, 1, 16, 2),  # symmetric per token: the code offsets
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,d,ratio,part,kvh", DECODE_CASES, ids=[f"{f}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in DECODE_CASES])
+@pytest.mark.parametrize("fmt,d,ratio,part,kvh", DECODE_CASES, ids=[f"{f[:40]}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in DECODE_CASES])
 def test_decode_matches_float64_reference(fmt, d, ratio, part, kvh):
     f = get_format(fmt)
     case = _case(f, d, ratio, _ctxs(f.block_size or 16), kvh=kvh, seed=d + ratio)
@@ -346,7 +350,7 @@ def test_decode_partition_size_does_not_change_the_result_beyond_rounding():
 
 
 def test_decode_sm_scale_and_bf16_query():
-    case = _case("int4-g32", 64, 1, [40, 9], seed=4)
+    case = _case(INT4_G32, 64, 1, [40, 9], seed=4)
     q = torch.randn(2, case.heads, 64, generator=case.gen)
     ref = case.reference(q, sm_scale=0.3)
     assert _rel_err(_decode(case, q, sm_scale=0.3), ref) < ATTN_RTOL
@@ -392,7 +396,7 @@ PREFILL_CASES = [  # (format, head_dim, gqa ratio, kv heads)
     ("fp8", 64, 1, 3),
     ("k=int4:bchannel:asym:smooth,v=int8:token:asym:smooth:hadamard,block=16", 128, 1, 2),
     ("k=int8:bchannel:sym,v=int4:g32:sym:hadamard,block=16,sink=3", 64, 2, 2),
-    ("int3", 64, 2, 1),
+    (CALIBRATION_FREE["int3"], 64, 2, 1),
     ("k=int2:bchannel:asym,v=int3:token:sym,block=16,sink=2", 128, 1, 2),
 ]
 
@@ -416,7 +420,7 @@ def test_prefill_matches_float64_reference(fmt, d, ratio, kvh):
 
 def test_prefill_garbage_bit_for_bit_and_padding_rows():
     ctxs, new = [30, 0, 64, 17], [2, 16, 7, 0]
-    case = _case("int4-g32", 64, 3, ctxs, new=new, seed=9, garbage=False)
+    case = _case(INT4_G32, 64, 3, ctxs, new=new, seed=9, garbage=False)
     q = torch.randn(int(case.cu[-1]), case.heads, 64, generator=case.gen)
     clean = _prefill(case, q, max_seqlen_q=16)
     case.garbage()
@@ -640,7 +644,7 @@ def test_fake_impls_and_opcheck(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. calibrated storage: codebooks (nuq), outlier lists (outN), keys stored before RoPE (prerope)
+# 4. codebooks (nuq), outlier lists (outN), keys stored before RoPE (prerope), bits per channel (allocB)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -654,7 +658,7 @@ def _seal_both(rows, tf, p, first=None, rope=None):
 
 # integer-valued rows: every sum (block and group means, so every outlier score) is exact in any order, and the many
 # equal scores exercise the tie rule (the lower position first) -> bit exact
-SEAL27_EXACT = [("int3:bchannel:asym:out16", 32, 16), ("int2:g16:asym:nuq:out48", 64, 32),
+SEAL_EXACT_FEATURES = [("int3:bchannel:asym:out16", 32, 16), ("int2:g16:asym:nuq:out48", 64, 32),
                 ("int4:token:sym:nuq:out16", 64, 16), ("int3:bchannel:sym:nuq:out64", 128, 64),
                 ("int3:g32:sym:nuq", 64, 128),
                 # allocB (random widths, every width in head 0): rows of 10, 24 and 32 bytes, outliers in units of levels
@@ -662,7 +666,7 @@ SEAL27_EXACT = [("int3:bchannel:asym:out16", 32, 16), ("int2:g16:asym:nuq:out48"
                 ("int4:bchannel:asym:alloc2", 128, 64)]
 
 
-@pytest.mark.parametrize("spec,d,bs", SEAL27_EXACT, ids=[f"{s}-d{d}-b{b}" for s, d, b in SEAL27_EXACT])
+@pytest.mark.parametrize("spec,d,bs", SEAL_EXACT_FEATURES, ids=[f"{s}-d{d}-b{b}" for s, d, b in SEAL_EXACT_FEATURES])
 def test_seal_codebooks_and_outliers_bit_for_bit_on_integer_inputs(spec, d, bs):
     gen = torch.Generator().manual_seed(d + bs)
     tf = parse_tensor_spec(spec)
@@ -679,13 +683,15 @@ def test_seal_codebooks_and_outliers_bit_for_bit_on_integer_inputs(spec, d, bs):
             assert (out.outlier_index[1, 0] // d == 5).sum() >= min(tf.outliers, d) // 2  # the loud row is set aside
 
 
-SEAL27_PRESETS = [("int3-nuq", 64), ("int2-nuq", 128), ("k=int3:bchannel:asym:prerope:qsmooth:out16,v=fp16,block=32", 32),
-                  ("int3-alloc", 64), ("k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=32", 64)]
+# the int3 preset; the int2 preset's layout at blocks of 32 (its outlier counts at their share of the block: 4 / 12 would
+# not tile, so 16 / 48 of a block of 32); pre-RoPE keys smoothed by the queries and rotated, with outlier lists
+SEAL_FEATURE_FORMATS = [("int3", 64), ("k=int8:bchannel:asym:prerope:alloc2.25:out16,v=int2:token:sym:hadamard:nuq:out48,block=32", 64),
+                        (INT3_NUQ, 64), ("k=int3:bchannel:asym:prerope:qsmooth:out16,v=fp16,block=32", 32)]
 
 
-@pytest.mark.parametrize("fmt,d", SEAL27_PRESETS)
-def test_seal_of_calibrated_formats_matches_the_reference(fmt, d):
-    """The presets' K (pre-RoPE, smoothed, rotated, outliers) and V (codebook): the reference's codes, scales and outlier
+@pytest.mark.parametrize("fmt,d", SEAL_FEATURE_FORMATS)
+def test_seal_of_pre_rope_keys_codebooks_and_outliers_matches_the_reference(fmt, d):
+    """K (pre-RoPE; per-channel widths, or smoothed and rotated; outliers) and V (codebook): the reference's codes, scales and outlier
     lists. Where a rotation sums products, within its summation-order tolerance (module docstring); outlier lists may then
     swap an element whose score sits within an ulp of the threshold."""
     f = get_format(fmt)
@@ -730,26 +736,25 @@ def test_seal_prerope_uses_each_blocks_position():
     assert all(torch.equal(getattr(at, n), getattr(ref, n)) for n in ("data", "scale", "zero"))
 
 
-ATTN27_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
-    ("int3-nuq", 64, 3, 512, 2),
-    ("int2-nuq", 128, 2, 128, 1),
+FEATURE_ATTN_CASES = [  # (format, head_dim, gqa ratio, partition size, kv heads)
+    (INT3_NUQ, 64, 3, 512, 2),
     ("k=int3:bchannel:asym:prerope:out16,v=int4:token:asym:nuq:out16,block=16,sink=2", 32, 1, 16, 2),
     ("k=int4:bchannel:sym:nuq:out32,v=int3:g16:sym:hadamard:nuq,block=32,sink=5", 64, 2, 32, 2),
     # allocB: each channel's code at its offset and width (keys before RoPE with outliers; values too)
-    ("int3-alloc", 64, 3, 512, 2),
-    ("int2-alloc", 128, 2, 128, 1),
+    ("int3", 64, 3, 512, 2),  # the presets
+    ("int2", 128, 2, 128, 1),
     ("k=int8:bchannel:asym:alloc2.5,v=int4:bchannel:asym:alloc3:out16,block=16,sink=2", 32, 1, 16, 2),
 ]
 
 
-def _tol27(f: KVFormat) -> float:
+def _feature_tol(f: KVFormat) -> float:
     """Keys stored before RoPE and rotated come back to model space through an fp16 product (the precision the open
     block keeps keys in): ~1e-3 relative; every other read is the fp32 arithmetic of ATTN_RTOL."""
     return 2e-3 if f.k.pre_rope and f.k.hadamard else ATTN_RTOL
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,d,ratio,part,kvh", ATTN27_CASES, ids=[f"{f}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in ATTN27_CASES])
+@pytest.mark.parametrize("fmt,d,ratio,part,kvh", FEATURE_ATTN_CASES, ids=[f"{f[:40]}-d{d}-gqa{r}-p{p}-h{h}" for f, d, r, p, h in FEATURE_ATTN_CASES])
 def test_decode_and_prefill_read_codebooks_outliers_and_prerope_keys(fmt, d, ratio, part, kvh):
     """Against float64 attention over the reference's dequantized cache (codebook levels, outlier lists written back,
     RoPE applied again at each position), with garbage everywhere attention must not read -- dead blocks' outlier lists
@@ -761,19 +766,19 @@ def test_decode_and_prefill_read_codebooks_outliers_and_prerope_keys(fmt, d, rat
     ext = ops.SealedExtras(**case.extras_kwargs())
     q = torch.randn(len(case.ctxs), case.heads, d, generator=case.gen)
     out = ops.launch_paged_decode(q, *case.attn_args(), interpret=True, partition_size=part, extras=ext)
-    assert _rel_err(out, case.reference(q)) < _tol27(f)
+    assert _rel_err(out, case.reference(q)) < _feature_tol(f)
     win = bs + 3
     out = ops.launch_paged_decode(q, *case.attn_args(), interpret=True, partition_size=part, extras=ext, window=win)
-    assert _rel_err(out, case.reference(q, window=win)) < _tol27(f)
+    assert _rel_err(out, case.reference(q, window=win)) < _feature_tol(f)
     qp = torch.randn(case.q_pre.shape, generator=case.gen)
     out = ops.launch_paged_prefill(qp, case.cu, *case.attn_args(prefill=True), interpret=True, extras=ext)
-    assert _rel_err(out, case.reference(qp, prefill=True)) < _tol27(f)
+    assert _rel_err(out, case.reference(qp, prefill=True)) < _feature_tol(f)
 
 
 def test_attention_reads_each_feature():
     """Each feature changes what the kernels read (against the same reference): the outlier lists, the codebook and the
     RoPE table each, replaced, move the output far past the tolerance."""
-    f = get_format("int3-nuq")
+    f = get_format(INT3_NUQ)
     case = PagedCase(f, [300, 129], heads_q=4, kv_heads=2, head_dim=64, seed=3)
     ref = case.reference()
     kw = case.extras_kwargs()
@@ -784,8 +789,8 @@ def test_attention_reads_each_feature():
         assert _rel_err(_decode(case, case.q_dec, extras=ops.SealedExtras(**{**kw, **change})), ref) > 1e-2, list(change)
 
 
-def test_calibrated_reads_refuse_what_is_missing_in_one_line():
-    case = PagedCase(get_format("int3-nuq"), [130], heads_q=2, kv_heads=1, head_dim=64, seed=1)
+def test_reads_of_codebooks_outliers_and_pre_rope_keys_refuse_what_is_missing_in_one_line():
+    case = PagedCase(get_format(INT3_NUQ), [130], heads_q=2, kv_heads=1, head_dim=64, seed=1)
     kw = case.extras_kwargs()
     for missing, words in (("v_codebook", "none was given"), ("k_outlier_index", "outlier lists"),
                            ("rope_cos", "no RoPE table")):
@@ -800,7 +805,7 @@ def test_calibrated_reads_refuse_what_is_missing_in_one_line():
 @pytest.mark.parametrize("n, ok", [(16, True), (48, True), (64, True), (96, True), (40, False), (8, False), (2048, False)])
 def test_outlier_counts_the_kernels_take(n, ok):
     """The attention kernels read a block's outlier list in chunks of its largest power-of-two divisor and the seal
-    kernel's selection counts: any multiple of 16 up to 1024 (int2-alloc's 48 value outliers are three chunks). Both
+    kernel's selection counts: any multiple of 16 up to 1024 (the int2 preset's 48 value outliers are three chunks). Both
     refuse the rest in one line naming what they take."""
     from trtkv.plugins.contract.capabilities import KERNEL_ATTENTION, KERNEL_SEAL, kernel_refusal
 

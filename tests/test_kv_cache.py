@@ -29,7 +29,7 @@ def _static_params(num_layers: int, heads: int = H, dim: int = D, seed: int = 0)
 
 FORMATS = {
     # spec: expected code dtype of K
-    "int8-token": torch.int8,
+    "k=int8:token,v=int8:token": torch.int8,
     "k=int8:token:asym,v=int8:g8:sym": torch.uint8,
     "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym": torch.uint8,
     "k=int4:g8:sym,v=int4:g8:sym": torch.uint8,
@@ -71,7 +71,7 @@ def test_layer_stores_codes_and_reads_fake_quant(spec):
 
 def test_cache_bytes_match_format_accounting():
     """What the cache holds is what the format's bit accounting promises (dynamic scales included)."""
-    for spec in ("int8-token", "k=int4:g12:asym,v=int4:token:sym", "k=int4:g8:sym,v=int8:token:asym"):
+    for spec in ("k=int8:token,v=int8:token", "k=int4:g12:asym,v=int4:token:sym", "k=int4:g8:sym,v=int8:token:asym"):
         fmt = get_format(spec)
         cache = QuantizedKVCache(fmt, num_layers=2)
         for layer_idx in range(2):
@@ -166,7 +166,7 @@ class PagedReferenceCache(Cache):
 
     def __init__(self, fmt, num_layers: int, heads: int, dim: int, batch: int, params=None, rope=None):
         self.layout = PagedKVLayout(fmt, heads, dim, fmt.block_size, num_blocks=64, num_slots=batch)
-        self.rope = rope  # prerope keys: the model's RoPE table
+        self.rope = rope  # prerope keys: each layer's RoPE table (RopeTable.per_layer)
         self.pools = [{w: self.layout.allocate(w) for w in "kv"} for _ in range(num_layers)]
         self.params = params
         self.lens = [0] * num_layers
@@ -186,11 +186,12 @@ class PagedReferenceCache(Cache):
             for b in range(x.shape[0]):
                 new = x[b].transpose(0, 1).half()  # the step's rows as the open block will hold them
                 # the step contract: cached tokens (sealed blocks + open block, read-only) plus the step's new rows
-                cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b, rope=self.rope)
+                rope = None if self.rope is None else self.rope[layer_idx]
+                cached = gather_paged(self.layout, w, pool, self.tables[b], n0, p, slot=b, rope=rope)
                 rows.append(torch.cat([cached, new.float()]).transpose(0, 1))
                 write_tail(pool, b, new, n0 % bs, bs)  # after the step: the runtime writes the rows ...
                 if (n0 + n) % bs == 0:  # ... and seals a full open block into the sequence's next pool block
-                    seal_open_block(self.layout, w, pool, b, int(self.tables[b, n0 // bs]), n0 // bs, p, rope=self.rope)
+                    seal_open_block(self.layout, w, pool, b, int(self.tables[b, n0 // bs]), n0 // bs, p, rope=rope)
             out.append(torch.stack(rows).to(x.dtype))
         self.lens[layer_idx] += n
         return out[0], out[1]
@@ -245,7 +246,7 @@ def test_fp16_equals_dynamic_cache(tiny_model, arch):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-@pytest.mark.parametrize("spec", ["int8-token", "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym", "k=fp8_e4m3:head:sym,v=int4:g8:sym", SEALED])
+@pytest.mark.parametrize("spec", ["k=int8:token,v=int8:token", "k=int4:g12:asym:smooth:hadamard,v=int4:token:asym", "k=fp8_e4m3:head:sym,v=int4:g8:sym", SEALED])
 def test_prefill_equals_token_by_token_decode(tiny_model, arch, spec):
     """Every token's stored form depends only on that token (per-token scales or static scales), and a step
     reads its own K/V back from the cache; so one prefill and N single-token steps compute the same
@@ -302,9 +303,9 @@ def test_real_model_fp16_equals_plain_and_int8_stores_codes(builtin_model):
     with torch.inference_mode():
         ref = _forward(model, ids, DynamicCache(config=model.config))
         out = model_logits(model, ids, "fp16")
-        cache = QuantizedKVCache("int8-token", builtin_model.info.num_layers)
+        cache = QuantizedKVCache("k=int8:token,v=int8:token", builtin_model.info.num_layers)
         q = _forward(model, ids, cache)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert (q - ref).abs().max() > 1e-4
     assert cache.layers[0].k_store.quantized.codes.dtype == torch.int8
-    assert cache.nbytes() == pytest.approx(get_format("int8-token").kv_bytes_per_token(30, 3, 64) * 48)
+    assert cache.nbytes() == pytest.approx(get_format("k=int8:token,v=int8:token").kv_bytes_per_token(30, 3, 64) * 48)

@@ -20,14 +20,17 @@ import torch
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.calibration.budget import Budget, Score, choose_layer_bits, per_layer_format
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, fit_formats, get_format
+from trtkv.formats import CALIBRATION_FREE, KVFormat, fit_formats, get_format
 
 HEAD_DIM = 32
+# candidates that need no calibration and seal blocks of 64 alike: the budget machinery's tests (the int3 / int2 presets
+# need calibrated bits and codebooks and seal 128: test_calibrate_searches_the_int4_int3_int2_presets_at_one_block)
+PLAIN = ["int4", CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]]
 
 
 @pytest.fixture(scope="module")
 def presets():
-    fmts, _ = fit_formats(["int4", "int3", "int2"], HEAD_DIM)
+    fmts, _ = fit_formats(PLAIN, HEAD_DIM)
     return [f.with_block_size(16) for f in fmts]
 
 
@@ -271,7 +274,7 @@ def test_calibrate_budget_eval_build_and_generate(tiny_models, tmp_path):
                        num_hidden_layers=3)
     budget = 0.003
     art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=128, device="cpu", dtype="float32",
-                          progress=False, budget=f"kl={budget}", budget_windows=2)
+                          progress=False, budget=f"kl={budget}", budget_formats=PLAIN, budget_windows=2)
     cal = load_calibration(art)
     entry = cal.recipe.formats["budget"]
     fmt = entry.definition
@@ -303,7 +306,7 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
     d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                        num_hidden_layers=3)
     art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=128, device="cpu", dtype="float32",
-                          progress=False, budget="bits=3.2", budget_windows=2)
+                          progress=False, budget="bits=3.2", budget_formats=PLAIN, budget_windows=2)
     entry = load_calibration(art).recipe.formats["budget"]
     bits = entry.definition.pool_bits_per_element(HEAD_DIM)
     assert 2.5 <= bits <= 3.2 and entry.model_extra["kl_target"] is None and entry.model_extra["budget"] == "bits=3.2"
@@ -312,30 +315,29 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("named", ["nuq", "alloc"])
-def test_calibrate_takes_a_named_candidate_set(tiny_models, tmp_path, named):
-    """``--budget-formats nuq`` searches the set's five formats (the codebook recipes and their key-outlier twins, widest first),
-    ``alloc`` int4-b128 and the alloc presets (their per-channel bits calibrated per candidate and carried into the
-    mix's layers); each candidate is calibrated, and the saved mix stores every side as one of them within the bits
-    asked for."""
+def test_calibrate_searches_the_int4_int3_int2_presets_at_one_block(tiny_models, tmp_path):
+    """The default ``--budget-formats`` (int4, int3, int2) seal blocks of 64 / 128 / 128: the search brings int4 to the
+    others' 128 (``int4@block128``, with a note), calibrates every candidate beside the asked format, and the saved mix
+    stores every side as one of them within the bits asked for, each side's constants (per-channel bits, codebooks)
+    going along."""
     from trtkv.artifacts import load_calibration
+    from trtkv.calibration import DEFAULT_BUDGET_FORMATS
     from trtkv.calibration.run import run_calibration
-    from trtkv.formats import BUDGET_FORMAT_SETS, get_format
+    from trtkv.formats import PRESETS
 
     d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                        num_hidden_layers=2)
+    assert DEFAULT_BUDGET_FORMATS == ("int4", "int3", "int2")
     art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=2, seq_len=288, device="cpu", dtype="float32",
-                          progress=False, budget="bits=3.0", budget_formats=[named], budget_windows=1)
+                          progress=False, budget="bits=3.0", budget_windows=1)
     loaded = load_calibration(art)
     recipe = loaded.recipe
-    members = [get_format(n) for n in BUDGET_FORMAT_SETS[named]]
     extra = recipe.formats["budget"].model_extra
-    assert sorted(extra["candidates"]) == sorted(f.name for f in members)
-    bits = [get_format(n).pool_bits_per_element(HEAD_DIM) for n in extra["candidates"]]
-    assert bits == sorted(bits, reverse=True)
-    assert {f.name for f in members} <= set(recipe.formats)  # every candidate calibrated beside the asked format
+    assert extra["candidates"] == ["int4@block128", "int3", "int2"]  # widest first
+    members = [recipe.formats[n].definition for n in extra["candidates"]]  # every candidate calibrated beside the asked format
+    assert {(f.block_size, f.sink_tokens) for f in members} == {(128, 4)} and members[0].k == PRESETS["int4"].k
     mix = recipe.formats["budget"].definition
-    assert mix.pool_bits_per_element(HEAD_DIM) <= 3.0
+    assert mix.pool_bits_per_element(HEAD_DIM) <= 3.0 and mix.block_size == 128
     for layer in mix.layers:
         assert any(layer.k == f.k for f in members) and any(layer.v == f.v for f in members)
     from trtkv.models import model_info
@@ -344,3 +346,26 @@ def test_calibrate_takes_a_named_candidate_set(tiny_models, tmp_path, named):
     for layer, lp in zip(mix.layers, loaded.params_for("budget", model_info(str(d)))):  # each side's constants go along
         for tf, p in ((layer.k, lp.k), (layer.v, lp.v)):
             assert (widths_of(tf, p) is not None) == (tf.allocated_bits is not None)  # a one-line error when missing
+
+
+def test_budget_candidates_are_brought_to_one_block_and_sink_and_retired_sets_are_refused(tiny_models, tmp_path):
+    """``align_candidates``: the largest block size and the most sink tokens among the candidates, each changed
+    candidate renamed and noted; candidates that already agree are left as they are. A retired set name (``alloc``,
+    ``nuq``) is a one-line error naming the presets that replace it, before the model loads."""
+    from trtkv.calibration.budget import align_candidates
+    from trtkv.calibration.run import run_calibration
+    from trtkv.formats import PRESETS
+
+    got, notes = align_candidates([PRESETS["int4"], PRESETS["int3"], PRESETS["int2"]])
+    assert [f.name for f in got] == ["int4@block128", "int3", "int2"] and got[1] is PRESETS["int3"]
+    assert (got[0].block_size, got[0].sink_tokens, got[0].k, got[0].v) == (128, 4, PRESETS["int4"].k, PRESETS["int4"].v)
+    assert len(notes) == 1 and "int4 searched as int4@block128" in notes[0]
+    plain = [get_format(s) for s in PLAIN]
+    assert align_candidates(plain) == (plain, [])
+    mixed, notes = align_candidates([PRESETS["int8"], plain[0]])  # int8: blocks of 64, no sink tokens
+    assert (mixed[0].name, mixed[0].block_size, mixed[0].sink_tokens) == ("int8@sink4", 64, 4) and mixed[1] is plain[0]
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM)
+    for name in ("alloc", "nuq"):
+        with pytest.raises(TrtkvError, match=f"'{name}' was retired") as e:
+            run_calibration(str(d), "builtin:pydoc", tmp_path / name, budget="bits=3", budget_formats=[name], progress=False)
+        assert "'int4,int3,int2'" in e.value.fix and "\n" not in str(e.value) and not (tmp_path / name).exists()

@@ -111,6 +111,27 @@ def test_calibrate_only_the_formats_asked_for(tiny_model, tmp_path):
 # ----------------------------------------------------------------------------- cheap checks first
 
 
+def test_a_preset_that_needs_a_calibration_is_one_line_naming_the_command(tiny_models, tmp_path, no_weights):
+    """``trtkv eval --kv int3`` (and build-engine, and int2 / fp8 / int8-static) without --calibration: exit 2, one
+    line naming what the format calibrates and the ``trtkv calibrate`` command that makes it, before any weights load;
+    a retired preset name: one line naming its replacement."""
+    model_dir, _ = tiny_models("llama", with_tokenizer=True, head_dim=32)
+    cases = [
+        (["eval", "--kv", "int3"], ["KV format int3 needs a calibration (K channel bits, V codebooks)", "run `trtkv calibrate", "--kv int3"]),
+        (["eval", "--kv", "int4", "--kv", "int2", "--kv", "fp8"], ["int2, fp8 need a calibration", "--kv int2 --kv fp8"]),
+        (["build-engine", "--kv", "int2", "--backend", "torch", "--out", str(tmp_path / "e")], ["int2 needs a calibration", "`trtkv calibrate"]),
+        (["eval", "--kv", "int3-alloc"], ["'int3-alloc' was retired", "use 'int3' instead"]),
+        (["eval", "--kv", "int4-token"], ["'int4-token' was retired", "'k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard'"]),
+    ]
+    for args, needles in cases:
+        res = runner.invoke(app, [*args, "--model", str(model_dir)])
+        assert res.exit_code == 2, (args, res.output)
+        lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, res.output)
+        assert all(n in lines[0] for n in needles), (args, res.output)
+    assert not (tmp_path / "e").exists()
+
+
 @pytest.mark.slow
 def test_cheap_checks_come_before_the_weights(tiny_model, tmp_path, no_weights):
     model_dir, _ = tiny_model("qwen2", with_tokenizer=True, head_dim=48)

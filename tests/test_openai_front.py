@@ -142,3 +142,172 @@ def test_a_request_the_model_refuses_is_a_400_and_a_server_fault_a_502(front, st
     assert "refused by the model" in data["error"]["message"]
     code, data, _ = complete(front, prompt="BROKEN", stream=stream)
     assert code == 502 and data["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("top_p", 0.0), ("n", 0)])
+def test_out_of_range_fields_are_refused_by_the_front(front, field, value):
+    """OpenAI's ranges are max_tokens >= 1, 0 < top_p <= 1,
+    n == 1 here: each is a 400 naming the field, and nothing reaches Triton."""
+    code, data, body = complete(front, **{field: value})
+    assert code == 400 and data["error"]["param"] == field and body is None
+
+
+def test_logprobs_false_and_min_tokens_equal_to_max_tokens_are_accepted(front):
+    """Logprobs false (what OpenAI's
+    clients send) asks for nothing; min_tokens == max_tokens is the most it may be (ignore_eos sends just that)."""
+    code, data, _ = complete(front, logprobs=False)
+    assert code == 200 and data["choices"][0]["text"] == "abc"
+    code, _, body = complete(front, max_tokens=8, min_tokens=8)
+    assert code == 200 and body["min_tokens"] == 8 == body["max_tokens"]
+    code, data, _ = complete(front, max_tokens=8, min_tokens=9)
+    assert code == 400 and data["error"]["param"] == "min_tokens"
+
+
+def test_the_engine_is_asked_for_the_new_text_only(front):
+    """An OpenAI completion is the new text; Triton's generate returns prompt + new
+    text unless exclude_input_in_output is set (interface.py), so the front must set it, streaming or not."""
+    _, _, body = complete(front)
+    assert body["exclude_input_in_output"] is True
+    _, triton = front
+    _stream_lines(front, {"prompt": "hello", "max_tokens": 8})
+    assert triton.bodies[-1]["stream"] is True and triton.bodies[-1]["exclude_input_in_output"] is True
+
+
+def _stream_lines(fr, body: dict) -> list[str]:
+    """POST a streaming /v1/completions; the server-sent lines."""
+    import json
+    import urllib.request
+
+    url, _ = fr
+    req = urllib.request.Request(f"{url}/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": MODEL, "stream": True, **body}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [ln.decode().strip() for ln in r if ln.strip()]
+
+
+def test_finish_reason_is_length_when_exactly_max_tokens_came(front):
+    """The stand-in returns 3 tokens; with max_tokens 3 the completion ran to
+    its limit ("length"), with 8 it stopped early ("stop"); usage counts the 3."""
+    code, data, _ = complete(front, max_tokens=3)
+    assert code == 200 and data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 3
+    code, data, _ = complete(front, max_tokens=8)
+    assert code == 200 and data["choices"][0]["finish_reason"] == "stop"
+
+
+def test_prompt_plus_max_tokens_equal_to_the_context_fits(front, tokenizer):
+    """The stand-in serves a 128-token context; a prompt of n tokens may ask for
+    128 - n new tokens, not one more."""
+    n = len(tokenizer("hello")["input_ids"])
+    code, _, body = complete(front, max_tokens=128 - n)
+    assert code == 200 and body["max_tokens"] == 128 - n
+    code, data, body = complete(front, max_tokens=129 - n)
+    assert code == 400 and data["error"]["code"] == "context_length_exceeded" and body is None
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_front():
+    """The front over the stand-in Triton with a tokenizer that has a chat template (it prints each role)."""
+    from conftest import build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    triton = FakeTriton()
+    port = free_port()
+    server = start_openai_server(Served(MODEL, tok, 128, f"http://127.0.0.1:{triton.port}"), "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}/v1", triton
+    finally:
+        server.should_exit = True
+        triton.stop()
+
+
+def _chat(chat_front, **kw):
+    url, triton = chat_front
+    before = len(triton.bodies)
+    code, data = post(f"{url}/chat/completions", {"model": MODEL, **kw})
+    return code, data, triton.bodies[-1] if len(triton.bodies) > before else None
+
+
+def test_the_developer_role_is_rendered_as_system(chat_front):
+    """OpenAI's "developer" messages are the system prompt for a chat template."""
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    code, data, body = _chat(chat_front, messages=msgs, max_tokens=4)
+    assert code == 200 and data["choices"][0]["message"]["content"] == "abc"
+    assert body["text_input"] == "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(chat_front):
+    """Max_completion_tokens is the chat endpoint's current name and takes precedence over
+    the deprecated max_tokens when both are sent."""
+    msgs = [{"role": "user", "content": "hi"}]
+    _, _, body = _chat(chat_front, messages=msgs, max_completion_tokens=5, max_tokens=9)
+    assert body["max_tokens"] == 5
+    _, _, body = _chat(chat_front, messages=msgs, max_tokens=9)
+    assert body["max_tokens"] == 9
+
+
+def test_an_empty_prompt_list_is_a_400_naming_the_prompt(front):
+    """A list prompt must hold exactly one prompt; [] is a bad request, not a server fault."""
+    for prompts in ([], ["a", "b"]):
+        code, data, body = complete(front, prompt=prompts)
+        assert code == 400 and data["error"]["param"] == "prompt" and body is None
+
+
+def test_a_field_out_of_its_range_is_400_and_an_unknown_model_404(front):
+    """OpenAI answers a field out of range with
+    400 naming it and an unknown model with 404 model_not_found."""
+    code, data, body = complete(front, temperature=-1)
+    assert code == 400 and data["error"]["param"] == "temperature" and body is None
+    code, data, body = complete(front, model="gpt-4")
+    assert code == 404 and data["error"]["code"] == "model_not_found" and data["error"]["param"] == "model" and body is None
+
+
+def test_streamed_chunks_carry_usage_null_until_the_usage_chunk(front):
+    """With stream_options.include_usage every chunk has "usage": null and one last chunk,
+    with no choices, carries the counts (OpenAI's stream format); the stand-in streams 2 + 1 tokens."""
+    import json
+
+    lines = _stream_lines(front, {"prompt": "hello", "max_tokens": 8, "stream_options": {"include_usage": True}})
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[5:]) for ln in lines[:-1]]
+    *chunks, last = events
+    assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+def test_temperature_above_two_is_refused(front):
+    """OpenAI's temperature is in [0, 2]; 2 is accepted, 2.5 is a 400 naming it."""
+    code, _, body = complete(front, temperature=2.0)
+    assert code == 200 and body["temperature"] == 2.0
+    code, data, body = complete(front, temperature=2.5)
+    assert code == 400 and data["error"]["param"] == "temperature" and body is None
+
+
+def test_top_p_reaches_the_engine(front):
+    """The request's top_p is what Triton gets."""
+    _, _, body = complete(front, top_p=0.25)
+    assert body["top_p"] == 0.25
+
+
+def test_a_non_text_content_part_is_a_400(chat_front):
+    """Only text content parts are supported; an image part is a 400 naming
+    messages, and text parts are joined."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    code, data, body = _chat(chat_front, messages=[{"role": "user", "content": parts}], max_tokens=4)
+    assert code == 400 and data["error"]["param"] == "messages" and body is None
+    code, _, body = _chat(chat_front, messages=[{"role": "user", "content": parts[:1] * 2}], max_tokens=4)
+    assert code == 200 and body["text_input"] == "<|user|>hihi\n<|assistant|>"
+
+
+def test_echo_is_refused(front):
+    """The front does not echo the prompt; echo=true is a 400 naming it, not a reply without it."""
+    code, data, body = complete(front, echo=True)
+    assert code == 400 and data["error"]["param"] == "echo" and body is None
+    code, _, _ = complete(front, echo=False)
+    assert code == 200

@@ -20,7 +20,7 @@ from trtkv.runtime.sequence import SamplingParams, Sequence
 
 BASE = list(range(100, 118))  # 18 tokens: 4 full blocks of 4 and 2 more
 
-# the presets the torch engine serves (the capability table's torch row: every preset, the -nuq ones included, today)
+# the presets the torch engine serves (the capability table's torch row: every preset)
 SERVED_PRESETS = [n for n, f in PRESETS.items() if not (TORCH_OPS.lacks(f.k) or TORCH_OPS.lacks(f.v))]
 
 

@@ -53,7 +53,7 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8-token"])
+@pytest.mark.parametrize("fmt", ["fp16", "k=int8:token,v=int8:token"])
 def test_batched_and_preempted_greedy_equals_one_at_a_time(model, fmt):
     alone = [make_llm(model, fmt).generate([p], greedy(9))[0].new_token_ids for p in PROMPTS]
     assert all(len(a) == 9 for a in alone)

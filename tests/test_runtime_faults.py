@@ -22,7 +22,7 @@ from trtkv.runtime.sequence import SamplingParams
 BS = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50, 51, 52, 53, 54]]
 
-# the presets the torch engine serves (the capability table's torch row: every preset, the -nuq ones included, today)
+# the presets the torch engine serves (the capability table's torch row: every preset)
 SERVED_PRESETS = [n for n, f in PRESETS.items() if not (TORCH_OPS.lacks(f.k) or TORCH_OPS.lacks(f.v))]
 
 

@@ -244,3 +244,44 @@ def test_a_sequences_token_bookkeeping():
     assert s.is_finished
     with pytest.raises(TrtkvError, match="empty"):
         Sequence([], SamplingParams())
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly():
+    """Probabilities 0.5, 0.25, 0.25 (exact in binary): the smallest set with mass
+    >= 0.5 is the first token alone; with top_p 0.75 it is the first two."""
+    probs = torch.tensor([0.25, 0.5, 0.25])
+    assert filter_top_k_top_p(probs, 0, 0.5).tolist() == [0.0, 1.0, 0.0]
+    assert filter_top_k_top_p(probs, 0, 0.75).tolist() == pytest.approx([1 / 3, 2 / 3, 0.0])
+
+
+def test_sampling_params_refuse_top_p_zero():
+    """Top_p must be in (0, 1]: 0 keeps no token (inputs.py maps a client's 0 to 1.0 before)."""
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(TrtkvError, match="top_p must be in"):
+            SamplingParams(top_p=bad).validate()
+    for good in (1e-6, 0.5, 1.0):
+        assert SamplingParams(top_p=good).validate().top_p == good
+
+
+def test_a_prompt_token_id_equal_to_the_vocab_size_is_refused(small_llama, tokenizer):
+    """Ids must be in [0, vocab_size); vocab_size itself is one past the last row."""
+    from test_runtime_faults import make_llm
+
+    llm = make_llm(small_llama, tokenizer)
+    vocab = small_llama.config.vocab_size
+    with pytest.raises(TrtkvError, match=r"prompt token ids must be in \[0, %d\)" % vocab):
+        llm.make_sequence([1, vocab], SamplingParams(max_tokens=2))
+    assert llm.make_sequence([1, vocab - 1], SamplingParams(max_tokens=2)).prompt_ids == [1, vocab - 1]
+
+
+def test_bad_tokens_stay_banned_while_min_tokens_bans_the_end_ids(small_llama, tokenizer):
+    """Bad_token_ids are never sampled, also while
+    min_tokens suppresses the end ids (both bans hold at once)."""
+    from test_runtime_faults import make_llm
+
+    prompt = [5, 17, 9, 33, 2, 41]
+    free = make_llm(small_llama, tokenizer).generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    first = free.new_token_ids[0]
+    assert first != 0  # the stand-in manifest's end id
+    out = make_llm(small_llama, tokenizer).generate([prompt], SamplingParams(max_tokens=3, temperature=0, min_tokens=3, bad_token_ids=[first]))[0]
+    assert first not in out.new_token_ids and len(out.new_token_ids) == 3

@@ -307,3 +307,59 @@ def test_top_k_never_samples_outside_the_k_most_likely():
     g = make_generator(1)
     seen = {Sampler()(logits, [SamplingParams(temperature=2.0, top_k=2)], [g])[0][0] for _ in range(300)}
     assert seen == {0, 1}
+
+
+def test_a_preempted_sequence_goes_back_to_the_front_of_the_queue():
+    """The scheduler's policy says a preempted sequence goes back to the
+    *front* of the queue, ahead of requests that were already waiting."""
+    sched = Scheduler(BlockManager(16, 4, BS), max_num_seqs=1)
+    a, b, c = seq(3), seq(3), seq(3)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [ch.seq for ch in out.prefill + out.decode] == [a]  # one slot: a runs, b and c wait
+    sched.postprocess(out)
+    sched.preempt(a)
+    assert list(sched.waiting) == [a, b, c] and a.status == SequenceStatus.WAITING
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted():
+    """A step that had to preempt admits nobody (the scheduler's policy,
+    point 3). With prefix caching a sequence whose prompt is cached needs few blocks, so right after a preemption it
+    would fit: two equal 13-token prompts and a 4-token one in a pool of 5 blocks of 4, 6 tokens a step (a case a
+    random search over small pools found; without prefix caching the victim, first in the queue, never fits)."""
+    from trtkv.runtime.prefix_cache import PrefixCache
+
+    sched = Scheduler(BlockManager(5, 3, BS, PrefixCache(BS, "salt")), max_num_seqs=3, max_num_batched_tokens=6)
+    prompts, max_tokens = [list(range(1, 14)), list(range(1, 14)), [1, 2, 3, 4]], [4, 7, 3]
+    seqs = [Sequence(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+    for s in seqs:
+        sched.add(s)
+    preempting_steps = 0
+    for _ in range(300):
+        if not sched.has_work():
+            break
+        running_before = list(sched.running)
+        out = sched.schedule()
+        if out.preempted:
+            preempting_steps += 1
+            scheduled = [c.seq for c in out.prefill + out.decode]
+            assert all(s in running_before for s in scheduled), "a step that preempted admitted a waiting sequence"
+            assert all(v in sched.waiting and v not in sched.running for v in out.preempted)
+        sampled = [c.seq for c in out.decode + out.prefill if c.samples]
+        sched.postprocess(out)
+        for s in sampled:
+            s.append_token(7)
+            if len(s.output_ids) >= s.params.max_tokens:
+                sched.finish(s, "length")
+    assert not sched.has_work() and preempting_steps > 0
+    assert [len(s.output_ids) for s in seqs] == max_tokens
+
+
+def test_a_budget_that_leaves_no_pool_block_is_refused():
+    """Slots of 100 bytes and blocks of 1000: 2 slots + 1 block need 1200 bytes; 1199 bytes
+    hold the slots and no block, which must be refused (a pool with no block can seal nothing)."""
+    ok = CacheBudget.plan(1200, bytes_per_block=1000, bytes_per_slot=100, block_size=BS, num_slots=2)
+    assert ok.num_blocks == 1
+    with pytest.raises(TrtkvError, match="does not hold 2 sequence slots"):
+        CacheBudget.plan(1199, bytes_per_block=1000, bytes_per_slot=100, block_size=BS, num_slots=2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, calibration_free
 
 from trtkv.calibration.budget import per_layer_format
 from trtkv.calibration.stats import collect_stats
@@ -50,7 +50,7 @@ def test_streamed_statistics_equal_the_resident_ones(tiny_models, name):
 
 def _formats(head_dim: int, num_layers: int):
     sealed, = fit_formats(["k=int4:bchannel:asym,v=int4:g8:asym,block=8,sink=2"], head_dim)[0]
-    low = [f.with_block_size(8) for f in fit_formats(["int4", "int2"], head_dim)[0]]
+    low = [f.with_block_size(8) for f in fit_formats(["int4", calibration_free("int2", head_dim)], head_dim)[0]]
     mixed = per_layer_format("mix", low, [{"k": i % 2, "v": (i + 1) % 2} for i in range(num_layers)])
     return ["int8", sealed, mixed]
 

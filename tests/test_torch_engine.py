@@ -26,7 +26,7 @@ import torch
 
 from trtkv.builder.build import build_engine
 from trtkv.cache_layout import PagedKVLayout
-from trtkv.formats import fit_formats
+from trtkv.formats import CALIBRATION_FREE, fit_formats
 from trtkv.manifest import load_manifest
 from trtkv.models import load_model
 from trtkv.runtime.backends import OnnxRuntimeEngine, TorchReferenceEngine
@@ -37,9 +37,9 @@ from trtkv.runtime.verify import StaticBatch, greedy_decode
 BLOCK = 4
 KERNEL_BLOCK = 16  # the kernels' smallest block size (contract.LIMITS)
 FORMATS = ["fp16", "int8", "int4"]
-# besides the presets: scales folded into attention with a zero-point (int4-token V), groups of 32 (int4-g32), four 2-bit
-# fields per byte (int2) and the bit-plane int3 (dequantized)
-FOLDED = ["k=int8:token:asym,v=int4:token:asym:hadamard", "int4-g32", "int3", "int2"]
+# besides the presets: scales folded into attention with a zero-point (per-token V), symmetric groups of 32, four 2-bit
+# fields per byte and the bit-plane int3 (dequantized): the calibration-free 3- / 2-bit layouts
+FOLDED = ["k=int8:token:asym,v=int4:token:asym:hadamard", "k=int4:g32:sym,v=int4:g32:sym", CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_stale_pool_and_tail_rows_never_leak(tiny_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["int4", "int3", "int2"])
+@pytest.mark.parametrize("kv", ["int4", CALIBRATION_FREE["int3"], CALIBRATION_FREE["int2"]])
 def test_kernel_path_under_interpreter_equals_torch_path(tiny_dir, monkeypatch, kv):
     """attention="kernels" (the CUDA path: Triton decode / prefill kernels) run on CPU under TRITON_INTERPRET=1,
     end to end on the 2-layer model with the int4 / int3 / int2 presets (sinks, Hadamard V, per-block-channel K),
@@ -188,7 +188,7 @@ def test_auto_attention_takes_the_torch_ops_where_the_kernels_stop(tmp_path, tin
         return load_manifest(d)
 
     cfg = tiny_loaded.model.config
-    for kv in ("int4", "int3", "int2"):
+    for kv in ("int4", *CALIBRATION_FREE.values()):
         assert kernels_lack(cfg, manifest(kv, KERNEL_BLOCK)) is None, kv
     assert "mse" in kernels_lack(cfg, manifest("k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=16", KERNEL_BLOCK))
     assert "block size" in kernels_lack(cfg, manifest("int4", BLOCK))

@@ -229,3 +229,43 @@ def test_the_interface_table_is_tensorrt_llms_ensemble():
         ("text_output", "STRING", (-1,), False), ("cum_log_probs", "FP32", (-1,), False), ("output_log_probs", "FP32", (-1, -1), False)]
     assert set(INPUT_BY_NAME) == {t[0] for t in INTERFACE} and all(INPUT_BY_NAME[t.name] is t for t in INPUTS)
     assert KV_BLOCKS_METRIC == "trtkv_kv_blocks"
+
+
+def test_an_empty_input_tensor_is_a_400_naming_it():
+    """An input with no value (shape [1, 0]) is refused as a bad request naming the input, not an
+    IndexError (an internal error)."""
+    with pytest.raises(TrtkvError, match="'max_tokens' must hold one value per request, got shape \\[1, 0\\]"):
+        parse_request(get_of(text_input="x", max_tokens=np.zeros((1, 0), dtype=np.int32)))
+    with pytest.raises(TrtkvError, match="'temperature' must hold one value"):
+        parse_request(get_of(text_input="x", max_tokens=2, temperature=np.zeros((1, 0), dtype=np.float32)))
+
+
+def test_end_id_reaches_the_sampling_params():
+    """The end_id input is the request's end-of-sequence id."""
+    assert parse_request(get_of(text_input="x", max_tokens=2, end_id=np.int32(17))).params.end_id == 17
+    assert parse_request(get_of(text_input="x", max_tokens=2)).params.end_id is None
+
+
+def test_temperature_zero_is_greedy_not_refused():
+    """0 is greedy decoding (the interface's doc), only a negative one is refused."""
+    p = parse_request(get_of(text_input="x", max_tokens=2, temperature=np.float32(0.0))).params
+    assert p.greedy and p.temperature == 0.0
+    with pytest.raises(TrtkvError, match="temperature must be >= 0"):
+        parse_request(get_of(text_input="x", max_tokens=2, temperature=np.float32(-0.5)))
+
+
+def test_empty_strings_in_the_word_lists_mean_none():
+    """TensorRT-LLM clients pad stop_words / bad_words with empty strings, which
+    mean "no word" (inputs.py); an empty stop word would match at once."""
+    words = np.array([[b"", b"END", b""]], dtype=object)
+    r = parse_request(get_of(text_input="x", max_tokens=3, stop_words=words, bad_words=np.array([[b""]], dtype=object)))
+    assert r.params.stop_words == ["END"] and r.params.bad_words == []
+
+
+def test_top_p_below_one_alone_makes_the_request_sample():
+    """Interface.py: "a request samples when it gives temperature > 0, top_k > 1 or
+    0 < top_p < 1"; with top_p 0.5 alone it samples at temperature 1."""
+    r = parse_request(get_of(text_input="x", max_tokens=3, top_p=np.float32(0.5)))
+    assert not r.params.greedy and r.params.temperature == 1.0 and r.params.top_p == 0.5
+    r = parse_request(get_of(text_input="x", max_tokens=3, top_p=np.float32(1.0)))
+    assert r.params.greedy

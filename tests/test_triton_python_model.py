@@ -575,3 +575,22 @@ def test_initialize_finds_the_engine_relative_to_the_version_directory_or_absolu
         with pytest.raises(Stop):
             pm.TritonPythonModel().initialize(args)
         assert str(seen[-1][0]) == str(want_dir) and seen[-1][1] == RuntimeConfig(max_seqs=3)
+
+
+def test_log_probs_are_returned_only_when_asked_for(monkeypatch):
+    """Interface.py: cum_log_probs is "0 unless
+    return_log_probs", output_log_probs "empty unless return_log_probs"."""
+    import importlib
+
+    stub = types.ModuleType("triton_python_backend_utils")
+    stub.Tensor = lambda name, array: (name, array)
+    stub.InferenceResponse = lambda output_tensors: dict(output_tensors)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
+    monkeypatch.delitem(sys.modules, "trtkv.triton_repo.python_model", raising=False)
+    pm = importlib.import_module("trtkv.triton_repo.python_model")
+    monkeypatch.delitem(sys.modules, "trtkv.triton_repo.python_model")
+    off = pm._response("ab", [-0.5, -0.25], False)
+    assert off["cum_log_probs"].tolist() == [[0.0]] and off["output_log_probs"].shape == (1, 1, 0)
+    on = pm._response("ab", [-0.5, -0.25], True)
+    assert on["cum_log_probs"].tolist() == [[-0.75]] and on["output_log_probs"].tolist() == [[[-0.5, -0.25]]]
+    assert on["text_output"].tolist() == [[b"ab"]]

@@ -274,3 +274,41 @@ def test_without_tritonclient_the_schema_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tritonclient", None)
     with pytest.raises(TrtkvError, match="tritonclient is not installed"):
         repo_mod.load_model_config_pb2()
+
+
+def test_a_rebuilt_engine_rewrites_the_repository(tmp_path):
+    """A repository is reused only while its engine is unchanged;
+    a rebuilt engine (a newer manifest.json) gets the repository written again."""
+    import os
+
+    from trtkv.triton_repo.repository import RepoOptions, write_repository
+
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "manifest.json").write_text("{}")
+    opts = RepoOptions(instance_kind="cpu")
+    repo = write_repository(eng, tmp_path / "repo", opts)
+    marker = repo / "ensemble" / "1" / "left-by-the-first-write"
+    marker.write_text("x")
+    write_repository(eng, repo, opts)
+    assert marker.exists()  # nothing changed: reused as it is
+    st = (eng / "manifest.json").stat()
+    os.utime(eng / "manifest.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the engine was rebuilt
+    write_repository(eng, repo, opts)
+    assert not marker.exists() and (repo / "ensemble" / "config.pbtxt").is_file()
+
+
+def test_a_rewrite_replaces_the_old_model_folder_also_with_a_copied_engine(tmp_path):
+    """Changed options rewrite the repository from scratch, so a
+    copied engine is copied again (not refused as an existing folder) and nothing of the old folder stays."""
+    from trtkv.triton_repo.repository import RepoOptions, write_repository
+
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "manifest.json").write_text("{}")
+    repo = write_repository(eng, tmp_path / "repo", RepoOptions(instance_kind="cpu", copy_engine=True))
+    stale = repo / "ensemble" / "stale.txt"
+    stale.write_text("x")
+    write_repository(eng, repo, RepoOptions(instance_kind="cpu", copy_engine=True, max_batch_size=8))
+    assert (repo / "ensemble" / "1" / "engine" / "manifest.json").is_file() and not stale.exists()
+    assert "max_batch_size: 8" in (repo / "ensemble" / "config.pbtxt").read_text()

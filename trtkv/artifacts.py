@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trtkv import __version__
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, get_format
+from trtkv.formats import PRESETS, KVFormat, fit_format, get_format
 from trtkv.models import ModelInfo
 from trtkv.quant import TensorParams
 
@@ -303,21 +303,25 @@ class Calibration:
             )
 
     def definition(self, fmt: str | KVFormat) -> str | KVFormat:
-        """The artifact's own definition for a format name it holds (e.g. a ``--budget`` choice), else ``fmt``."""
-        if isinstance(fmt, str) and fmt in self.recipe.formats:
+        """The artifact's own definition for a format name it holds that is not a preset (e.g. a ``--budget`` choice),
+        else ``fmt``: a preset's name is the preset, whatever an older artifact stored under it (``params_for`` refuses
+        a stored definition that differs)."""
+        if isinstance(fmt, str) and fmt in self.recipe.formats and fmt not in PRESETS:
             return self.recipe.formats[fmt].definition
         return fmt
 
     def _resolve(self, fmt: str | KVFormat) -> tuple[str, KVFormat]:
-        if isinstance(fmt, str) and fmt in self.recipe.formats:
+        if isinstance(fmt, str) and fmt in self.recipe.formats and fmt not in PRESETS:
             return fmt, self.recipe.formats[fmt].definition
         want = get_format(fmt)
+        if isinstance(fmt, str) and fmt in PRESETS:  # a preset by name: as calibration fitted it to the model
+            want = fit_format(want, self.recipe.model.head_dim)[0] or want
         if want.name in self.recipe.formats:
             have = self.recipe.formats[want.name].definition
             if not _same_storage(have, want):
                 raise TrtkvError(
                     f"calibration {self.path} has a format named {want.name} with a different definition ({have.spec()} vs {want.spec()})",
-                    f"rerun trtkv calibrate with --kv {want.spec()!r}",
+                    f"rerun trtkv calibrate with --kv {want.name if want.name in PRESETS else repr(want.spec())}",
                 )
             return want.name, want
         for name, fc in self.recipe.formats.items():

@@ -286,7 +286,7 @@ def seal_blocks(
 ) -> None:
     """Reference seal: quantize full blocks ``rows`` [n, H, block_size, D] into pool blocks ``blocks`` [n].
 
-    ``prerope`` keys need ``rope`` (the model's ``trtkv.rope.RopeTable``) and ``first_positions`` [n], each block's first
+    ``prerope`` keys need ``rope`` (the layer's ``trtkv.rope.RopeTable``) and ``first_positions`` [n], each block's first
     token position (its sequence's block number times ``block_size``): the seal undoes RoPE at those positions."""
     if rows.shape[1:] != (layout.num_kv_heads, layout.block_size, layout.head_dim):
         raise ValueError(f"seal_blocks wants rows [n, {layout.num_kv_heads}, {layout.block_size}, {layout.head_dim}], got {list(rows.shape)}")

@@ -32,6 +32,7 @@ from trtkv.cli_options import (
 )
 from trtkv.errors import TrtkvError
 from trtkv.gpu import DEFAULT_RESERVE
+from trtkv.preset_names import KV_HELP
 
 app = typer.Typer(
     name="trtkv",
@@ -56,7 +57,7 @@ def main(
 def eval_(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF model dir, .gguf file, or smollm2-135m; default: the --calibration's model, else smollm2-135m")] = None,
     dataset: DatasetOpt = DEFAULT_DATASET,
-    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to compare (repeatable); default: fp16, int8, int4")] = None,
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to compare with fp16 (repeatable): " + KV_HELP + "; default: fp16, int8, int4")] = None,
     calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate`")] = None,
     windows: Annotated[int, typer.Option(help="evaluation windows")] = 64,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
@@ -116,7 +117,7 @@ def plan(
     kv_heads: Annotated[Optional[int], typer.Option(help="number of KV heads")] = None,
     head_dim: Annotated[Optional[int], typer.Option(help="head dimension")] = None,
     weights_gib: Annotated[Optional[float], typer.Option(help="weight memory in GiB (default: from the model, fp16)")] = None,
-    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats (repeatable); default: fp16, int8, fp8, int4")] = None,
+    kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to plan (repeatable): " + KV_HELP + "; default: fp16, int8, fp8, int4")] = None,
     gpu: Annotated[Optional[str], typer.Option(help="A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4-24GB, RTX4090-24GB, or auto (this machine's GPU via pynvml)")] = None,
     gpu_mem: Annotated[Optional[float], typer.Option(help="GPU memory in GiB (instead of --gpu)")] = None,
     context: Annotated[int, typer.Option(help="context length per sequence")] = 4096,

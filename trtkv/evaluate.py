@@ -37,7 +37,7 @@ from pydantic import BaseModel
 
 from trtkv.cache_layout import block_chunks
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, get_format
+from trtkv.formats import KVFormat, calibration_needed, get_format
 from trtkv.kv_cache import QuantizedKVCache
 
 BASELINE = "fp16"
@@ -144,10 +144,11 @@ def _prefill(model, input_ids: torch.Tensor, cache, block_size: int | None, star
 
 
 def make_cache(model, fmt: KVFormat, params=None, num_layers: int | None = None) -> QuantizedKVCache:
-    """The really-quantized cache of ``fmt`` for ``model`` (its RoPE table when the format stores keys before RoPE)."""
+    """The really-quantized cache of ``fmt`` for ``model`` (each layer's RoPE table when the format stores keys before
+    RoPE)."""
     from trtkv.rope import RopeTable
 
-    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.of(model) if fmt.needs_rope else None)
+    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.per_layer(model) if fmt.needs_rope else None)
 
 
 def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None) -> torch.Tensor:
@@ -420,12 +421,9 @@ def run_eval(
         skipped = [f"skipped {f.name}: it needs --calibration DIR" for f in parsed if f.needs_calibration]
         specs = [s for s, f in zip(specs, parsed) if not f.needs_calibration]
         parsed = [f for f in parsed if not f.needs_calibration]
-    needs = [f.name for f in parsed if f.needs_calibration]
+    needs = [f for f in parsed if f.needs_calibration]
     if needs and calibration is None:
-        raise TrtkvError(
-            f"KV format(s) {', '.join(needs)} need calibrated scales or smoothing factors",
-            "pass --calibration DIR (made by `trtkv calibrate --model MODEL --dataset DATA --out DIR`)",
-        )
+        raise calibration_needed(needs, model)
     if model is None:
         model = model_from_calibration(artifact) if artifact is not None else DEFAULT_MODEL
     info0 = model_info(model)

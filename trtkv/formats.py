@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trtkv.errors import TrtkvError
+from trtkv.preset_names import PRESET_NAMES
 
 StorageDtype = Literal["fp16", "fp8_e4m3", "int8", "int4", "int3", "int2"]
 Granularity = Literal["none", "per_tensor", "per_head", "per_channel", "per_token", "per_token_group", "per_block_channel"]
@@ -37,6 +38,7 @@ OUTLIER_VALUE_BITS = 16
 OUTLIER_INDEX_BITS = 16
 OUTLIER_BITS = OUTLIER_VALUE_BITS + OUTLIER_INDEX_BITS
 MAX_OUTLIER_POSITIONS = 1 << 15  # positions are int16: block_size * head_dim must stay below this
+OUTLIER_MULTIPLE = 16  # outlier counts presets are fitted to (``fit_format``): the Triton kernels tile a list by 16
 CODEBOOK_BITS = 32  # a codebook level is a float32 layer constant (counted beside the pools, not per element)
 # Per-channel code widths (spec word ``allocB``): 0 keeps the block's mean alone; a code may span two bytes (a reader loads
 # the byte pair). A format's own set is those up to its dtype's bits (``TensorFormat.channel_widths``).
@@ -651,7 +653,8 @@ class KVFormat(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(t.is_static or t.smooth or t.codebook or t.allocated_bits is not None for f in self.layer_formats() for t in (f.k, f.v))
+        """Static scales, smoothing factors, codebooks or per-channel bits: constants ``trtkv calibrate`` makes."""
+        return bool(calibrated_constants(self))
 
     def constant_bytes(self, num_layers: int, num_kv_heads: int) -> int:
         """Bytes of the per-layer constants the pools are read with that the format itself fixes, over ``num_layers``
@@ -666,7 +669,7 @@ class KVFormat(BaseModel):
 
     @property
     def needs_rope(self) -> bool:
-        """Keys stored before RoPE (``prerope``): the cache needs the model's RoPE table (``trtkv.rope.RopeTable``)."""
+        """Keys stored before RoPE (``prerope``): the cache needs each layer's RoPE table (``trtkv.rope.RopeTable.per_layer``)."""
         return any(f.k.pre_rope for f in self.layer_formats())
 
     def pool_bits_per_element(self, head_dim: int) -> float:
@@ -723,141 +726,110 @@ def _alike(name: str, t: TensorFormat, **kw) -> KVFormat:
     return KVFormat(name=name, k=t, v=t, **kw)
 
 
-def _sealed_low_bit(dtype: str, description: str, v: TensorFormat | None = None) -> KVFormat:
-    """The sealed-block layout measured best below 8 bits (docs/accuracy.md), at ``dtype``: keys Hadamard-rotated, then
-    asymmetric per channel over each block of 64; values (default) rotated, in symmetric groups of 32; 4 fp16 sink
-    tokens."""
-    v = v or _t(dtype, "per_token_group", group_size=32, hadamard=True)
-    return KVFormat(name=dtype, k=_t(dtype, "per_block_channel", symmetric=False, hadamard=True), v=v, block_size=64, sink_tokens=4,
-                    description=description)
-
-
 PRESETS: dict[str, KVFormat] = {
     p.name: p
     for p in [
         _alike("fp16", _t("fp16"), description="unquantized baseline"),
-        KVFormat(
-            name="int8",
-            k=_t("int8", "per_block_channel"),
-            v=_t("int8", "per_token"),
-            block_size=64,
-            description="int8 in sealed blocks of 64 (8.25 bits): keys one fp16 scale per channel per block, values one "
-            "per token; the open block stays fp16",
-        ),
-        _alike("int8-token", _t("int8", "per_token"), description="int8, one dynamic fp16 scale per token and head, every token quantized on write"),
+        _alike("fp8", _t("fp8_e4m3", "per_tensor"),
+               description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (what vLLM and TensorRT-LLM load as FP8 KV)"),
         _alike("int8-static", _t("int8", "per_tensor"), shared_kv_scale=True,
-               description="int8, one calibrated scale per layer for K and V (TensorRT-LLM INT8 KV)"),
-        _alike("fp8", _t("fp8_e4m3", "per_tensor"), description="fp8 e4m3, calibrated per-tensor k_scale / v_scale (vLLM, TensorRT-LLM FP8 KV)"),
-        _sealed_low_bit(
-            "int4",
-            "int4 in sealed blocks of 64 (4.5 bits): keys Hadamard-rotated, asymmetric per channel over each block; values "
-            "rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay fp16",
-        ),
-        _sealed_low_bit(
-            "int3",
-            "int3 in sealed blocks of 64 (3.5 bits): keys Hadamard-rotated, asymmetric per channel over each block; values "
-            "rotated, symmetric groups of 32; codes in a 2-bit plane and a 1-bit plane; the open block and the first 4 "
-            "tokens stay fp16",
-        ),
-        _sealed_low_bit(
-            "int2",
-            "int2 in sealed blocks of 64 (2.5 bits at head_dim 64): keys Hadamard-rotated, asymmetric per channel over "
-            "each block; values rotated, asymmetric per token; four codes per byte; the open block and the first 4 "
-            "tokens stay fp16",
-            v=_t("int2", "per_token", symmetric=False, hadamard=True),
-        ),
-        # issue 27: below 4 bits with calibrated transforms. ``-qs``: the presets' layout with query-aware key smoothing,
-        # which every engine path reads today (smoothing folds into the query); ``-nuq``: the best measured recipe (all four
-        # measures at block 128, bench/accuracy.py round 3; eval, the reference paged cache, the torch engine's torch ops, C
-        # kernels and Triton kernels)
-        KVFormat(name="int3-qs", k=_t("int3", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
-                 v=_t("int3", "per_token_group", group_size=32, hadamard=True), block_size=64, sink_tokens=4,
-                 description="int3 preset with keys smoothed by the queries (sqrt(rms_K / rms_Q), calibrated) before the "
-                 "rotation (3.5 bits); every engine path reads it"),
-        KVFormat(name="int2-qs", k=_t("int2", "per_block_channel", symmetric=False, smooth=True, smooth_by="queries", hadamard=True),
-                 v=_t("int2", "per_token", symmetric=False, hadamard=True), block_size=64, sink_tokens=4,
-                 description="int2 preset with keys smoothed by the queries before the rotation (2.5 bits at head_dim 64)"),
-        # the int4 preset's layout in blocks of 128: --budget's widest candidate beside int3-nuq / int2-nuq, which seal
-        # blocks of 128 (a search's candidates share block size and sink tokens)
-        KVFormat(name="int4-b128", k=_t("int4", "per_block_channel", symmetric=False, hadamard=True),
-                 v=_t("int4", "per_token_group", group_size=32, hadamard=True), block_size=128, sink_tokens=4,
-                 description="the int4 preset in sealed blocks of 128 (4.375 bits at head_dim 64): the widest --budget "
-                 "candidate beside int3-nuq / int2-nuq (--budget-formats nuq)"),
-        KVFormat(name="int3-nuq",
-                 k=_t("int3", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
-                      outliers=128),
+               description="int8, one calibrated scale per layer for K and V (what TensorRT-LLM loads as INT8 KV)"),
+        KVFormat(name="int8", k=_t("int8", "per_block_channel"), v=_t("int8", "per_token"), block_size=64,
+                 description="int8 in sealed blocks of 64 (8.25 bits): keys one fp16 scale per channel per block, values one "
+                 "per token; the open block stays fp16; no calibration"),
+        KVFormat(name="int4", k=_t("int4", "per_block_channel", symmetric=False, hadamard=True),
+                 v=_t("int4", "per_token_group", group_size=32, hadamard=True), block_size=64, sink_tokens=4,
+                 description="int4 in sealed blocks of 64 (4.5 bits): keys Hadamard-rotated, asymmetric per channel over each "
+                 "block; values rotated, symmetric groups of 32; the open block and the first 4 tokens (attention sinks) stay "
+                 "fp16; no calibration"),
+        KVFormat(name="int3", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=3.5),
                  v=_t("int3", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
-                 description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
-                 "queries and rotated, asymmetric per channel over each block, 128 outliers per block and head kept exactly; "
-                 "values rotated, symmetric per token through a calibrated codebook of 8 levels (served by the torch "
-                 "engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
-        KVFormat(name="int2-nuq",
-                 k=_t("int2", "per_block_channel", symmetric=False, pre_rope=True, smooth=True, smooth_by="queries", hadamard=True,
-                      outliers=64),
-                 v=_t("int2", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
-                 description="int2, 2.375 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE, smoothed by the "
-                 "queries, rotated, 64 outliers per block and head kept exactly (the narrow --budget candidate: a bits=2.5 "
-                 "mix beats 128 outliers everywhere); values rotated, symmetric per token through a "
-                 "calibrated codebook of 4 levels (served by the torch engine: its C kernels on CPU, its Triton kernels "
-                 "on CUDA, its torch ops anywhere)"),
-        # issue 27 round 10: keys before RoPE with bits allocated per channel at calibration (no rotation), the values of
-        # the -nuq presets (int2: with value outliers, bought with key bits and key outliers: docs/accuracy.md); read by eval, the
-        # reference paged cache and the torch engine (torch ops, C kernels, Triton kernels)
-        KVFormat(name="int3-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=3.5),
-                 v=_t("int3", "per_token", hadamard=True, codebook=True), block_size=128, sink_tokens=4,
-                 description="int3, 3.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
-                 "channel's bits (0 to 8; 3.5 on average) allocated at calibration, asymmetric per channel over "
-                 "each block; values as int3-nuq (served by the torch engine: its C kernels on CPU, its Triton kernels on CUDA, its "
-                 "torch ops anywhere)"),
-        KVFormat(name="int2-alloc", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=2.25, outliers=16),
+                 description="3.5 bits at head_dim 64, sealed blocks of 128: keys quantized before RoPE with each channel's "
+                 "bits (0 to 8, 3.5 on average) allocated at calibration, asymmetric per channel over each block; values "
+                 "Hadamard-rotated, symmetric per token through a calibrated codebook of 8 levels; needs trtkv calibrate"),
+        KVFormat(name="int2", k=_t("int8", "per_block_channel", symmetric=False, pre_rope=True, allocated_bits=2.25, outliers=16),
                  v=_t("int2", "per_token", hadamard=True, codebook=True, outliers=48), block_size=128, sink_tokens=4,
-                 description="int2, 2.5 bits at head_dim 64: sealed blocks of 128; keys quantized before RoPE with each "
-                 "channel's bits (0 to 8; 2.25 on average) allocated at calibration, asymmetric per channel over "
-                 "each block, 16 outliers per block and head kept exactly; values as int2-nuq with 48 outliers per block "
-                 "and head (served by the torch engine: its C kernels on CPU, its Triton kernels on CUDA, its torch ops anywhere)"),
-        KVFormat(
-            name="int4-token",
-            k=_t("int4", "per_token", symmetric=False, smooth=True, hadamard=True),
-            v=_t("int4", "per_token", symmetric=False, hadamard=True),
-            description="int4 asymmetric per token (4.5 bits at head_dim 64), keys smoothed and rotated, every token "
-            "quantized on write",
-        ),
-        _alike("int4-g32", _t("int4", "per_token_group", group_size=32), description="int4 symmetric groups of 32 (llama.cpp q4_0-like)"),
+                 description="2.5 bits at head_dim 64, sealed blocks of 128: keys quantized before RoPE with each channel's "
+                 "bits (0 to 8, 2.25 on average) allocated at calibration, asymmetric per channel over each block, 16 "
+                 "outliers per block and head kept exactly; values Hadamard-rotated, symmetric per token through a "
+                 "calibrated codebook of 4 levels, 48 outliers per block and head; needs trtkv calibrate"),
     ]
 }
+assert tuple(PRESETS) == PRESET_NAMES, "trtkv.preset_names.PRESET_NAMES lists the presets (for --help without torch)"
+
+# Outlier counts of a preset (``outN``) are per block and head at this head_dim; ``fit_format`` keeps their share of a
+# block's elements at the model's head_dim (``int2``'s 16 / 48 become 32 / 96 at head_dim 128).
+PRESET_HEAD_DIM = 64
+
+# The calibration-free 3- and 2-bit layouts: keys Hadamard-rotated, asymmetric per channel over each block of 64; values
+# rotated. Every engine path reads them (the ONNX step network, TensorRT-RTX, the TensorRT plugins), where the int3 / int2
+# presets' per-channel key widths and codebooks are read by the torch engine only. Spec strings, not presets
+# (docs/kv-formats.md).
+CALIBRATION_FREE: dict[str, str] = {
+    "int3": "k=int3:bchannel:asym:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4",
+    "int2": "k=int2:bchannel:asym:hadamard,v=int2:token:asym:hadamard,block=64,sink=4",
+}
+
+# Names that were presets (or --budget-formats sets) and what replaces each: ``get_format`` answers them with one line.
+RETIRED: dict[str, tuple[str, str]] = {  # name -> (the preset or spec string to use, why)
+    "int3-alloc": ("int3", "the int3 preset is this recipe"),
+    "int2-alloc": ("int2", "the int2 preset is this recipe"),
+    "int8-token": ("k=int8:token:sym,v=int8:token:sym", "every token quantized on write; the int8 preset keeps the newest block fp16"),
+    "int4-token": ("k=int4:token:asym:smooth:hadamard,v=int4:token:asym:hadamard",
+                   "every token quantized on write; the int4 preset keeps the newest block fp16"),
+    "int4-g32": ("k=int4:g32:sym,v=int4:g32:sym", "llama.cpp q4_0-like groups; the int4 preset is more accurate"),
+    "int4-b128": ("k=int4:bchannel:asym:hadamard,v=int4:g32:sym:hadamard,block=128,sink=4",
+                  "the int4 layout in blocks of 128; --budget brings int4 to its other candidates' blocks itself"),
+    "int3-qs": ("k=int3:bchannel:asym:qsmooth:hadamard,v=int3:g32:sym:hadamard,block=64,sink=4",
+                "the int3 preset is more accurate at the same size"),
+    "int2-qs": ("k=int2:bchannel:asym:qsmooth:hadamard,v=int2:token:asym:hadamard,block=64,sink=4",
+                "the int2 preset is more accurate at the same size"),
+    "int3-nuq": ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out128,v=int3:token:sym:hadamard:nuq,block=128,sink=4",
+                 "the int3 preset is more accurate at the same size"),
+    "int2-nuq": ("k=int2:bchannel:asym:prerope:qsmooth:hadamard:out64,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+                 "the int2 preset is more accurate at about the same size"),
+    "int3-nuq-kout64": ("k=int3:bchannel:asym:prerope:qsmooth:hadamard:out64,v=int3:token:sym:hadamard:nuq,block=128,sink=4",
+                        "a --budget candidate beside int3-nuq; the default candidates are int4,int3,int2"),
+    "int2-nuq-kout128": ("k=int2:bchannel:asym:prerope:qsmooth:hadamard:out128,v=int2:token:sym:hadamard:nuq,block=128,sink=4",
+                         "a --budget candidate beside int2-nuq; the default candidates are int4,int3,int2"),
+    "nuq": ("int4,int3,int2", "a --budget-formats set; the default candidates int4,int3,int2 were measured better"),
+    "alloc": ("int4,int3,int2", "a --budget-formats set; it is now the default candidates int4,int3,int2"),
+}
+assert not set(RETIRED) & set(PRESETS)
 
 
-def _key_outlier_twin(preset: str, outliers: int) -> KVFormat:
-    """``preset`` keeping ``outliers`` key outliers per block and head instead of its own: the same values, so a
-    ``--budget`` search beside the preset measures them once and can still move its keys to the other byte count."""
-    base = PRESETS[preset]
-    return KVFormat.model_validate(base.model_dump() | {
-        "name": f"{preset}-kout{outliers}", "k": base.k.model_dump() | {"outliers": outliers},
-        "description": f"{preset} with {outliers} key outliers per block and head instead of {base.k.outliers}: a --budget candidate beside it"})
-
-
-# Formats that go by name without being presets (the presets are what the engine sweeps and the AOT kernel set cover):
-# --budget candidates that differ from a preset in one number.
-NAMED_CANDIDATES: dict[str, KVFormat] = {f.name: f for f in (_key_outlier_twin("int3-nuq", 64), _key_outlier_twin("int2-nuq", 128))}
-
-# Candidate sets ``--budget-formats`` takes by name. ``nuq``: issue 27's formats with their key-outlier twins, the least
-# KL within 2.5 pool bits measured on SmolLM2 (docs/calibration.md); ``alloc``: int4 in blocks of 128 and the presets
-# with bits allocated per key channel (issue 27 round 10). The torch engine reads them, the ONNX and TensorRT paths
-# refuse them.
-BUDGET_FORMAT_SETS: dict[str, tuple[str, ...]] = {"nuq": ("int4-b128", "int3-nuq", "int3-nuq-kout64", "int2-nuq", "int2-nuq-kout128"),
-                                                  "alloc": ("int4-b128", "int3-alloc", "int2-alloc")}
-
-
-def expand_format_sets(specs: Sequence[str | KVFormat]) -> list[str | KVFormat]:
-    """``specs`` with each ``BUDGET_FORMAT_SETS`` name replaced by the names of its formats, in the set's order."""
-    return [one for spec in specs for one in (BUDGET_FORMAT_SETS.get(spec, (spec,)) if isinstance(spec, str) else (spec,))]
+def retired_error(name: str) -> TrtkvError:
+    """The one line a retired preset or set name answers with: what replaces it, and why."""
+    use, why = RETIRED[name]
+    return TrtkvError(f"KV format name {name!r} was retired ({why})", f"use '{use}' instead")
 
 
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token", "bchannel": "per_block_channel"}
-SPEC_HELP = (
-    "use a preset (" + ", ".join(PRESETS) + "; --budget candidates: " + ", ".join(NAMED_CANDIDATES) + "), a JSON file, or 'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]'"
-)
+SPEC_HELP = ("use a preset (" + ", ".join(PRESETS) + "), the name a calibration saved (--budget), a JSON file, or a spec string "
+             "'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]' (docs/kv-formats.md)")
+
+
+def calibration_needed(fmts: Sequence[KVFormat], model: str | None = None) -> TrtkvError:
+    """The one line formats that need calibrated constants answer with when they are given none: what each calibrates,
+    and the command that makes them."""
+    what = "; ".join((f"{f.name}: " if len(fmts) > 1 else "") + ", ".join(calibrated_constants(f)) for f in fmts)
+    kv = " ".join(f"--kv {f.name if f.name in PRESETS else repr(f.spec())}" for f in fmts)
+    cmd = "trtkv calibrate" + (f" --model {model}" if model else "") + f" {kv} --out DIR"
+    names = ", ".join(f.name for f in fmts)
+    return TrtkvError(f"KV format{'s' if len(fmts) > 1 else ''} {names} need{'' if len(fmts) > 1 else 's'} a calibration ({what})",
+                      f"run `{cmd}` and pass --calibration DIR")
+
+
+def calibrated_constants(fmt: KVFormat) -> list[str]:
+    """What calibration sets for ``fmt`` (empty: it needs none): static scales, and per side its smoothing factors,
+    codebooks and per-channel bits. ``KVFormat.needs_calibration`` is this being non-empty."""
+    what = ["scales"] if any(t.is_static for f in fmt.layer_formats() for t in (f.k, f.v)) else []
+    for side in ("k", "v"):
+        ts = [getattr(f, side) for f in fmt.layer_formats()]
+        what += [f"{side.upper()} {word}" for word, on in (("smoothing", any(t.smooth for t in ts)), ("codebooks", any(t.codebook for t in ts)),
+                                                           ("channel bits", any(t.allocated_bits is not None for t in ts))) if on]
+    return what
 
 
 def parse_tensor_spec(text: str) -> TensorFormat:
@@ -911,14 +883,15 @@ def parse_tensor_spec(text: str) -> TensorFormat:
 
 
 def get_format(spec: str | KVFormat) -> KVFormat:
-    """Resolve a preset or named --budget candidate, a JSON file or an inline spec string to a validated format."""
+    """Resolve a preset, a JSON file or an inline spec string to a validated format (a retired preset name: the one-line
+    error naming its replacement)."""
     if isinstance(spec, KVFormat):
         return spec
     try:
         if spec in PRESETS:
             return PRESETS[spec]
-        if spec in NAMED_CANDIDATES:
-            return NAMED_CANDIDATES[spec]
+        if spec in RETIRED:
+            raise retired_error(spec)
         if spec.endswith(".json"):
             path = Path(spec)
             if not path.is_file():
@@ -980,14 +953,23 @@ def fit_format(fmt: KVFormat, head_dim: int) -> tuple[KVFormat | None, str | Non
 
     A group size that does not divide ``head_dim`` becomes the largest divisor of ``head_dim`` below it
     (``g64`` -> ``g32`` at 32, ``g48`` at 48, ``g40`` at 80); per-channel bits (``allocB``) that do not fill whole bytes
-    per token row become the most that do (``alloc2.25`` -> ``alloc2`` at 24). Hadamard rotations use blocks of the largest
+    per token row become the most that do (``alloc2.25`` -> ``alloc2`` at 24); a preset's outlier counts keep their share of
+    a block's elements (they are written for ``PRESET_HEAD_DIM``: ``out16`` -> ``out32`` at 128), in multiples of
+    ``OUTLIER_MULTIPLE``, never fewer than one multiple. Hadamard rotations use blocks of the largest
     power of two dividing ``head_dim`` (``trtkv.quant.hadamard_matrix``); the note says so when that is
     smaller than ``head_dim``. Anything else ``TensorFormat.check_head_dim`` rejects (int4 packing and
     Hadamard rotations need an even ``head_dim``) cannot fit: its problem is the note.
     """
     changes, parts = [], {}
+    preset = PRESETS.get(fmt.name) == fmt
     for side in ("k", "v"):
         tf: TensorFormat = getattr(fmt, side)
+        n = tf.outliers
+        if preset and n and head_dim != PRESET_HEAD_DIM:
+            fit_n = max(OUTLIER_MULTIPLE, n * head_dim // PRESET_HEAD_DIM // OUTLIER_MULTIPLE * OUTLIER_MULTIPLE)
+            if fit_n != n:
+                tf = parts[side] = tf.model_copy(update={"outliers": fit_n})
+                changes.append(f"{side.upper()} out{n}->out{fit_n}")
         g = tf.group_size
         if g is not None and head_dim % g:
             fit = max((d for d in range(2, min(g, head_dim) + 1) if head_dim % d == 0), default=None)

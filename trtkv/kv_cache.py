@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from trtkv.cache_layout import sealing
 from trtkv.errors import TrtkvError
-from trtkv.formats import KVFormat, TensorFormat, get_format
+from trtkv.formats import KVFormat, TensorFormat, calibration_needed, get_format
 from trtkv.quant import QuantizedTensor, TensorParams, dequantize, quantize_block
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -211,6 +211,7 @@ class QuantizedKVLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None, rope: "RopeTable | None" = None):
+        """``rope``: this layer's RoPE table (keys stored before RoPE)."""
         super().__init__()
         self.fmt = fmt
         self.k_store = TensorStore(fmt, "k", None if params is None else params.k, rope)
@@ -283,29 +284,28 @@ class QuantizedKVCache(Cache):
     format stores each layer in its own ``fmt.layer(i)``).
 
     ``params`` are the calibrated per-layer constants (``LayerParams`` with ``.k`` / ``.v`` ``TensorParams``),
-    required by formats with static scales, smoothing or codebooks; ``rope`` (``trtkv.rope.RopeTable.of(model)``) by
-    formats whose keys are stored before RoPE (each sequence's tokens at positions 0, 1, ...). Pass the cache as
-    ``model(..., cache=cache)`` (``past_key_values=`` on older transformers).
+    required by formats with static scales, smoothing or codebooks; ``rope`` (each layer's table,
+    ``trtkv.rope.RopeTable.per_layer(model)``) by formats whose keys are stored before RoPE (each sequence's tokens at
+    positions 0, 1, ...). Pass the cache as ``model(..., cache=cache)`` (``past_key_values=`` on older transformers).
     """
 
     def __init__(self, fmt: str | KVFormat, num_layers: int, params: "Sequence[LayerParams] | None" = None,
-                 rope: "RopeTable | None" = None):
+                 rope: "Sequence[RopeTable] | None" = None):
         self.fmt = get_format(fmt)
         self.fmt.check_layers(num_layers)
-        if self.fmt.needs_rope and rope is None:
-            raise TrtkvError(f"KV format {self.fmt.name!r} stores keys before RoPE and the cache was given no RoPE table",
-                             "pass rope=trtkv.rope.RopeTable.of(model)")
+        if self.fmt.needs_rope and (rope is None or len(rope) != num_layers):
+            raise TrtkvError(f"KV format {self.fmt.name!r} stores keys before RoPE and the cache was given "
+                             f"{'no RoPE tables' if rope is None else f'{len(rope)} RoPE tables for {num_layers} layers'}",
+                             "pass rope=trtkv.rope.RopeTable.per_layer(model) (one table per layer)")
         if params is not None and len(params) != num_layers:
             raise TrtkvError(
                 f"calibration has {len(params)} layers but the model has {num_layers}",
                 "calibrate this model with `trtkv calibrate` and pass its artifact",
             )
         if params is None and self.fmt.needs_calibration:
-            raise TrtkvError(
-                f"KV format {self.fmt.name!r} needs calibrated scales or smoothing factors",
-                "run `trtkv calibrate` and pass --calibration",
-            )
-        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], rope) for i in range(num_layers)]
+            raise calibration_needed([self.fmt])
+        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], None if rope is None else rope[i])
+                  for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

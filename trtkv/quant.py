@@ -120,7 +120,7 @@ Rope = tuple  # (cos, sin) of the rows' positions, broadcastable to them (``trtk
 def _need_rope(fmt: TensorFormat, rope) -> None:
     if rope is None:
         raise TrtkvError(f"format {fmt.short()} stores keys before RoPE and no positions were given",
-                         "pass the model's RoPE table (trtkv.rope.RopeTable.of(model)) to the cache")
+                         "pass the layer's RoPE table (trtkv.rope.RopeTable.per_layer(model)) to the cache")
 
 
 def forward_transform(x: torch.Tensor, fmt: TensorFormat, params: TensorParams | None, head_axis: int = -2,

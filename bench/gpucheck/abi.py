@@ -25,7 +25,7 @@ from .driver import DriverKernel, assemble_cubin
 from .timing import PreparedDecode
 
 ENTRY = Path(__file__).resolve().parents[1] / "gpu_check.py"  # the dry run compiles in a child of the entry point
-ABI_FORMATS = ("int4", "int8-static", "fp8", "int8", "fp16", "int4-g32")  # coverage first (time budget)
+ABI_FORMATS = ("int4", "int8-static", "fp8", "int8", "fp16", "k=int4:g32:sym,v=int4:g32:sym")  # coverage first (time budget)
 DRY_ABI_FORMATS = ("int8", "int4")
 ABI_OPS = ("PagedKVSeal", "PagedDecodePartition", "PagedDecodeReduce", "PagedPrefillAttention")
 _TORCH_DT = {n: e.torch for n, e in ELEM_TYPES.items()}  # trtkv.formats.ELEM_TYPES

@@ -13,9 +13,10 @@ from trtkv.plugins.cases import PagedCase
 
 from .common import Run, rel_err
 
-# most important first (time budget); int3-nuq / int2-nuq: codebooks, outlier lists and keys stored before RoPE
-CHECK_FORMATS = ("int4", "int8", "fp16", "int8-static", "fp8", "int4-g32", "int3-nuq", "int2-nuq")
-DRY_FORMATS = ("fp16", "int8", "int4", "int3-nuq")  # the dry run's correctness formats
+# most important first (time budget): the presets (int3 / int2: keys before RoPE at per-channel widths, codebooks, int2's
+# outlier lists), then symmetric int4 groups without a transform
+CHECK_FORMATS = ("int4", "int8", "fp16", "int8-static", "fp8", "int3", "int2", "k=int4:g32:sym,v=int4:g32:sym")
+DRY_FORMATS = ("fp16", "int8", "int4", "int3")  # the dry run's correctness formats
 # (contexts, new rows per sequence, heads q / kv, head_dim); new rows are cut to each open block
 SHAPES = [dict(ctx=[1, 300, 77, 1024, 63], new=[1, 4, 3, 16, 1], hq=32, hkv=8, d=128),
           dict(ctx=[513, 45, 0], new=[1, 3, 16], hq=8, hkv=8, d=64)]
@@ -77,7 +78,7 @@ def run(r: Run) -> None:
                 c = PagedCase(fmt_name, sh["ctx"], _within_open_block(fmt_name, sh), heads_q=sh["hq"],
                               kv_heads=sh["hkv"], head_dim=sh["d"], device=r.device, seal=False)
                 c.seal_with(_kernel_seal(c, rows, tag))
-                ext = ops.SealedExtras(**c.extras_kwargs())  # codebooks, outlier lists, RoPE table
+                ext = ops.SealedExtras(**c.extras_kwargs())  # codebooks, outlier lists, RoPE table, channel widths
                 psize = 64 if r.dry else 512  # the ops default (several partitions at ctx 1024)
                 e = rel_err(ops.launch_paged_decode(c.q_dec, *c.attn_args(), partition_size=psize, extras=ext), c.reference())
                 rows.append(dict(kernel="paged_decode", case=f"{tag} part{psize}", rel_err=e, ok=e < 2e-2))

@@ -29,7 +29,8 @@ KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_proble
 # what a tensor format may keep that a path must read to run it: (TensorFormat field, words in a reason, ExecutionPath flag)
 FEATURES = (("codebook", "codebooks (nuq)", "codebooks"), ("outliers", "outlier lists (outN)", "outliers"),
             ("pre_rope", "keys before RoPE (prerope)", "pre_rope"), ("allocated_bits", "bits allocated per channel (allocB)", "channel_bits"))
-LACKS_HINT = "measure it with trtkv eval; serve int4 / int3-qs / int2-qs (or a --budget choice) meanwhile"
+LACKS_HINT = ("use a format every path reads: int8, int4, or the calibration-free 3- / 2-bit spec strings "
+              "(docs/kv-formats.md)")
 
 
 class Reason(str):
@@ -61,7 +62,7 @@ class ExecutionPath:
     head_dim_max: int | None = None  # None: no bound
     attention_modes: tuple[str, ...] = ("native", "plugin")  # the builder's --attention this backend runs
     prefix_cache: bool = True  # the block manager's prefix cache works over this path
-    # calibrated storage: decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
+    # decodes ``nuq`` codes through a per-layer codebook / reads a sealed block's ``outN`` outlier list
     # (eval and the reference paged cache read all of them; of the engines, the torch ops and the CPU kernels read all)
     codebooks: bool = False
     outliers: bool = False

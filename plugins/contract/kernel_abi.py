@@ -54,7 +54,7 @@ _POOL_PARAMS = {f"{w}_{p}_ptr": f"{w}_{p}" for w in "kv" for p in ("data", "scal
 _CONST_PARAMS = dict(k_static_ptr="k_static", k_smooth_ptr="k_smooth", v_static_ptr="v_static",
                      v_smooth_ptr="v_smooth", had_ptr="hadamard")
 _SEQ_PARAMS = dict(block_table_ptr="block_tables", context_lens_ptr="context_lens", slot_ids_ptr="slot_ids")
-# the calibrated formats' tables (codebooks, outlier lists, RoPE, channel widths): the ONNX ops take none of those formats (attrs refuse
+# the tables of codebook, outlier, pre-RoPE and per-channel-width formats: the ONNX ops take none of those formats (attrs refuse
 # them), so the plugins compile these parameters in as None and they leave the PTX
 _NO_EXTRAS = dict(k_cb_ptr=None, v_cb_ptr=None, k_oidx_ptr=None, k_oval_ptr=None, v_oidx_ptr=None, v_oval_ptr=None,
                   rope_cos_ptr=None, rope_sin_ptr=None, k_chan_ptr=None, v_chan_ptr=None)

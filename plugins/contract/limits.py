@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtkv.formats import OUTLIER_MULTIPLE
+
 
 @dataclass(frozen=True)
 class KernelLimits:
@@ -25,7 +27,7 @@ class KernelLimits:
     block_size_max: int = 128
     partition_min: int = 16
     default_partition: int = 512
-    outliers_min: int = 16
+    outliers_min: int = OUTLIER_MULTIPLE
     outliers_max: int = 1024
 
     # storage dtypes the kernels decode and seal (DTYPES rows). Packed ints need whole bytes per plane and row

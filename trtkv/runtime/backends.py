@@ -142,7 +142,7 @@ class TorchReferenceEngine(Engine):
         B, T = batch.input_ids.shape
         H, D = lay.num_kv_heads, lay.head_dim
         dtype = next(self.model.parameters()).dtype
-        cache.use_model_rope(self.model)  # keys stored before RoPE: read back here and sealed with the model's table
+        cache.use_model_rope(self.model)  # keys stored before RoPE: read back here and sealed with each layer's table
         logits = torch.zeros(B, self.model.config.vocab_size)
         new_k = torch.zeros(L, B, T, H, D, dtype=torch.float16)
         new_v = torch.zeros_like(new_k)
@@ -153,7 +153,7 @@ class TorchReferenceEngine(Engine):
                 for layer in range(L):
                     kv = [
                         gather_paged(cache.layout_of(layer), w, cache.pool(layer, w), batch.block_tables[b], c, getattr(cache.params[layer], w), slot=slot,
-                                     rope=cache.rope)
+                                     rope=cache.rope_for(layer, cache.layout_of(layer).tensor_format(w)))
                         for w in ("k", "v")
                     ]
                     dc.update(kv[0].transpose(0, 1)[None].to(dtype), kv[1].transpose(0, 1)[None].to(dtype), layer)

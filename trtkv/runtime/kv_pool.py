@@ -87,9 +87,9 @@ class PagedKVCache:
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
         self._seal_codecs: dict[tuple[int, str], object] = {}
-        # the model's RoPE table, for keys stored before RoPE (``prerope``): the torch engine hands it over at its first
-        # step over this cache (the pool has no model of its own)
-        self.rope: RopeTable | None = None
+        # each layer's RoPE table, for keys stored before RoPE (``prerope``): the engine stepping this cache hands them
+        # over at its first step (the pool has no model of its own); layers that rotate alike share one table
+        self.ropes: list[RopeTable] | None = None
         # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
         # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
         self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
@@ -263,23 +263,27 @@ class PagedKVCache:
         codec = self.seal_codec(layer, which)
         if codec is not None:  # it refuses a NaN or inf as check_finite does
             return cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
-        rope = block_rope(self.rope_for(tf), first_positions, self.block_size) if tf.pre_rope else None
+        rope = block_rope(self.rope_for(layer, tf), first_positions, self.block_size) if tf.pre_rope else None
         return quantize_block(rows, tf, params, head_axis=-3, rope=rope)
 
     def use_model_rope(self, model) -> None:
-        """Take ``model``'s RoPE table (``trtkv.rope.RopeTable``) where the format keeps keys before RoPE and none was
-        given yet: the engine stepping this cache hands it over, for its reads and the pool's seals."""
-        if self.rope is None and any(f.k.pre_rope for f in self.layout.fmt.layer_formats()):
-            self.rope = RopeTable.of(model)
+        """Take ``model``'s RoPE tables (``trtkv.rope.RopeTable.per_layer``) where the format keeps keys before RoPE and
+        none were given yet: the engine stepping this cache hands them over, for its reads and the pool's seals."""
+        if self.ropes is None and self.layout.fmt.needs_rope:
+            ropes = RopeTable.per_layer(model)
+            if len(ropes) != self.num_layers:
+                raise TrtkvError(f"the model has {len(ropes)} layers and this cache {self.num_layers}", "step the cache with its own engine's model")
+            self.ropes = ropes
 
-    def rope_for(self, tf) -> RopeTable | None:
-        """The RoPE table a seal of tensor format ``tf`` needs (None: not ``prerope``); refused when not handed over."""
+    def rope_for(self, layer: int, tf) -> RopeTable | None:
+        """The RoPE table reads and seals of ``layer``'s tensor format ``tf`` need (None: not ``prerope``); refused when
+        not handed over."""
         if not tf.pre_rope:
             return None
-        if self.rope is None:
-            raise TrtkvError(f"keys stored before RoPE ({tf.short()}) are sealed with the model's RoPE table, which this cache was not given",
+        if self.ropes is None:
+            raise TrtkvError(f"keys stored before RoPE ({tf.short()}) are sealed with the model's RoPE tables, which this cache was not given",
                              "step the cache with the torch engine, or call PagedKVCache.use_model_rope(model)")
-        return self.rope
+        return self.ropes[layer]
 
     def seal_codec(self, layer: int, which: str):
         """The C seal of ``layer``'s K or V on a CPU pool (``cpu_attention.SealCodec``; made once), or None where the
@@ -306,7 +310,7 @@ class PagedKVCache:
             for which in ("k", "v"):
                 pool, lay = self.pool(layer, which), self.layout_of(layer)
                 seal_open_block(lay, which, pool, slot, target, block_index, getattr(self.params[layer], which),
-                                self.rope_for(lay.tensor_format(which)))
+                                self.rope_for(layer, lay.tensor_format(which)))
 
     def seal_target(self, layer: int, slot: int, block: int, block_index: int) -> int:
         """The block of ``layer``'s pool that a seal of pool block ``block`` (the sequence's ``block_index``) writes."""

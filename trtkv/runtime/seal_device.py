@@ -20,7 +20,7 @@ from trtkv.plugins import ops
 def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> None:
     """Seal open block ``slot`` (its sequence's block ``block_index``) of every layer into pool block ``block`` (with a
     ``nuq`` format's codebook, an ``outN`` format's outlier lists, an ``allocB`` format's code widths, and for keys
-    stored before RoPE the block's first position and the model's table)."""
+    stored before RoPE the block's first position and the layer's RoPE table)."""
     dev = cache.tensors["k_tail"].device
     first = torch.tensor([block_index * cache.block_size], dtype=torch.int32, device=dev)
     for layer in range(cache.num_layers):
@@ -30,6 +30,6 @@ def seal_open_block_kernels(cache, slot: int, block: int, block_index: int) -> N
             pool = cache.pool(layer, which)
             rows = open_block_to_seal(lay, pool, slot, block_index)
             p, tf = getattr(cache.params[layer], which), lay.tensor_format(which)
-            rope = cache.rope_for(tf).upto((block_index + 1) * cache.block_size, dev) if tf.pre_rope else None
+            rope = cache.rope_for(layer, tf).upto((block_index + 1) * cache.block_size, dev) if tf.pre_rope else None
             ops.seal_into(rows, blocks, pool.data, pool.scale, pool.zero, tf, p.scale, p.smooth, p.clip, p.codebook,
                           pool.outlier_index, pool.outlier_value, first, rope, p.bits)

@@ -85,7 +85,8 @@ class _Step:
     sealed_max: int = 0
     held: torch.Tensor | None = None  # [B] sealed blocks each sequence reads, from column 0 of its block table (torch / cpu)
     first_pos: torch.Tensor | None = None  # [B] position of sealed column 0's first row (a ring view: its first block)
-    cpu_decode: "cpu_attention.DecodeStep | None" = None  # the CPU kernels' per-step arguments, made by the first layer
+    # the CPU kernels' per-step arguments, made by the first layer of each RoPE table (None: keys not stored before RoPE)
+    cpu_decode: dict = dataclasses.field(default_factory=dict)
     open_max: int = 0
     cu_seqlens: torch.Tensor | None = None  # kernels, T > 1
     key_pos: torch.Tensor | None = None  # [B, C + T] positions of the mask's keys (torch attention)
@@ -239,7 +240,7 @@ class TorchEngine(Engine):
         if self._checked is not cache:  # the capability table, for a cache this engine was not built with
             for r in CAPABILITIES[self.attention].layout_reasons(cache.layout.fmt):
                 raise TrtkvError(r, r.hint)
-            cache.use_model_rope(self.model)  # keys stored before RoPE: read and sealed with the model's table
+            cache.use_model_rope(self.model)  # keys stored before RoPE: read and sealed with each layer's table
             self._checked = cache
         dev = self.device
         batch = StepBatch(*(t.to(dev) for t in (batch.input_ids, batch.context_lens, batch.new_lens, batch.block_tables, batch.slot_ids)))
@@ -514,7 +515,7 @@ def context_kv(st: _Step, layer: int, which: str, new_rows: torch.Tensor) -> tup
         rope = None
         if fmt.pre_rope:  # keys stored before RoPE: back in model space, rotated at their positions (no fold)
             first = st.first_pos[:, None] + torch.arange(nb, device=st.first_pos.device)[None, :] * bs
-            rope = block_rope(cache.rope, first.reshape(-1), bs)
+            rope = block_rope(cache.rope_for(layer, fmt), first.reshape(-1), bs)
         x = dequantize(sealed_blocks(st, pool), fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
         if sink:
@@ -799,7 +800,8 @@ def _context_rows(st: _Step, layer: int, lay: PagedKVLayout, which: str, new_row
     if not st.sealed_max:
         return rest
     S = st.sealed_max * st.cache.block_size
-    rope = st.cache.rope.upto(int((st.first_pos + S).max())) if lay.tensor_format(which).pre_rope else None
+    table = st.cache.rope_for(layer, lay.tensor_format(which))  # keys stored before RoPE: this layer's table
+    rope = None if table is None else table.upto(int((st.first_pos + S).max()))
     out = cpu_attention.dequant(codec, pool, st.batch.block_tables, st.held, st.sealed_max, *_cpu_sink(st, lay, pool),
                                 rows=S + rest.shape[2], first_pos=st.first_pos, rope=rope)
     out[:, :, S:] = rest
@@ -823,21 +825,24 @@ def _in_step_sealed(st: _Step, layer: int, which: str, lay: PagedKVLayout, model
     positions = first[:, None] + torch.arange(n, device=blocks.device)[None, :] * bs
     qt = st.cache.quantize_blocks(layer, which, blocks, positions.reshape(-1))  # the pool's own seal
     st.in_step_codes[(layer, which)] = qt
-    rope = st.cache.rope.upto(int(first.max()) + n * bs) if lay.tensor_format(which).pre_rope else None
+    table = st.cache.rope_for(layer, lay.tensor_format(which))  # keys stored before RoPE: this layer's table
+    rope = None if table is None else table.upto(int(first.max()) + n * bs)
     return cpu_attention.dequant_blocks(codec, qt, B, first_pos=first, rope=rope)
 
 
 def _cpu_decode(st: _Step, layer: int, lay: PagedKVLayout, qg, k16, v16, kc, vc, scaling: float, window, softcap) -> torch.Tensor:
     """One token per sequence, the whole attention in one kernel call (``cpu_attention.decode``): [B, H, G, D]."""
     b, bs = st.batch, st.cache.block_size
-    if st.cpu_decode is None:
+    table = st.cache.rope_for(layer, lay.tensor_format("k"))  # keys stored before RoPE: this layer's table
+    step = st.cpu_decode.get(table)
+    if step is None:
         sealed = b.context_lens // bs
-        rope = None if st.cache.rope is None else st.cache.rope.upto(int(b.context_lens.max()) + 1)  # keys stored before RoPE
-        st.cpu_decode = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
-                                                     b.context_lens, st.first_pos, sealed * bs, st.sink_ok, rope)
+        rope = None if table is None else table.upto(int(b.context_lens.max()) + 1)
+        step = st.cpu_decode[table] = cpu_attention.DecodeStep(b.block_tables, st.held, st.sealed_max, b.slot_ids, b.context_lens - sealed * bs,
+                                                                b.context_lens, st.first_pos, sealed * bs, st.sink_ok, rope)
     kpool, vpool = st.cache.pool(layer, "k"), st.cache.pool(layer, "v")
     # the formats' transforms run inside the kernel (the codecs carry them): no torch op per layer around the call
-    return cpu_attention.decode_model_space(kc, vc, kpool, vpool, st.cpu_decode, qg, k16[:, :, 0], v16[:, :, 0], scaling, window,
+    return cpu_attention.decode_model_space(kc, vc, kpool, vpool, step, qg, k16[:, :, 0], v16[:, :, 0], scaling, window,
                                             softcap, lay.sink_tokens)
 
 
@@ -883,11 +888,11 @@ def _kernel_attention(st: _Step, layer: int, q, k, v, scaling: float, window: in
     tables = _ring_table(st) if cache.is_ringed(layer) else b.block_tables
     extra = dict(sm_scale=scaling, window=int(window or 0), softcap=float(softcap or 0.0))
     kf = cache.layout_of(layer).tensor_format("k")
-    if kf.pre_rope:  # keys stored before RoPE: the model's table on the device, to the engine's longest sequence (no
+    if kf.pre_rope:  # keys stored before RoPE: the layer's table on the device, to the engine's longest sequence (no
         # host sync: CUDA graphs capture this step); without a manifest, to this step's
         lim = None if st.engine.manifest is None else st.engine.manifest.limits
         n = lim.max_seq_len if lim is not None else int(b.context_lens.max()) + q.shape[2]
-        extra["rope"] = cache.rope_for(kf).upto(n, q.device)
+        extra["rope"] = cache.rope_for(layer, kf).upto(n, q.device)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, T, heads, D]
     if qh.shape[1] == 1:
         out = ops.decode_attention(qh[:, 0].contiguous(), cache.layout_of(layer), kpool, vpool, kh[:, 0].contiguous(), vh[:, 0].contiguous(),
