@@ -890,7 +890,10 @@ def _serve_like_the_eval_cache(tiny, spec: str, attention: str, block: int, seal
     n = blocks * block - 1  # prompts over several sealed blocks, a first one sealed with sinks
     prompts = [list(range(3, 3 + n)), list(range(40, 40 + n - block - 3))]
     cache = PagedKVCache(PagedKVLayout(fmt, heads, hd, block, 40, 2), info.num_layers, params)
-    cache.seal_with_kernels = seal_kernels  # seal_device.py's path
+    if seal_kernels:  # the kernel backend with its seal kernel (the CUDA seal, here under the interpreter)
+        from trtkv.attention.triton import TritonKernels
+
+        attention = TritonKernels(seal_kernel=True)
     engine = TorchEngine(model, attention=attention, device="cpu")
     sb = StaticBatch(cache, len(prompts))
     steps = [sb.prefill(engine, prompts)]
