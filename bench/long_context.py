@@ -166,8 +166,8 @@ def table(results: dict) -> list[str]:
     head = ["| task | bucket | metric | " + " | ".join(formats) + " |", "|---|---|---|" + "---:|" * len(formats)]
     lines = []
     for ctx, by in sorted(_by(_rows(results, "recall"), "context").items()):
-        base = by.get("fp16", {}).get("recall_top1") or 0.0
-        cells = [f"{100 * by[f]['recall_top1']:.1f}" + ("" if f == "fp16" or not base else f" ({100 * by[f]['recall_top1'] / base:.1f} %)")
+        cells = [f"{100 * by[f]['recall_top1']:.1f}" + ("" if f == "fp16" or not by[f]["fp16_recall_top1"] else
+                                                          f" ({100 * by[f]['recall_top1'] / by[f]['fp16_recall_top1']:.1f} %)")
                  if f in by else "" for f in formats]
         lines.append(f"| recall | {ctx} tokens (distance {next(iter(by.values()))['distance']}) | top-1 % (of fp16) | " + " | ".join(cells) + " |")
         cells = [f"{100 * by[f]['fp16_agreement']:.1f}" if f in by else "" for f in formats]
@@ -193,6 +193,14 @@ def table(results: dict) -> list[str]:
     return head + lines if lines else []
 
 
+def _per_format(rows: list[dict]) -> dict:
+    """{format: {context: row}}."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["format"], {})[r["context"]] = r
+    return out
+
+
 def _kl(r: dict, start: int) -> float:
     d = r["kld_by_position"]
     return d[str(start)] if str(start) in d else d[start]
@@ -201,8 +209,8 @@ def _kl(r: dict, start: int) -> float:
 def targets(results: dict) -> list[str]:
     """Each target of a measured format: met, or missed and by how much."""
     out = []
-    recall = _by(_rows(results, "recall"), "format")
-    passkey = _by(_rows(results, "passkey"), "format")
+    recall = _per_format(_rows(results, "recall"))
+    passkey = _per_format(_rows(results, "passkey"))
     ppl = {r["format"]: r for r in _rows(results, "ppl")}
     for f in results["formats"]:
         fam = _family(f)
@@ -213,7 +221,7 @@ def targets(results: dict) -> list[str]:
         for ctx, r in sorted(recall.get(f, {}).items()):
             got = r["recall_top1"] / r["fp16_recall_top1"] if r["fp16_recall_top1"] else 1.0
             if share is not None and got < share - 1e-9:
-                misses.append(f"recall at {ctx}: {100 * got:.1f} % of fp16 (target {100 * share:.0f} %, short by {100 * (share - got):.1f} points)")
+                misses.append(f"recall at {ctx}: {100 * got:.1f} % of fp16 (target {100 * share:.0f} %, short by {100 * (share - got):.1f} percentage points)")
             if fam == "int8" and r["fp16_agreement"] < SAME_ANSWERS:
                 misses.append(f"recall at {ctx}: same top-1 as fp16 on {100 * r['fp16_agreement']:.1f} % of tokens (target {100 * SAME_ANSWERS:.0f} %)")
         if fam == "int8":
