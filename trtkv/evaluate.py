@@ -265,7 +265,10 @@ def score_windows(model, windows: torch.Tensor, positions: torch.Tensor, fmts: S
         for row in range(0, n, batch):
             ids, t = windows[row : row + batch], targets[row : row + batch]
             t0 = time.perf_counter()
-            ref = torch.cat([x for _, x in kept_logits(model, ids, fmts[0], params.get(fmts[0].name), positions, advance)], dim=1)
+            ref = None  # the baseline's logits at every scored position, filled chunk by chunk (no second copy from a cat)
+            for cols, x in kept_logits(model, ids, fmts[0], params.get(fmts[0].name), positions, advance):
+                ref = x.new_empty(x.shape[0], positions.numel(), x.shape[-1]) if ref is None else ref
+                ref[:, cols] = x
             seconds[fmts[0].name] = seconds.get(fmts[0].name, 0.0) + time.perf_counter() - t0
             scores[fmts[0].name].add(row, slice(0, positions.numel()), ref, ref, t)
             for f in fmts[1:]:
