@@ -11,7 +11,7 @@ machine; random weights cannot retrieve, so only its KL by position is reported)
 ``bench/torch_engine.py``'s measurement (each engine alone in a fresh process over a random paged cache, rounds
 alternating the formats, the median of ``--reps``) at each of ``--decode-contexts``, built by
 ``bench/low_bit_decode.py``'s ``build``. Writes one Markdown report (the table per task and length bucket, the
-targets, the decode curve) and its JSON under bench/results/long-context-<date>.{md,json}, after each section.
+targets, the decode curve) and its JSON under bench/results/long-context.{md,json}, after each section.
 
     .venv/bin/python bench/long_context.py [--formats fp16,int8,int4,int3-alloc,int2-alloc] [--contexts 768,1024,2048,4096,8192]
         [--windows 3] [--passkey-contexts 1024,2048] [--ppl-seq-len 8192] [--ppl-windows 2] [--decode-formats fp16,int4,int2-alloc]
@@ -310,7 +310,7 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--progress", action="store_true", help="show eval's progress bar (on a terminal)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--name", default="long-context", help="report file stem (the date is appended)")
+    ap.add_argument("--name", default="long-context", help="report file stem: a rerun replaces the report it repeats")
     ap.add_argument("--render", help="only rewrite the Markdown of this results JSON (after a change to the report)")
     args = ap.parse_args()
     if args.render:
@@ -321,7 +321,7 @@ def main() -> None:
                      "formats": args.formats.split(","), "decode_formats": args.decode_formats.split(","), "windows": args.windows,
                      "passkey_windows": args.passkey_windows, "ppl_windows": args.ppl_windows, "ppl_seq_len": args.ppl_seq_len,
                      "batch": args.batch, "steps": args.steps, "reps": args.reps, "accuracy": {}, "decode": [], "seconds": {}}
-    stem = Path(args.out) / f"{args.name}-{results['date']}"
+    stem = Path(args.out) / args.name
     tmp = Path(tempfile.mkdtemp(prefix="trtkv-bench-longctx-"))
     try:
         if not args.skip_accuracy:
