@@ -516,6 +516,11 @@ class TensorFormat(BaseModel):
         """Entries of this format's codebook per layer and KV head (0 without ``nuq``)."""
         return 2**self.traits.bits if self.codebook else 0
 
+    @property
+    def code_bits(self) -> float:
+        """Bits of one code, as the spec names them (``allocB``: B; else the dtype's): what ``recent=`` compares."""
+        return self.allocated_bits if self.allocated_bits is not None else self.traits.bits
+
     def short(self) -> str:
         """Compact spec string, the inverse of ``parse_tensor_spec``."""
         if self.dtype == "fp16":
@@ -576,6 +581,11 @@ class KVFormat(BaseModel):
     shared_kv_scale: bool = False  # one static scale for K and V together (TensorRT-LLM's convention)
     description: str = ""
     layers: tuple[LayerStorage, ...] = ()  # per-layer K / V storage; () = every layer stores k / v
+    # Token age (spec field ``recent=R:FORMAT``): a sequence's newest ``recent_blocks`` sealed blocks are also kept in
+    # the wider ``recent`` storage, in a ring of R blocks per sequence slot, and read from there; older sealed blocks are
+    # read from the pool, where every block is sealed in ``k`` / ``v`` from its fp16 rows ("sealed twice").
+    recent: LayerStorage | None = None
+    recent_blocks: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "KVFormat":
@@ -599,7 +609,59 @@ class KVFormat(BaseModel):
             raise ValueError("outN (outliers kept per sealed block) needs sealed blocks: add block=N (e.g. block=64)")
         if self.sink_tokens and (self.block_size is None or self.sink_tokens >= self.block_size):
             raise ValueError(f"sink={self.sink_tokens} needs sealed blocks of more than {self.sink_tokens} tokens: add block=N (e.g. block=64)")
+        if self.recent is not None or self.recent_blocks:
+            self._check_recent()
         return self
+
+    def _check_recent(self) -> None:
+        """The rules of a token-age format (``recent=R:FORMAT``), each a one-line ValueError."""
+        if self.recent is None or self.recent_blocks < 1:
+            raise ValueError(f"recent={self.recent_blocks} keeps no blocks: give recent=R:FORMAT with R >= 1 sealed blocks")
+        if self.block_size is None:
+            raise ValueError("recent=R counts sealed blocks: add block=N (e.g. block=64)")
+        if self.layers:
+            raise ValueError("recent=R with a per-layer format (layers=) is not supported: give one k= / v= storage")
+        for side in ("k", "v"):
+            wide: TensorFormat = getattr(self.recent, side)
+            if calibrated := [w for w, on in (("static scales", wide.is_static), ("smoothing", wide.smooth), ("codebooks", wide.codebook),
+                                              ("channel bits", wide.allocated_bits is not None)) if on]:
+                raise ValueError(f"the recent {side}={wide.short()} needs a calibration ({', '.join(calibrated)}): recent blocks take a "
+                                 "calibration-free format (fp16, int8, int4, or a calibration-free int3 / int2 spec)")
+            if wide.pre_rope:
+                raise ValueError(f"the recent k={wide.short()} keeps keys before RoPE (prerope), which recent blocks do not: drop prerope")
+        k, v = self.recent.k, self.recent.v
+        if k.code_bits < self.k.code_bits or v.code_bits < self.v.code_bits or (k.code_bits, v.code_bits) == (self.k.code_bits, self.v.code_bits):
+            raise ValueError(f"recent={self.recent_blocks}:{self.recent.short()} is not wider than the base "
+                             f"k={self.k.short()},v={self.v.short()} ({k.code_bits:g}/{v.code_bits:g} vs {self.k.code_bits:g}/{self.v.code_bits:g} "
+                             "bits): give recent blocks more bits for K or V, and no fewer for either")
+
+    @property
+    def token_aged(self) -> bool:
+        """A sequence's newest ``recent_blocks`` sealed blocks are read in the wider ``recent`` storage."""
+        return self.recent is not None
+
+    def recent_format(self) -> "KVFormat":
+        """The recent blocks' own format: the ``recent`` K / V storage with this format's block size and sink tokens
+        (what the ring of recent blocks is laid out, sealed and decoded with)."""
+        if self.recent is None:
+            raise ValueError(f"format {self.name} keeps no recent blocks")
+        return KVFormat(name=f"{self.name}[recent]", k=self.recent.k, v=self.recent.v, block_size=self.block_size, sink_tokens=self.sink_tokens)
+
+    def recent_bytes(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one sequence slot's ring of recent blocks, one layer, K and V (0 without ``recent=``)."""
+        if self.recent is None:
+            return 0
+        bs = self.block_size
+        return self.recent_blocks * num_kv_heads * (self.recent.k.block_bits(bs, head_dim) + self.recent.v.block_bits(bs, head_dim)) // 8
+
+    def sealed_bits_per_element(self, head_dim: int, context_len: int | None = None) -> float:
+        """Bits per K/V element of a sequence's sealed storage at ``context_len`` tokens: the pool's, plus a token-age
+        format's ring of recent blocks (a fixed reserve per slot) over the context; ``None``: the long-context limit
+        (the pool's). The one count of a token-age format's bits at a context."""
+        pool = self.pool_bits_per_element(head_dim)
+        if self.recent is None or context_len is None:
+            return pool
+        return pool + self.recent_bytes(1, head_dim) * 8 / (2 * head_dim * context_len)
 
     @property
     def is_per_layer(self) -> bool:
@@ -682,13 +744,15 @@ class KVFormat(BaseModel):
         """Mean storage bits per K/V element of one sequence of ``context_len`` tokens, its fp16 open block included.
 
         A sealed-block format reserves one fp16 block per sequence slot on top of the pool blocks of the
-        tokens already sealed; that reserve is counted here. ``None``: the long-context limit (pool bits).
+        tokens already sealed (and a token-age format its ring of recent blocks); those reserves are counted here.
+        ``None``: the long-context limit (pool bits).
         """
         pool = self.pool_bits_per_element(head_dim)
         if self.block_size is None or context_len is None:
             return pool
         sealed = context_len - context_len % self.block_size
-        return (sealed * pool + self.tail_rows * DTYPES["fp16"].bits) / context_len
+        ring = self.recent_bytes(1, head_dim) * 8 / (2 * head_dim)
+        return (sealed * pool + ring + self.tail_rows * DTYPES["fp16"].bits) / context_len
 
     def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, context_len: int | None = None) -> float:
         """Bytes of K and V cache per token over all layers, scales (and, at a context length, the open block) included."""
@@ -701,8 +765,9 @@ class KVFormat(BaseModel):
         return num_kv_heads * self.tail_rows * head_dim * DTYPES["fp16"].bits // 8
 
     def tail_bytes_per_slot(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds."""
-        return 2 * num_layers * self.tail_bytes(num_kv_heads, head_dim)
+        """Bytes of the fp16 open blocks and sink rows (K and V, all layers) one sequence slot holds, and a token-age
+        format's ring of recent blocks (``recent_bytes``): the fixed reserve per slot."""
+        return num_layers * (2 * self.tail_bytes(num_kv_heads, head_dim) + self.recent_bytes(num_kv_heads, head_dim))
 
     def spec(self) -> str:
         out = f"k={self.k.short()},v={self.v.short()}"
@@ -714,6 +779,8 @@ class KVFormat(BaseModel):
             out += ",shared"
         if self.layers:
             out += ",layers=" + "|".join(ls.short() for ls in self.layers)
+        if self.recent is not None:
+            out += f",recent={self.recent_blocks}:{self.recent.short()}"
         return out
 
 
@@ -807,7 +874,7 @@ def retired_error(name: str) -> TrtkvError:
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _GRAN_WORDS = {"tensor": "per_tensor", "head": "per_head", "channel": "per_channel", "token": "per_token", "bchannel": "per_block_channel"}
 SPEC_HELP = ("use a preset (" + ", ".join(PRESETS) + "), the name a calibration saved (--budget), a JSON file, or a spec string "
-             "'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared]' (docs/kv-formats.md)")
+             "'k=int4:bchannel:asym,v=int4:token:asym:hadamard[,block=N][,sink=N][,shared][,recent=R:FORMAT]' (docs/kv-formats.md)")
 
 
 def calibration_needed(fmts: Sequence[KVFormat], model: str | None = None) -> TrtkvError:
@@ -882,6 +949,21 @@ def parse_tensor_spec(text: str) -> TensorFormat:
     return TensorFormat(**fields)
 
 
+def parse_recent(text: str) -> tuple[int, LayerStorage]:
+    """``R:FORMAT`` of a spec's ``recent=`` field: R sealed blocks, FORMAT a preset name (its K / V storage) or
+    ``k_spec/v_spec``."""
+    count, _, fmt = text.partition(":")
+    if not count.strip().isdigit() or not fmt.strip():
+        raise ValueError(f"recent={text!r}: give recent=R:FORMAT, R sealed blocks and a preset or k_spec/v_spec (e.g. recent=3:int4)")
+    fmt = fmt.strip()
+    if fmt in PRESETS:
+        return int(count), LayerStorage(k=PRESETS[fmt].k, v=PRESETS[fmt].v)
+    if "/" not in fmt:
+        raise ValueError(f"recent={text!r}: {fmt!r} is neither a preset nor k_spec/v_spec (e.g. recent=3:int4)")
+    ks, _, vs = fmt.partition("/")
+    return int(count), LayerStorage(k=parse_tensor_spec(ks), v=parse_tensor_spec(vs))
+
+
 def get_format(spec: str | KVFormat) -> KVFormat:
     """Resolve a preset, a JSON file or an inline spec string to a validated format (a retired preset name: the one-line
     error naming its replacement)."""
@@ -897,7 +979,11 @@ def get_format(spec: str | KVFormat) -> KVFormat:
             if not path.is_file():
                 raise TrtkvError(f"KV format file {spec} does not exist", SPEC_HELP)
             return KVFormat.model_validate(json.loads(path.read_text()))
-        keys = [item.partition("=")[0].strip() for item in spec.split(",")]
+        text = spec
+        head, _, rest = spec.partition(",")
+        if head.strip() in PRESETS and rest:  # a preset with more fields ("int2,recent=3:int4"): its spec string, then them
+            text = PRESETS[head.strip()].spec() + "," + rest
+        keys = [item.partition("=")[0].strip() for item in text.split(",")]
         if "k" not in keys and "v" not in keys:
             raise TrtkvError(f"unknown KV format {spec!r}", SPEC_HELP)
         for need in ("k", "v"):
@@ -905,7 +991,7 @@ def get_format(spec: str | KVFormat) -> KVFormat:
                 raise TrtkvError(f"KV format {spec!r} is missing {need}=", f"add {need}=<dtype>:<granularity> (both k= and v= are required), e.g. '{spec},{need}=int8:token'")
         fields: dict = {"name": spec}
         seen: dict[str, str] = {}
-        for item in spec.split(","):
+        for item in text.split(","):
             key, _, value = item.partition("=")
             key = key.strip()
             if key in seen:
@@ -923,6 +1009,8 @@ def get_format(spec: str | KVFormat) -> KVFormat:
                 fields["layers"] = tuple(LayerStorage(k=parse_tensor_spec(ks), v=parse_tensor_spec(vs))
                                          for ks, _, vs in (item.partition("/") for item in value.split("|")))
                 fields["name"] = f"{spec.partition(',layers=')[0]},layers=<{len(fields['layers'])} layers>"
+            elif key == "recent":
+                fields["recent_blocks"], fields["recent"] = parse_recent(value)
             else:
                 raise ValueError(f"unknown field {key!r}")
         return KVFormat(**fields)
