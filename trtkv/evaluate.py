@@ -201,12 +201,12 @@ def _prefill(model, input_ids: torch.Tensor, cache, block_size: int | None, star
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def make_cache(model, fmt: KVFormat, params=None, num_layers: int | None = None) -> QuantizedKVCache:
+def make_cache(model, fmt: KVFormat, params=None, num_layers: int | None = None, age_out: str = "sealed_twice") -> QuantizedKVCache:
     """The really-quantized cache of ``fmt`` for ``model`` (each layer's RoPE table when the format stores keys before
-    RoPE)."""
+    RoPE); ``age_out``: a token-age format's pool copy of an aged block (``trtkv.kv_cache.TensorStore``)."""
     from trtkv.rope import RopeTable
 
-    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.per_layer(model) if fmt.needs_rope else None)
+    return QuantizedKVCache(fmt, num_layers or _num_layers(model), params, RopeTable.per_layer(model) if fmt.needs_rope else None, age_out)
 
 
 def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=None) -> torch.Tensor:
@@ -221,15 +221,16 @@ def model_logits(model, input_ids: torch.Tensor, fmt: KVFormat | str, params=Non
 
 
 def kept_logits(model, input_ids: torch.Tensor, fmt: KVFormat, params, positions: torch.Tensor,
-                advance: Callable[[int], None] | None = None):
+                advance: Callable[[int], None] | None = None, age_out: str = "sealed_twice"):
     """Yield ``(cols, logits)`` chunk by chunk of a prefill of ``input_ids`` [B, S] with the cache in ``fmt``: the logits
     [B, c, V] at the scored ``positions`` (sorted) inside the chunk, ``cols`` the slice of ``positions`` they are.
 
     The chunks are ``model_logits``'s (block boundaries; ``PREFILL_CHUNK`` tokens for a format without sealed blocks, whose
     cache is the same whatever the chunks), so the numbers are the same; only the scored positions go through the
-    vocabulary projection, so a long window never holds its full logits. ``advance(tokens)`` after each chunk.
+    vocabulary projection, so a long window never holds its full logits. ``advance(tokens)`` after each chunk;
+    ``age_out``: ``make_cache``'s.
     """
-    cache = make_cache(model, fmt, params)
+    cache = make_cache(model, fmt, params, age_out=age_out)
     positions = positions.to(input_ids.device)
     for a, b in block_chunks(0, input_ids.shape[1], fmt.block_size or PREFILL_CHUNK):
         lo, hi = (int(torch.searchsorted(positions, x)) for x in (a, b))

@@ -61,6 +61,7 @@ def _params_to(p: TensorParams | None, device: torch.device) -> TensorParams | N
     return None if p is None else p.map(lambda t: t.to(device))
 
 
+AGE_OUT = ("sealed_twice", "requantize")  # what a token-age format's pool holds of a block that ages out (``TensorStore``)
 _PER_BLOCK = ("outlier_index", "outlier_value")  # a sealed block's outlier list: one row per block, like block-wise scales
 
 
@@ -77,6 +78,10 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([a, b], dim=SEQ_AXIS)
 
 
+def _cat_all(ts: list) -> torch.Tensor | None:
+    return None if ts[0] is None else torch.cat(ts, dim=SEQ_AXIS)
+
+
 def _select(t: torch.Tensor | None, fn) -> torch.Tensor | None:
     return None if t is None else fn(t)
 
@@ -84,7 +89,8 @@ def _select(t: torch.Tensor | None, fn) -> torch.Tensor | None:
 class TensorStore:
     """The stored form of one of K or V in one layer: the quantized past plus, for sealed formats, the open block."""
 
-    def __init__(self, kv_fmt: KVFormat, which: str, params: TensorParams | None, rope: "RopeTable | None" = None):
+    def __init__(self, kv_fmt: KVFormat, which: str, params: TensorParams | None, rope: "RopeTable | None" = None,
+                 age_out: str = "sealed_twice"):
         self.kv_fmt = kv_fmt  # the open block's byte count is the format's (``KVFormat.tail_bytes``)
         self.fmt: TensorFormat = getattr(kv_fmt, which)
         self.params = params
@@ -96,9 +102,19 @@ class TensorStore:
         self.open: torch.Tensor | None = None  # [B, H, S_o, D] in the model dtype (unquantized open block)
         self.dtype: torch.dtype | None = None
         self.head_dim = 0
+        self.sealed_count = 0  # sealed blocks
+        # a token-age format's newest sealed blocks in its recent storage (one QuantizedTensor per block, oldest first),
+        # encoded and decoded by a store of the recent format; ``age_out``: what the pool holds of a block that ages out
+        # of them -- "sealed_twice" (what the engine does: every block sealed from its fp16 rows into the pool as well)
+        # or "requantize" (the pool's block quantized from the recent codes when it ages out; an eval-only comparison)
+        if age_out not in AGE_OUT:
+            raise ValueError(f"age_out must be one of {AGE_OUT}, not {age_out!r}")
+        self.age_out = age_out
+        self.wide = TensorStore(kv_fmt.recent_format(), which, None) if kv_fmt.token_aged else None
+        self.wide_blocks: list[QuantizedTensor] = []
 
     def __len__(self) -> int:
-        n = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
+        n = self.sealed_count * self.block_size if self.block_size else 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
         return n + (0 if self.open is None else self.open.shape[SEQ_AXIS])
 
     def _to_device(self, device: torch.device) -> None:
@@ -108,18 +124,25 @@ class TensorStore:
         """``(cos, sin)`` [n, D] of positions ``start ..`` for prerope keys (windows start at position 0), else None."""
         return None if self.rope is None else self.rope.rows(start, n, device)
 
+    def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """Rows ``x`` (a whole block, or the tokens of a quantize-on-write step) as this store keeps them, appended after
+        what it holds (prerope keys: RoPE undone at those positions)."""
+        if not self.fmt.is_quantized:  # kept as-is in the model's dtype (see module docstring)
+            return QuantizedTensor(codes=x)
+        start = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
+        qt = quantize_block(x, self.fmt, self.params, head_axis=HEAD_AXIS, rope=self._positions(start, x.shape[SEQ_AXIS], x.device))
+        per_block = self._per_block_fields()
+        # one row per block: [B, H, D] -> [B, H, 1, D] (block-wise scales), [B, H, N] -> [B, H, 1, N] (outliers)
+        return QuantizedTensor(**{f: None if (t := getattr(qt, f)) is None else t.unsqueeze(SEQ_AXIS) if f in per_block else t
+                                  for f in ("codes", "scale", "zero", *_PER_BLOCK)})
+
+    def _per_block_fields(self) -> tuple[str, ...]:
+        return _PER_BLOCK + (("scale", "zero") if self.fmt.is_block_wise else ())
+
     def _write_quantized(self, x: torch.Tensor) -> None:
         if x.shape[SEQ_AXIS] == 0:
             return
-        if not self.fmt.is_quantized:  # kept as-is in the model's dtype (see module docstring)
-            qt = QuantizedTensor(codes=x)
-        else:
-            start = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS]
-            qt = quantize_block(x, self.fmt, self.params, head_axis=HEAD_AXIS, rope=self._positions(start, x.shape[SEQ_AXIS], x.device))
-            per_block = _PER_BLOCK + (("scale", "zero") if self.fmt.is_block_wise else ())
-            # one row per block: [B, H, D] -> [B, H, 1, D] (block-wise scales), [B, H, N] -> [B, H, 1, N] (outliers)
-            qt = QuantizedTensor(**{f: None if (t := getattr(qt, f)) is None else t.unsqueeze(SEQ_AXIS) if f in per_block else t
-                                    for f in ("codes", "scale", "zero", *_PER_BLOCK)})
+        qt = self._quantize(x)
         if self.quantized is None:
             self.quantized = qt
         else:
@@ -135,11 +158,10 @@ class TensorStore:
             return
         open_len = 0 if self.open is None else self.open.shape[SEQ_AXIS]
         if open_len == self.block_size:  # the open block is full: seal it before new tokens arrive
-            sealed = 0 if self.quantized is None else self.quantized.codes.shape[SEQ_AXIS] // self.block_size
-            block, sink = sealing(self.open, sealed, self.sink_tokens, SEQ_AXIS)  # a first block keeps its sink rows
+            block, sink = sealing(self.open, self.sealed_count, self.sink_tokens, SEQ_AXIS)  # a first block keeps its sink rows
             if sink is not None:
                 self.sink = sink
-            self._write_quantized(block)
+            self._seal(block)
             self.open, open_len = None, 0
         if open_len + x.shape[SEQ_AXIS] > self.block_size:
             raise TrtkvError(
@@ -150,25 +172,55 @@ class TensorStore:
             x = x.to(torch.float16).to(x.dtype)
         self.open = _cat(self.open, x)
 
+    def _seal(self, block: torch.Tensor) -> None:
+        """Store a full block (sink rows already taken out): into the quantized past, and a token-age format's newest
+        blocks also in the recent storage (``age_out`` says when the pool's copy is made)."""
+        self.sealed_count += 1
+        if self.wide is None:
+            self._write_quantized(block)
+            return
+        if self.wide.dtype is None:
+            self.wide.dtype, self.wide.head_dim = block.dtype, block.shape[-1]
+            self.wide._to_device(block.device)
+        self.wide_blocks.append(self.wide._quantize(block))
+        if self.age_out == "sealed_twice":
+            self._write_quantized(block)
+        if len(self.wide_blocks) > self.kv_fmt.recent_blocks:
+            aged = self.wide_blocks.pop(0)
+            if self.age_out == "requantize":  # the pool's copy from the recent codes, as a re-seal at age-out would make it
+                self._write_quantized(self.wide._decode(aged, 1))
+
     def read(self) -> torch.Tensor:
-        """The full cache in the model's dtype and channel space (transforms undone)."""
+        """The full cache in the model's dtype and channel space (transforms undone): a token-age format's newest
+        ``recent_blocks`` sealed blocks from the recent storage, older ones from the pool's."""
         assert self.dtype is not None
         parts = []
-        if self.quantized is not None:
-            if self.fmt.is_quantized:
-                x = self._dequantized()
-                if self.sink is not None:
-                    x = torch.cat([self.sink, x[:, :, self.sink_tokens :]], dim=SEQ_AXIS)
-                parts.append(x)
-            else:
-                parts.append(self.quantized.codes)
+        if self.quantized is not None or self.wide_blocks:
+            old = self.sealed_count - len(self.wide_blocks) if self.block_size else None  # blocks read from the pool
+            x = self._decode(self.quantized, old) if self.quantized is not None and old != 0 else None
+            if self.wide_blocks:
+                wide = QuantizedTensor(**{f: _cat_all([getattr(q, f) for q in self.wide_blocks]) for f in ("codes", "scale", "zero", *_PER_BLOCK)})
+                recent = self.wide._decode(wide, len(self.wide_blocks))
+                x = recent if x is None else torch.cat([x, recent], dim=SEQ_AXIS)
+            if self.sink is not None:
+                x = torch.cat([self.sink, x[:, :, self.sink_tokens :]], dim=SEQ_AXIS)
+            parts.append(x)
         if self.open is not None:
             parts.append(self.open)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=SEQ_AXIS)
 
-    def _dequantized(self) -> torch.Tensor:
-        q = self.quantized
-        assert q is not None and self.dtype is not None
+    def _decode(self, q: QuantizedTensor, blocks: int | None = None) -> torch.Tensor:
+        """Stored ``q`` (its first ``blocks`` sealed blocks; None: all of it) in the model's dtype and space."""
+        if blocks is not None and blocks * self.block_size < q.codes.shape[SEQ_AXIS]:
+            per_block = self._per_block_fields()
+            q = QuantizedTensor(**{f: None if (t := getattr(q, f)) is None else t.narrow(SEQ_AXIS, 0, blocks if f in per_block else blocks * self.block_size)
+                                   for f in ("codes", "scale", "zero", *_PER_BLOCK)})
+        if not self.fmt.is_quantized:
+            return q.codes
+        return self._dequantized(q)
+
+    def _dequantized(self, q: QuantizedTensor) -> torch.Tensor:
+        assert self.dtype is not None
         *lead, s, dp = q.codes.shape
         rope = self._positions(0, s, q.codes.device)
         if not (self.fmt.is_block_wise or self.fmt.outliers):
@@ -189,6 +241,7 @@ class TensorStore:
         """Apply a batch-axis selection (``fn(tensor) -> tensor``) to every stored tensor."""
         if self.quantized is not None:
             self.quantized = _qt_map(self.quantized, fn)
+        self.wide_blocks = [_qt_map(q, fn) for q in self.wide_blocks]
         self.open = _select(self.open, fn)
         self.sink = _select(self.sink, fn)
 
@@ -199,8 +252,10 @@ class TensorStore:
         if self.quantized is not None:
             q = self.quantized
             total += sum(t.numel() * t.element_size() for f in ("codes", "scale", "zero", *_PER_BLOCK) if (t := getattr(q, f)) is not None)
+        for q in self.wide_blocks:
+            total += sum(t.numel() * t.element_size() for f in ("codes", "scale", "zero", *_PER_BLOCK) if (t := getattr(q, f)) is not None)
         if self.block_size and len(self):  # the open block is a fixed fp16 reservation per sequence
-            ref = self.open if self.open is not None else self.quantized.codes
+            ref = self.open if self.open is not None else self.quantized.codes if self.quantized is not None else self.wide_blocks[0].codes
             total += ref.shape[0] * self.kv_fmt.tail_bytes(ref.shape[1], self.head_dim)
         return total
 
@@ -210,12 +265,13 @@ class QuantizedKVLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None, rope: "RopeTable | None" = None):
-        """``rope``: this layer's RoPE table (keys stored before RoPE)."""
+    def __init__(self, fmt: KVFormat, params: "LayerParams | None" = None, rope: "RopeTable | None" = None, age_out: str = "sealed_twice"):
+        """``rope``: this layer's RoPE table (keys stored before RoPE); ``age_out``: see ``TensorStore``."""
         super().__init__()
         self.fmt = fmt
-        self.k_store = TensorStore(fmt, "k", None if params is None else params.k, rope)
-        self.v_store = TensorStore(fmt, "v", None if params is None else params.v)
+        self.age_out = age_out
+        self.k_store = TensorStore(fmt, "k", None if params is None else params.k, rope, age_out)
+        self.v_store = TensorStore(fmt, "v", None if params is None else params.v, age_out=age_out)
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -243,8 +299,8 @@ class QuantizedKVLayer(DynamicLayer):
     def reset(self) -> None:
         fmt = self.fmt
         k, v = self.k_store, self.v_store
-        self.k_store = TensorStore(fmt, "k", k.params, k.rope)
-        self.v_store = TensorStore(fmt, "v", v.params)
+        self.k_store = TensorStore(fmt, "k", k.params, k.rope, self.age_out)
+        self.v_store = TensorStore(fmt, "v", v.params, age_out=self.age_out)
         self.cumulative_length = 0
         self.keys = self.values = None
         self.is_initialized = False
@@ -287,10 +343,11 @@ class QuantizedKVCache(Cache):
     required by formats with static scales, smoothing or codebooks; ``rope`` (each layer's table,
     ``trtkv.rope.RopeTable.per_layer(model)``) by formats whose keys are stored before RoPE (each sequence's tokens at
     positions 0, 1, ...). Pass the cache as ``model(..., cache=cache)`` (``past_key_values=`` on older transformers).
+    ``age_out``: what a token-age format's pool holds of a block that ages out of its recent blocks (``TensorStore``).
     """
 
     def __init__(self, fmt: str | KVFormat, num_layers: int, params: "Sequence[LayerParams] | None" = None,
-                 rope: "Sequence[RopeTable] | None" = None):
+                 rope: "Sequence[RopeTable] | None" = None, age_out: str = "sealed_twice"):
         self.fmt = get_format(fmt)
         self.fmt.check_layers(num_layers)
         if self.fmt.needs_rope and (rope is None or len(rope) != num_layers):
@@ -304,7 +361,7 @@ class QuantizedKVCache(Cache):
             )
         if params is None and self.fmt.needs_calibration:
             raise calibration_needed([self.fmt])
-        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], None if rope is None else rope[i])
+        layers = [QuantizedKVLayer(self.fmt.layer(i), None if params is None else params[i], None if rope is None else rope[i], age_out)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 
