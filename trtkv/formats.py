@@ -951,7 +951,7 @@ def parse_tensor_spec(text: str) -> TensorFormat:
 
 def parse_recent(text: str) -> tuple[int, LayerStorage]:
     """``R:FORMAT`` of a spec's ``recent=`` field: R sealed blocks, FORMAT a preset name (its K / V storage) or
-    ``k_spec/v_spec``."""
+    ``k_spec/v_spec`` (each may be written ``k=`` / ``v=`` as well)."""
     count, _, fmt = text.partition(":")
     if not count.strip().isdigit() or not fmt.strip():
         raise ValueError(f"recent={text!r}: give recent=R:FORMAT, R sealed blocks and a preset or k_spec/v_spec (e.g. recent=3:int4)")
@@ -961,7 +961,7 @@ def parse_recent(text: str) -> tuple[int, LayerStorage]:
     if "/" not in fmt:
         raise ValueError(f"recent={text!r}: {fmt!r} is neither a preset nor k_spec/v_spec (e.g. recent=3:int4)")
     ks, _, vs = fmt.partition("/")
-    return int(count), LayerStorage(k=parse_tensor_spec(ks), v=parse_tensor_spec(vs))
+    return int(count), LayerStorage(k=parse_tensor_spec(ks.strip().removeprefix("k=")), v=parse_tensor_spec(vs.strip().removeprefix("v=")))
 
 
 def get_format(spec: str | KVFormat) -> KVFormat:

@@ -31,6 +31,8 @@ KERNEL_HEAD_DIMS = tuple(d for d in (32, 64, 128, 256) if LIMITS.head_dim_proble
 # what a tensor format may keep that a path must read to run it: (TensorFormat field, words in a reason, ExecutionPath flag)
 FEATURES = (("codebook", "codebooks (nuq)", "codebooks"), ("outliers", "outlier lists (outN)", "outliers"),
             ("pre_rope", "keys before RoPE (prerope)", "pre_rope"), ("allocated_bits", "bits allocated per channel (allocB)", "channel_bits"))
+# what a whole format may keep that a path must read to run it: (KVFormat property, words in a reason, ExecutionPath flag)
+FORMAT_FEATURES = (("token_aged", "its newest sealed blocks in a wider format (recent=)", "token_age"),)
 LACKS_HINT = ("use a format every path reads: int8, int4, or the calibration-free 3- / 2-bit spec strings "
               "(docs/kv-formats.md)")
 
@@ -71,6 +73,7 @@ class ExecutionPath:
     pre_rope: bool = False  # applies RoPE to keys stored before it (``prerope``) when it reads them
     channel_bits: bool = False  # unpacks rows whose channels have their own calibrated code widths (``allocB``)
     window_ring: bool = False  # sliding layers may live in a window ring (the torch engine), which turns prefix caching off
+    token_age: bool = False  # reads a token-age format's newest sealed blocks from each slot's ring of recent blocks (``recent=``)
 
     # ------------------------------------------------------------------ the questions
 
@@ -84,14 +87,19 @@ class ExecutionPath:
         if fmt.is_per_layer and not self.per_layer:
             return [Reason(f"KV format {fmt.name} stores each layer its own way, which only the torch engine reads "
                            "(the ONNX step network has one pool layout for every layer)", "build it with --backend torch", "layout")]
-        lacks = list(dict.fromkeys(what for f in fmt.layer_formats() for t in (f.k, f.v) for what in self.lacks(t)))
+        lacks = self.lacks_format(fmt)
         if lacks:
             # the torch-engine paths that read all of it are the first way out
-            readers = [p.title for name in TORCH_ENGINE_PATHS if (p := CAPABILITIES[name]) is not self and
-                       not any(p.lacks(t) for f in fmt.layer_formats() for t in (f.k, f.v))]
+            readers = [p.title for name in TORCH_ENGINE_PATHS if (p := CAPABILITIES[name]) is not self and not p.lacks_format(fmt)]
             hint = f"build it with --backend torch, which reads it ({' / '.join(readers)}); or {LACKS_HINT}" if readers else LACKS_HINT
             return [Reason(f"KV format {fmt.name} keeps {' and '.join(lacks)}, which the {self.title} does not read yet", hint, "layout")]
         return []
+
+    def lacks_format(self, fmt) -> list[str]:
+        """What of ``fmt`` this path does not read: its layers' tensor features (``lacks``), then the format's own
+        (``FORMAT_FEATURES``: a token-age format's recent blocks)."""
+        tensors = [what for f in fmt.layer_formats() for t in (f.k, f.v) for what in self.lacks(t)]
+        return list(dict.fromkeys([*tensors, *(what for attr, what, has in FORMAT_FEATURES if getattr(fmt, attr) and not getattr(self, has))]))
 
     def lacks(self, t) -> list[str]:
         """What of one tensor format (``TensorFormat``) this path does not read: codebooks, outlier lists, keys stored
@@ -185,9 +193,10 @@ ONNX_PLUGIN = ExecutionPath("plugin", "ONNX step network, plugin attention (trtk
 TENSORRT_RTX = ExecutionPath("tensorrt-rtx", "TensorRT-RTX engine (native attention only, no plugins)", step_network=True,
                              block_sizes=NATIVE_BLOCK_SIZES, attention_modes=("native",))
 # the torch ops dequantize such sealed rows whole (codebook levels, outlier lists written back, RoPE applied to keys
-# stored before it, rows of per-channel code widths unpacked) where they fold the others' scales into the query
+# stored before it, rows of per-channel code widths unpacked) where they fold the others' scales into the query, and
+# read a token-age format's newest sealed blocks from the slot's ring of recent blocks (decoded whole, like those)
 TORCH_OPS = ExecutionPath("torch", "torch engine, torch ops", per_layer=True, window_ring=True, codebooks=True, outliers=True,
-                          pre_rope=True, channel_bits=True)
+                          pre_rope=True, channel_bits=True, token_age=True)
 # the Triton kernels read codebooks (a table lookup), outlier lists (one-hot products over a tile of one block) and keys
 # stored before RoPE (brought to model space per tile with the model's table); the seal kernel writes them all
 KERNEL_ATTENTION = ExecutionPath("kernels", "torch engine, Triton attention kernels", per_layer=True, window_ring=True, kernels=True,

@@ -233,10 +233,11 @@ def resolve(name: "str | AttentionBackend", device, manifest=None, kv_format=Non
     raise TrtkvError(r, r.hint)  # the last resort's (the torch ops') reason
 
 
-def pool_sealer(device) -> AttentionBackend:
+def pool_sealer(device, kv_format=None) -> AttentionBackend:
     """The backend a cache seals through when no engine handed it one: ``auto``'s choice on the cache's device (for a
-    network engine's cache, or a cache made on its own)."""
-    return resolve("auto", device)
+    network engine's cache, or a cache made on its own); ``kv_format``: one for the format's own cache (a token-age
+    format is sealed by the path that reads its ring of recent blocks)."""
+    return resolve("auto", device, kv_format=kv_format)
 
 
 def pool_reasons(fmt) -> list[Reason]:

@@ -11,8 +11,9 @@ dequantized where the format allows (the int4 / int8 presets), by two folds of t
   the scale folded into the probabilities (``folded_value_output``);
 
 the smoothing and Hadamard transforms folded into the query (``fold_query``) and undone once on the output. Every
-other format is read through ``trtkv.quant.dequantize`` (``context_kv``). The seal is the reference quantizer
-(``AttentionBackend.quantize_blocks``).
+other format is read through ``trtkv.quant.dequantize`` (``context_kv``); a token-age format in model space, its newest
+sealed blocks from the slot's ring of recent blocks (``recent_into``). The seal is the reference quantizer
+(``AttentionBackend.quantize_blocks``; the cache seals the ring beside it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from trtkv.attention.base import AttentionBackend
 from trtkv.attention.masks import MaskedStep
 from trtkv.cache_layout import PagedKVLayout, block_rope
 from trtkv.plugins.contract.capabilities import TORCH_OPS
-from trtkv.quant import TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
+from trtkv.quant import QuantizedTensor, TensorParams, dequantize, forward_transform, hadamard_matrix, inverse_transform
 
 
 def unfolded(fmt) -> bool:
@@ -164,15 +165,34 @@ def context_kv(st: MaskedStep, layer: int, which: str, new_rows: torch.Tensor) -
         if fmt.pre_rope:  # keys stored before RoPE: back in model space, rotated at their positions (no fold)
             first = st.first_pos[:, None] + torch.arange(nb, device=st.first_pos.device)[None, :] * bs
             rope = block_rope(cache.rope_for(layer, fmt), first.reshape(-1), bs)
-        x = dequantize(st.sealed_blocks(pool), fmt, params, head_axis=-3, dtype=dtype, transforms=rope is not None, rope=rope)
+        model_space = fmt.pre_rope or lay.fmt.token_aged  # a token-age format's two storages meet in model space
+        x = dequantize(st.sealed_blocks(pool), fmt, params, head_axis=-3, dtype=dtype, transforms=model_space, rope=rope)
         sealed = x.view(B, nb, H, bs, D)  # block-major, as stored: no transpose copy
+        if lay.fmt.token_aged:
+            recent_into(st, layer, which, sealed)
         if sink:
             rows = lay.sink_rows(pool.tail)[b.slot_ids].to(dtype)
-            rows = rows if fmt.pre_rope else forward_transform(rows, fmt, params, head_axis=-3)
+            rows = rows if model_space else forward_transform(rows, fmt, params, head_axis=-3)
             sealed[:, 0, :, :sink] = st.where_sink(rows, sealed[:, 0, :, :sink])
         if not st.sealed_all_valid:  # other owners' blocks may hold NaN
             sealed.masked_fill_(st.kv_invalid[:, :S].view(B, nb, 1, bs, 1), 0)
     return sealed, st.open_rows(layer, which, new_rows)
+
+
+def recent_into(st: MaskedStep, layer: int, which: str, sealed: torch.Tensor) -> None:
+    """Overwrite each sequence's newest ``recent_blocks`` sealed blocks in ``sealed`` [B, nb, H, bs, D] (model space)
+    with their copies in the slot's ring of recent blocks (a token-age format), decoded in model space."""
+    cache, b = st.cache, st.batch
+    R = cache.recent_blocks
+    B, _, H, bs, D = sealed.shape
+    cols = st.held[:, None] - R + torch.arange(R, device=st.held.device)[None, :]  # [B, R] the newest R sealed columns
+    ok = cols >= 0
+    ring = cache.recent_block(b.slot_ids[:, None].to(cols.device), cols.clamp(min=0)).reshape(-1)
+    pool = cache.recent_pool(layer, which)
+    qt = QuantizedTensor(*(None if t is None else t.index_select(0, ring) for t in (pool.data, pool.scale, pool.zero, pool.outlier_index, pool.outlier_value)))
+    x = dequantize(qt, cache.recent_layout.tensor_format(which), None, head_axis=-3, dtype=sealed.dtype).view(B, R, H, bs, D)
+    rows = torch.arange(B, device=cols.device)[:, None].expand(B, R)
+    sealed[rows[ok], cols[ok]] = x[ok]
 
 
 class TorchOps(AttentionBackend):
@@ -199,7 +219,8 @@ class TorchOps(AttentionBackend):
         kp, vp = self.layer_params(st.cache, layer)
         qg = q.reshape(B, H, G * T, D)
         kfmt = lay.tensor_format("k")
-        if st.sealed_max and folds_key_scales(kfmt):
+        aged = lay.fmt.token_aged  # sealed rows in model space (``context_kv``): no folds
+        if st.sealed_max and folds_key_scales(kfmt) and not aged:
             ks, kr = None, st.open_rows(layer, "k", k16)
             sealed = folded_key_scores(st, layer, fold_query(qg, kfmt, kp))
             if lay.sink_tokens:  # the first block's first rows are read from the sink rows (model space, fp16)
@@ -209,9 +230,9 @@ class TorchOps(AttentionBackend):
                 sealed[:, 0, :, :, : lay.sink_tokens] = st.where_sink(qg @ sink.transpose(-1, -2), sealed[:, 0, :, :, : lay.sink_tokens])
         else:
             ks, kr = context_kv(st, layer, "k", k16)
-            sealed = None if ks is None else (qg if kfmt.pre_rope else fold_query(qg, kfmt, kp))[:, None] @ ks.transpose(-1, -2)
+            sealed = None if ks is None else (qg if kfmt.pre_rope or aged else fold_query(qg, kfmt, kp))[:, None] @ ks.transpose(-1, -2)
         vfmt = lay.tensor_format("v")
-        fold_v = bool(st.sealed_max) and folds_value_scales(vfmt)
+        fold_v = bool(st.sealed_max) and folds_value_scales(vfmt) and not aged
         vs, vr = (None, st.open_rows(layer, "v", v16)) if fold_v else context_kv(st, layer, "v", v16)
         scores = qg @ kr.transpose(-1, -2)
         S = 0
@@ -229,5 +250,5 @@ class TorchOps(AttentionBackend):
             if fold_v:
                 out = out + folded_value_output(st, layer, ps, vp)
             else:  # [B, nb, H, n, bs] @ [B, nb, H, bs, D], summed over blocks
-                out = out + inverse_transform((ps @ vs).sum(1), vfmt, vp, head_axis=-3)
+                out = out + ((ps @ vs).sum(1) if aged else inverse_transform((ps @ vs).sum(1), vfmt, vp, head_axis=-3))
         return out.view(B, Hq, T, D).transpose(1, 2)  # [B, T, Hq, D]

@@ -32,12 +32,13 @@ from trtkv.attention import AttentionBackend, pool_reasons, pool_sealer
 from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, sealing, store_quantized
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
-from trtkv.quant import QuantizedTensor
+from trtkv.quant import QuantizedTensor, quantize_block
 from trtkv.rope import RopeTable
 from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
 
 POOL_FIELDS = ("data", "scale", "zero", "outlier_index", "outlier_value")  # a pool's tensors addressed by block (``KVPool``)
 RING = "@ring"  # suffix of the sliding layers' pool tensors in a cache with a WindowRing
+RECENT = "@recent"  # suffix of a token-age format's rings of recent blocks: [L, num_slots * recent_blocks, ...]
 
 
 def load_kv_params(engine_dir: str | Path, num_layers: int) -> list[LayerParams]:
@@ -74,6 +75,9 @@ class PagedKVCache:
         layout.fmt.check_layers(num_layers)
         for r in pool_reasons(layout.fmt):  # a format no engine path reads (outlier lists, keys before RoPE)
             raise TrtkvError(r, r.hint)
+        if layout.fmt.token_aged and ring is not None:
+            raise TrtkvError(f"KV format {layout.fmt.name} keeps recent blocks wider, which a cache whose sliding layers free their "
+                             "passed blocks (a window ring) does not", "run with --no-free-window-blocks, or a format without recent=")
         # every layer's layout, made once: a per-layer format's ``layer(i)`` builds a format, not for every step
         self._layouts = [layout.layer(i) for i in range(num_layers)]
         # pool groups: layers with one storage (a per-layer format's distinct K / V storages, ``@gN``), the sliding layers
@@ -86,11 +90,15 @@ class PagedKVCache:
             suffix = (f"@g{storages.index((lay.fmt.k, lay.fmt.v))}" if layout.fmt.is_per_layer else "") + (RING if i in local else "")
             groups.setdefault(suffix, []).append(i)
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
+        # a token-age format's rings of recent blocks: R blocks per slot in the recent storage (None: not token-aged)
+        self.recent_layout = (dataclasses.replace(layout, fmt=layout.fmt.recent_format(), num_blocks=layout.num_slots * layout.fmt.recent_blocks)
+                              if layout.fmt.token_aged else None)
         self.tensors: dict[str, torch.Tensor] = {}
         # each layer's RoPE table, for keys stored before RoPE (``prerope``): the engine stepping this cache hands them
         # over at its first step (the pool has no model of its own); layers that rotate alike share one table
         self.ropes: list[RopeTable] | None = None
-        self.sealer: AttentionBackend = attention or pool_sealer(device)  # whose seal stores full blocks (``seal_through``)
+        # whose seal stores full blocks (``seal_through``)
+        self.sealer: AttentionBackend = attention or pool_sealer(device, layout.fmt if layout.fmt.token_aged else None)
         for which in ("k", "v"):  # the layout allocates: one group's pools stacked, a ring's with its ring blocks
             self.tensors[f"{which}_tail"] = layout.allocate_tail(device, layers=num_layers)
             for suffix, layers in groups.items():
@@ -101,6 +109,11 @@ class PagedKVCache:
                 for field in POOL_FIELDS:
                     if getattr(pool, field) is not None:
                         self.tensors[f"{which}_{field}{suffix}"] = getattr(pool, field)
+            if layout.fmt.token_aged:  # the slots' rings of recent blocks, in the recent storage
+                pool = self.recent_layout.allocate(which, device, layers=num_layers, tail=False)
+                for field in POOL_FIELDS:
+                    if getattr(pool, field) is not None:
+                        self.tensors[f"{which}_{field}{RECENT}"] = getattr(pool, field)
 
     @classmethod
     def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None,
@@ -148,11 +161,28 @@ class PagedKVCache:
         sel = lambda t: None if t is None else t[j]
         return KVPool(**{f: sel(get(f)) for f in POOL_FIELDS}, tail=self.tensors[f"{which}_tail"][layer])
 
+    @property
+    def recent_blocks(self) -> int:
+        """A token-age format's recent blocks per sequence (0: not token-aged)."""
+        return self.layout.fmt.recent_blocks
+
+    def recent_block(self, slot, block_index):
+        """Ring block of a sequence's sealed block ``block_index`` in slot ``slot`` (ints or tensors), token-age formats."""
+        return slot * self.recent_blocks + block_index % self.recent_blocks
+
+    def recent_pool(self, layer: int, which: str) -> KVPool:
+        """Views of ``layer``'s ring of recent blocks for K or V (a token-age format), with the slots' tails (sink rows)."""
+        get = lambda f: self.tensors.get(f"{which}_{f}{RECENT}")
+        return KVPool(**{f: None if get(f) is None else get(f)[layer] for f in POOL_FIELDS}, tail=self.tensors[f"{which}_tail"][layer])
+
     def slot_index(self, name: str, slot: int) -> slice | None:
         """The entries of cache tensor ``name`` (second axis) that sequence slot ``slot`` owns: its open block, its ring
         blocks; None for a pool tensor addressed by the block tables."""
         if name.endswith("_tail"):
             return slice(slot, slot + 1)
+        if name.endswith(RECENT):
+            r = self.recent_blocks
+            return slice(slot * r, (slot + 1) * r)
         if name.endswith(RING):
             r = self.ring.ring_blocks
             return slice(slot * r, (slot + 1) * r)
@@ -170,6 +200,9 @@ class PagedKVCache:
         """
         bs = self.block_size
         in_place = self.sealer.seals_in_place(self)  # a seal kernel writes each full open block into its pool block
+        if self.recent_blocks and (in_place or out.sealed is not None):
+            raise TrtkvError(f"the {self.sealer.name} attention seals blocks itself, and KV format {self.layout.fmt.name} also seals them "
+                             "into each slot's ring of recent blocks", "use --attention torch")
         sealed: list[int] = []
         ctx = batch.context_lens.tolist()
         new = batch.new_lens.tolist()
@@ -237,8 +270,9 @@ class PagedKVCache:
         """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows
         ``[L, H, block_size, D]`` fp16 as the open block held them -- with one quantization per layer and K / V for all
         of them (the sealer's ``quantize_blocks``), and a first block's sink rows into its slot (``cache_layout.sealing``)."""
-        if len(filled) > 1 and any(len({self.seal_target(layer, s, blk, idx) for s, blk, idx, _, _ in filled}) < len(filled)
-                                   for layer in range(self.num_layers)):
+        recent = [self.recent_block(s, idx) for s, _, idx, _, _ in filled] if self.recent_blocks else []
+        if len(filled) > 1 and (len(set(recent)) < len(recent) or any(len({self.seal_target(layer, s, blk, idx) for s, blk, idx, _, _ in filled}) < len(filled)
+                                                                      for layer in range(self.num_layers))):
             for item in filled:  # one ring block twice: sealed in order, the later block wins
                 self.seal_rows([item])
             return
@@ -256,6 +290,9 @@ class PagedKVCache:
                         rows[i] = quantized
                 first = torch.tensor([idx * self.block_size for _, _, idx, _, _ in filled])
                 store_quantized(pool, targets, self.sealer.quantize_blocks(self, layer, which, rows, first), lay.tensor_format(which))
+                if recent:  # sealed twice: the ring of recent blocks in the recent storage, from the same rows
+                    tf = self.recent_layout.tensor_format(which)
+                    store_quantized(self.recent_pool(layer, which), torch.tensor(recent), quantize_block(rows, tf, None, head_axis=-3), tf)
 
     def use_model_rope(self, model) -> None:
         """Take ``model``'s RoPE tables (``trtkv.rope.RopeTable.per_layer``) where the format keeps keys before RoPE and
@@ -279,7 +316,7 @@ class PagedKVCache:
     def seal(self, slot: int, block: int, block_index: int) -> None:
         """Seal open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool block ``block``
         (a first block also fills the slot's sink rows; a ringed layer seals into its ring block instead)."""
-        if self.sealer.seals_in_place(self):
+        if self.sealer.seals_in_place(self) and not self.recent_blocks:
             self.sealer.seal_in_place(self, slot, block, block_index)
             return
         bs = self.block_size

@@ -87,8 +87,7 @@ class LLMEngine:
         self.budget = budget
         lim = manifest.limits
         self.max_batch = budget.num_slots if accepts_any_shape(engine.name) else lim.max_batch
-        # a window ring frees the sliding layers' blocks a prefix hit would need: no prefix caching with one
-        self.prefix_caching = config.enable_prefix_caching and cache.ring is None
+        self.prefix_caching = config.enable_prefix_caching and prefix_caching_off(cache) is None
         prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine.name), cache) if self.prefix_caching else None
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size, prefix)
         self.scheduler = Scheduler(
@@ -412,6 +411,17 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def prefix_caching_off(cache) -> str | None:
+    """Why prefix caching is off for ``cache`` whatever the configuration says, or None: a prefix hit shares pool
+    blocks, and what the next queries also need lives per slot."""
+    if cache.ring is not None:
+        return "the sliding layers' window ring frees the blocks a prefix hit would need"
+    if cache.layout.fmt.token_aged:
+        return (f"KV format {cache.layout.fmt.name} reads a sequence's newest sealed blocks from its slot's ring of recent blocks "
+                "(recent=), which a prefix hit does not fill")
+    return None
 
 
 def prefix_salt(manifest, engine_name: str) -> str:

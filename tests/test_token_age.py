@@ -1,0 +1,255 @@
+"""Token-age formats (``recent=R:FORMAT``): a sequence's newest R sealed blocks read in a wider storage than older ones.
+
+References are naive and in float64: each sealed block decoded with the storage its age gives it (the reference codec
+``trtkv.quant`` on the block's own fp16 rows; the first block without its sink rows, which stay exact), then attention
+by hand. Checked against them on fresh random rows at odd sizes (blocks of 5 and 7, head dims 20 and 24, 3 KV heads
+with 2 queries each), step after step, so that blocks age out of the recent set between steps:
+
+* the eval cache (``trtkv.kv_cache.TensorStore``), both ``age_out`` choices;
+* the paged cache through the torch ops (seal into the pool and the slot's ring, ``attend``), a slot reused by a new
+  sequence reading none of the old sequence's ring;
+* the spec grammar's round trip and each refusal as one line; bytes at a context against a naive count; the paths that
+  do not read the ring refuse in one line; prefix caching is off for such a cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtkv.artifacts import LayerParams
+from trtkv.attention import TorchOps, resolve
+from trtkv.cache_layout import PagedKVLayout, block_chunks, block_rope
+from trtkv.errors import TrtkvError
+from trtkv.formats import PRESETS, get_format
+from trtkv.kv_cache import TensorStore
+from trtkv.quant import dequantize, quantize_block
+from trtkv.rope import RopeTable
+from trtkv.runtime.kv_pool import PagedKVCache
+from trtkv.runtime.step import StepBatch, StepOutput
+
+H, G, L = 3, 2, 2  # KV heads, queries per KV head, layers
+SPECS = [  # (spec, head dim)
+    ("k=int4:bchannel:asym:hadamard,v=int2:token:asym,block=5,sink=1,recent=2:k=int8:bchannel:asym/v=int4:g4:sym", 20),
+    ("k=int2:bchannel:asym:prerope,v=int2:g4:sym:out3,block=7,sink=2,recent=3:fp16", 24),
+]
+
+
+def _rope(D: int) -> RopeTable:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=D * H, num_attention_heads=H, head_dim=D, rope_theta=100.0)
+    return RopeTable(LlamaRotaryEmbedding(cfg), D)
+
+
+def _codec(rows: torch.Tensor, tf, first: int, rope) -> torch.Tensor:
+    """One block [bs, H, D] through the reference codec of ``tf`` (keys before RoPE: at positions ``first ..``)."""
+    x = rows.transpose(0, 1)[None].float()
+    cs = block_rope(rope, torch.tensor([first]), x.shape[2]) if tf.pre_rope else None
+    return dequantize(quantize_block(x, tf, None, head_axis=-3, rope=cs), tf, None, head_axis=-3, rope=cs)[0].transpose(0, 1).double()
+
+
+def aged_reference(rows: torch.Tensor, fmt, which: str, rope=None, requantize: bool = False, sealed: int | None = None) -> torch.Tensor:
+    """What a query after ``rows`` [n, H, D] (fp16 values) reads of them, float64, with ``sealed`` blocks sealed (default:
+    every full block, the paged cache's; the eval cache seals a full block when the next token comes): blocks older than the newest
+    ``recent_blocks`` in the base storage (``requantize``: from the recent storage's values), the newest in the recent
+    storage, the sink rows and the open block exact."""
+    bs, sink, R = fmt.block_size, fmt.sink_tokens, fmt.recent_blocks
+    base, wide = getattr(fmt, which), getattr(fmt.recent, which)
+    sealed = rows.shape[0] // bs if sealed is None else sealed
+    out = rows.double().clone()
+    for j in range(sealed):
+        blk = rows[j * bs : (j + 1) * bs].clone()
+        if j == 0 and sink and base.is_quantized:
+            blk[:sink] = blk[sink]
+        if j >= sealed - R:
+            out[j * bs : (j + 1) * bs] = _codec(blk, wide, j * bs, rope)
+        else:
+            src = _codec(blk, wide, j * bs, rope).float() if requantize else blk
+            out[j * bs : (j + 1) * bs] = _codec(src, base, j * bs, rope)
+    if sealed and sink and base.is_quantized:
+        out[:sink] = rows[:sink].double()
+    return out
+
+
+def _fmt(spec: str) -> object:
+    return get_format(spec)
+
+
+# --------------------------------------------------------------------------- the eval cache
+
+
+@pytest.mark.parametrize("age_out", ["sealed_twice", "requantize"])
+@pytest.mark.parametrize("spec,D", SPECS)
+def test_eval_cache_reads_each_block_in_the_storage_its_age_gives_it(spec, D, age_out):
+    fmt = _fmt(spec)
+    g = torch.Generator().manual_seed(hash((spec, age_out)) % 2**31)
+    n = fmt.block_size * (fmt.recent_blocks + 3) + 3  # blocks age out of the recent set as the chunks go by
+    x = (torch.randn(2, H, n, D, generator=g) * 2).half().float()
+    rope = _rope(D)
+    for which in ("k", "v"):
+        store = TensorStore(fmt, which, None, rope, age_out)
+        limit = int(torch.randint(1, fmt.block_size, (1,), generator=g))
+        for a, b in block_chunks(0, n, fmt.block_size, limit):
+            store.append(x[:, :, a:b])
+            got = store.read().double()
+            for row in range(2):
+                want = aged_reference(x[row, :, :b].transpose(0, 1), fmt, which, rope, age_out == "requantize", a // fmt.block_size)
+                want = want.transpose(0, 1)
+                assert (got[row] - want).abs().max().item() < 1e-5, (which, b)
+
+
+def test_eval_cache_refuses_an_unknown_age_out():
+    with pytest.raises(ValueError, match="age_out"):
+        TensorStore(_fmt(SPECS[0][0]), "k", None, None, "later")
+
+
+# --------------------------------------------------------------------------- the paged cache
+
+
+def _attention(q, keys, values, ctx: int, scaling: float) -> torch.Tensor:
+    """q [T, Hq, D] at positions ctx.. over keys / values [ctx + T, H, D], causal, float64 -> [T, Hq, D]."""
+    T = q.shape[0]
+    k = keys.repeat_interleave(G, 1).transpose(0, 1)
+    v = values.repeat_interleave(G, 1).transpose(0, 1)
+    s = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scaling  # [Hq, T, C]
+    pos = torch.arange(ctx + T)
+    s = s.masked_fill(pos[None, None, :] > (ctx + torch.arange(T))[None, :, None], float("-inf"))
+    return (s.softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("spec,D", SPECS)
+def test_paged_cache_attends_each_block_in_the_storage_its_age_gives_it(spec, D):
+    """Steps of random lengths (prefill chunks within a block, decode steps) over three sequences, through the torch ops;
+    half-way, slot 0's sequence is freed and a new one starts there: it never reads the old sequence's ring."""
+    fmt = _fmt(spec)
+    bs = fmt.block_size
+    g = torch.Generator().manual_seed(len(spec) + D)
+    B, per_seq = 3, 12
+    backend = TorchOps("cpu")
+    cache = PagedKVCache(PagedKVLayout(fmt, H, D, bs, 1 + 2 * B * per_seq, B), L, [LayerParams() for _ in range(L)], attention=backend)
+    for t in cache.tensors.values():  # unused pool and ring blocks hold NaN: reading one fails the comparison
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    rope = _rope(D)
+    if fmt.needs_rope:
+        cache.ropes = [rope] * L
+    tables = torch.tensor([[1 + b * per_seq + j for j in range(per_seq)] for b in range(B)])
+    hist = [[torch.zeros(0, H, D) for _ in range(B)] for _ in range(2)]  # K / V rows of layer 1, fp16 values
+    ctx = [0, 2 * bs + 1, 3 * bs - 1]
+    for b in range(B):  # the starting contexts, written (and sealed) as one step's rows per piece
+        for a, e in block_chunks(0, ctx[b], bs):
+            batch = StepBatch.make([[0] * (e - a)], [a], tables[b : b + 1].tolist(), [b])
+            rows = (torch.randn(2, L, 1, e - a, H, D, generator=g) * 2).half()
+            cache.write_new_rows(batch, StepOutput(None, rows[0], rows[1]))
+            for w in range(2):
+                hist[w][b] = torch.cat([hist[w][b], rows[w][1, 0].float()])
+    checked_recent = 0
+    for step in range(16):
+        if step == 8:  # slot 0 gets a new sequence, with blocks of its own
+            ctx[0], hist[0][0], hist[1][0] = 0, torch.zeros(0, H, D), torch.zeros(0, H, D)
+            tables[0] = torch.arange(per_seq) + 1 + B * per_seq
+        new = [1 if step % 3 else int(torch.randint(1, bs - c % bs + 1, (1,), generator=g)) for c in ctx]
+        T = max(new)
+        batch = StepBatch(torch.zeros(B, T, dtype=torch.long), torch.tensor(ctx), torch.tensor(new), tables, torch.arange(B))
+        valid = torch.arange(T)[None, :] < batch.new_lens[:, None]
+        q = torch.randn(B, H * G, T, D, generator=g)
+        rows = (torch.randn(2, L, B, T, H, D, generator=g) * 2).half()
+        st = backend.begin(batch, cache, valid, crossing=False)
+        got = backend.attend(st, 1, q, rows[0][1].transpose(1, 2), rows[1][1].transpose(1, 2), 0.35, None, None)  # [B, T, Hq, D]
+        for b in range(B):
+            n = new[b]
+            keys = torch.cat([aged_reference(hist[0][b], fmt, "k", rope), rows[0][1, b, :n].double()])
+            values = torch.cat([aged_reference(hist[1][b], fmt, "v", rope), rows[1][1, b, :n].double()])
+            want = _attention(q[b, :, :n].transpose(0, 1), keys, values, ctx[b], 0.35)
+            assert (got[b, :n].double() - want).abs().max().item() < 1e-3, (step, b)
+            checked_recent += ctx[b] // bs > fmt.recent_blocks
+        cache.write_new_rows(batch, StepOutput(None, rows[0], rows[1]))
+        for b in range(B):
+            for w in range(2):
+                hist[w][b] = torch.cat([hist[w][b], rows[w][1, b, : new[b]].float()])
+            ctx[b] += new[b]
+    assert checked_recent  # some steps read blocks from both storages
+
+
+def test_the_cache_counts_its_rings_of_recent_blocks():
+    """``nbytes`` of the allocated tensors is the layout's count: pool blocks plus, per slot, the tails and the ring."""
+    fmt = _fmt(SPECS[0][0])
+    lay = PagedKVLayout(fmt, H, 20, 5, 11, 3)
+    cache = PagedKVCache(lay, L, [LayerParams() for _ in range(L)], attention=TorchOps("cpu"))
+    assert cache.nbytes() == L * lay.pool_bytes()
+    ring = sum(t.numel() * t.element_size() for name, t in cache.tensors.items() if name.endswith("@recent"))
+    assert ring == L * 3 * fmt.recent_bytes(H, 20) > 0
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def test_spec_round_trip_and_preset_base():
+    for spec, _ in SPECS:
+        fmt = get_format(spec)
+        again = get_format(fmt.spec())
+        assert again.spec() == fmt.spec() and (again.recent, again.recent_blocks) == (fmt.recent, fmt.recent_blocks)
+    aged = get_format("int2,recent=3:int4")
+    assert aged.name == "int2,recent=3:int4" and (aged.k, aged.v, aged.block_size) == (PRESETS["int2"].k, PRESETS["int2"].v, 128)
+    assert (aged.recent.k, aged.recent.v, aged.recent_blocks) == (PRESETS["int4"].k, PRESETS["int4"].v, 3)
+    assert get_format(aged.model_dump_json() and aged.spec()).recent == aged.recent
+    assert not PRESETS["int4"].token_aged and aged.token_aged
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("int4,recent=0:int8", "R >= 1"),
+    ("int4,recent=2:int4", "not wider"),
+    ("int8,recent=2:int4", "not wider"),
+    ("k=int4:token,v=int4:token,recent=2:int8", "add block=N"),
+    ("int4,recent=2:int3", "needs a calibration"),
+    ("int4,recent=2:k=int8:bchannel:asym:prerope/v=int8:token", "prerope"),
+    ("int4,recent=2", "recent=R:FORMAT"),
+    ("int4,recent=2:nope", "neither a preset"),
+    ("k=int8:bchannel,v=int8:token,block=8,layers=int8:bchannel:sym/int8:token:sym,recent=1:fp16", "per-layer"),
+])
+def test_each_refusal_is_one_line(spec, words):
+    with pytest.raises(TrtkvError) as e:
+        get_format(spec)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bits_at_a_context_against_a_naive_count():
+    fmt = get_format(SPECS[0][0])
+    D, bs, R = 20, 5, 2
+    k, v = fmt.k.block_bits(bs, D), fmt.v.block_bits(bs, D)  # one KV head's bits of one block
+    rk, rv = fmt.recent.k.block_bits(bs, D), fmt.recent.v.block_bits(bs, D)
+    for C in (7, 40, 1003):
+        sealed = C // bs
+        total = sealed * (k + v) + R * (rk + rv) + 2 * fmt.tail_rows * D * 16  # pool + ring + tails, one head, K and V
+        assert fmt.bits_per_element(D, C) == pytest.approx(total / (2 * C * D))
+        assert fmt.sealed_bits_per_element(D, C) == pytest.approx((C * (k + v) / bs + R * (rk + rv)) / (2 * C * D))
+    assert fmt.sealed_bits_per_element(D) == fmt.pool_bits_per_element(D)
+    assert fmt.tail_bytes_per_slot(L, H, D) == L * (2 * H * fmt.tail_rows * D * 2 + H * R * (rk + rv) // 8)
+
+
+# --------------------------------------------------------------------------- who reads it
+
+
+def test_every_path_but_the_torch_ops_refuses_in_one_line():
+    from trtkv.plugins.contract.capabilities import CAPABILITIES
+
+    fmt = get_format(SPECS[0][0])
+    for path in CAPABILITIES.values():
+        reasons = path.reasons(fmt, None, 64, 64)
+        if path.name == "torch":
+            assert not reasons
+            continue
+        assert len(reasons) == 1 and "recent=" in reasons[0] and path.title in reasons[0] and "\n" not in reasons[0] and reasons[0].hint
+    assert resolve("auto", "cpu", kv_format=fmt).name == "torch"
+    with pytest.raises(TrtkvError, match="recent="):
+        resolve("cpu", "cpu", kv_format=fmt)
+
+
+def test_prefix_caching_is_off_for_a_token_age_cache():
+    from trtkv.runtime.llm_engine import prefix_caching_off
+
+    aged = PagedKVCache(PagedKVLayout(get_format(SPECS[0][0]), H, 20, 5, 4, 2), L, attention=TorchOps("cpu"))
+    plain = PagedKVCache(PagedKVLayout(get_format("int8").with_block_size(5), H, 20, 5, 4, 2), L, attention=TorchOps("cpu"))
+    assert "recent" in prefix_caching_off(aged) and prefix_caching_off(plain) is None
