@@ -44,12 +44,25 @@ DATASET = "builtin:pydoc"
 # over the first's); int8's recall and pass key are to equal fp16's: the same answers on >= 99 % of tokens / items
 TARGETS = {"int8": (None, 1.5), "int4": (0.98, 2.0), "int3": (0.98, 2.0), "int2": (0.95, None)}
 SAME_ANSWERS = 0.99
+AGED_BITS, AGED_PPL, AGED_KL = 2.75, 2.0, 0.02  # a token-age format at the perplexity task's context (8k)
 DECODE_TARGET = 1.0  # int4 tokens/s over fp16's at every context
 DECODE_AIM_8K = 1.2
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def split_formats(text: str) -> list[str]:
+    """The formats of a comma-separated ``--formats``: a format is a preset or ``k=...`` spec and the ``field=value``
+    items after it (``int4,int2,recent=3:int4`` is int4 and the token-age ``int2,recent=3:int4``)."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if out and "=" in item and not item.startswith("k="):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
 
 
 def _family(name: str) -> str | None:
@@ -96,7 +109,7 @@ def random_second_model(arch: str, out: Path) -> Path:
 def accuracy(args, results: dict, stem: Path, tmp: Path) -> None:
     from trtkv.evaluate import run_eval
 
-    formats = args.formats.split(",")
+    formats = split_formats(args.formats)
     cal, cal_cmd = (Path(args.calibration), None) if args.calibration else calibrate(formats, tmp / "calibration")
     results["calibration"] = cal_cmd or (str(cal) if cal else None)
     common = dict(calibration=cal, device="cpu", dtype="float32", seed=args.seed, progress=args.progress)
@@ -124,7 +137,7 @@ def accuracy(args, results: dict, stem: Path, tmp: Path) -> None:
 
 
 def decode(args, results: dict, stem: Path, tmp: Path) -> None:
-    formats, contexts = args.decode_formats.split(","), _ints(args.decode_contexts)
+    formats, contexts = split_formats(args.decode_formats), _ints(args.decode_contexts)
     engines = {f: build(f, tmp, 8, min(8192, max(contexts) + 128)) for f in formats}
     t0 = time.perf_counter()
     for ctx in contexts:
@@ -206,6 +219,25 @@ def _kl(r: dict, start: int) -> float:
     return d[str(start)] if str(start) in d else d[start]
 
 
+def token_age_target(name: str, r: dict) -> str | None:
+    """The token-age target of a ``recent=`` format's perplexity row: at most ``AGED_BITS`` pool and ring bits per element
+    at the row's context, at most ``AGED_PPL`` % perplexity and ``AGED_KL`` mean KL in the last position bucket."""
+    from trtkv.formats import get_format
+    from trtkv.models import model_info
+
+    fmt = get_format(name)
+    if not fmt.token_aged:
+        return None
+    bits = fmt.sealed_bits_per_element(model_info(MODEL).head_dim, r["seq_len"])
+    a1 = _buckets(r)[-1][0]
+    kl = _kl(r, a1)
+    misses = [f"{what} {got:.4g} (target ≤ {goal:g})" for what, got, goal in
+              ((f"pool + ring bits at {r['seq_len']}", bits, AGED_BITS), ("Δppl %", r["ppl_delta_pct"], AGED_PPL), (f"mean KL at positions ≥ {a1}", kl, AGED_KL))
+              if got > goal]
+    return (f"- {name}: {bits:.3f} pool + ring bits at {r['seq_len']}, Δppl {r['ppl_delta_pct']:+.2f} %, KL {kl:.4f} at positions ≥ {a1}: "
+            + ("met" if not misses else "**missed**: " + "; ".join(misses)))
+
+
 def targets(results: dict) -> list[str]:
     """Each target of a measured format: met, or missed and by how much."""
     out = []
@@ -213,6 +245,8 @@ def targets(results: dict) -> list[str]:
     passkey = _per_format(_rows(results, "passkey"))
     ppl = {r["format"]: r for r in _rows(results, "ppl")}
     for f in results["formats"]:
+        if f in ppl and (aged := token_age_target(f, ppl[f])):
+            out.append(aged)
         fam = _family(f)
         if fam is None:
             continue
@@ -318,7 +352,7 @@ def main() -> None:
         Path(args.render).with_suffix(".md").write_text(render(data))
         return
     results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": str(date.today()), "machine": machine(),
-                     "formats": args.formats.split(","), "decode_formats": args.decode_formats.split(","), "windows": args.windows,
+                     "formats": split_formats(args.formats), "decode_formats": split_formats(args.decode_formats), "windows": args.windows,
                      "passkey_windows": args.passkey_windows, "ppl_windows": args.ppl_windows, "ppl_seq_len": args.ppl_seq_len,
                      "batch": args.batch, "steps": args.steps, "reps": args.reps, "accuracy": {}, "decode": [], "seconds": {}}
     stem = Path(args.out) / args.name

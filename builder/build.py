@@ -452,7 +452,7 @@ def print_summary(console, m, out: Path) -> None:
         t.add_row(rel, _human(size))
     console.print(t)
     console.print(
-        f"pool: {m.bytes_per_token:,.0f} B/token ({m.kv_spec}); open blocks: {m.tail_bytes_per_slot:,} B per sequence slot; "
+        f"pool: {m.bytes_per_token:,.0f} B/token ({m.kv_spec}); open blocks{' and recent blocks' if m.kv_format.token_aged else ''}: {m.tail_bytes_per_slot:,} B per sequence slot; "
         f"limits: batch {m.limits.max_batch}, {m.limits.max_seq_len} tokens, blocks of {m.limits.block_size}"
     )
     for name, need in m.runtime_needs.items():

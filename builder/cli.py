@@ -90,7 +90,7 @@ def print_manifest(m, engine_dir: Path) -> None:
     console.print(f"limits     batch <= {lim.max_batch}, seq <= {lim.max_seq_len}, block {lim.block_size}, <= {lim.max_blocks_per_seq} blocks/seq, "
                   f"<= {lim.max_new_tokens_per_step} new tokens/step, pool <= {lim.max_num_blocks} blocks (TensorRT profile)")
     console.print(f"bytes      {m.bytes_per_token:,.1f} B/token in the pool (K+V, all layers, scales included); {m.bytes_per_block:,} B/block; "
-                  f"{m.tail_bytes_per_slot:,} B per sequence slot (fp16 open blocks)")
+                  f"{m.tail_bytes_per_slot:,} B per sequence slot (fp16 open blocks{' and the ring of recent blocks' if m.kv_format.token_aged else ''})")
     ring = WindowRing.of(md, lim.block_size)
     if ring is not None:
         lay, n_global = m.layout(1, 1), md.num_layers - len(ring.layers)

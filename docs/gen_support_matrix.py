@@ -15,7 +15,7 @@ from marker_block import Block
 
 from trtkv import attention, families
 from trtkv.formats import CALIBRATION_FREE, PRESETS, get_format
-from trtkv.plugins.contract.capabilities import FEATURES, LIMITS, ExecutionPath
+from trtkv.plugins.contract.capabilities import FEATURES, FORMAT_FEATURES, LIMITS, ExecutionPath
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "docs" / "architecture.md"]
@@ -72,6 +72,9 @@ FEATURE_SPECS = {
     "channel_bits": ("allocB", "k=int8:bchannel:asym:alloc2.5,v=int3:g32:sym:hadamard,block=64,sink=4"),
 }
 assert set(FEATURE_SPECS) == {flag for _, _, flag in FEATURES}, "a FEATURES row without a format to ask it with"
+# the whole-format features, each asked with a format that keeps it (its column)
+FORMAT_FEATURE_SPECS = {"token_age": ("token age (recent=)", "int4,recent=2:int8")}
+assert set(FORMAT_FEATURE_SPECS) == {flag for _, _, flag in FORMAT_FEATURES}, "a FORMAT_FEATURES row without a format to ask it with"
 
 
 def _features_cell(p: ExecutionPath) -> str:
@@ -90,16 +93,19 @@ def _runs_on(p: ExecutionPath) -> str:
 
 
 def table() -> str:
-    cols = [*FAMILIES, "codebooks / outliers / pre-RoPE keys / per-channel bits", "per-layer / budget", "sliding windows", "soft-cap", "prefix cache",
+    cols = [*FAMILIES, "codebooks / outliers / pre-RoPE keys / per-channel bits", *(c for c, _ in FORMAT_FEATURE_SPECS.values()),
+            "per-layer / budget", "sliding windows", "soft-cap", "prefix cache",
             "block sizes", "head dims", "runs on"]
     lines = ["| path | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for p in attention.paths():
         cells = [_format_cell(p, specs, mse) for specs, mse in FAMILIES.values()]
         cells.append(_features_cell(p))
+        cells += ["no" if p.layout_reasons(get_format(spec)) else "yes" for _, spec in FORMAT_FEATURE_SPECS.values()]
         cells.append("no" if p.layout_reasons(get_format(PER_LAYER)) else "yes")
         cells.append("no" if p.model_reasons(WINDOWED) else "yes")
         cells.append("no" if p.model_reasons(SOFTCAPPED) else "yes")
-        cells.append(("yes (not with a window ring)" if p.window_ring else "yes") if p.prefix_cache else "no")
+        without = " or ".join(w for w, on in (("a window ring", p.window_ring), ("token age", p.token_age)) if on)
+        cells.append((f"yes (not with {without})" if without else "yes") if p.prefix_cache else "no")
         cells += _sizes(p)
         cells.append(_runs_on(p))
         lines.append(f"| `{p.name}`: {p.title} | " + " | ".join(cells) + " |")
