@@ -54,15 +54,10 @@ def _ints(text: str) -> list[int]:
 
 
 def split_formats(text: str) -> list[str]:
-    """The formats of a comma-separated ``--formats``: a format is a preset or ``k=...`` spec and the ``field=value``
-    items after it (``int4,int2,recent=3:int4`` is int4 and the token-age ``int2,recent=3:int4``)."""
-    out: list[str] = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        if out and "=" in item and not item.startswith("k="):
-            out[-1] += "," + item
-        else:
-            out.append(item)
-    return out
+    """``--formats``: comma-separated ``--kv`` values, a token-age spec's fields kept with it (``trtkv.formats.split_specs``)."""
+    from trtkv.formats import split_specs
+
+    return split_specs(text)
 
 
 def _family(name: str) -> str | None:

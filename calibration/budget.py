@@ -191,6 +191,9 @@ def check_candidates(candidates: Sequence[KVFormat]) -> list[KVFormat]:
     for c in candidates:
         if c.is_per_layer or c.shared_kv_scale:
             raise TrtkvError(f"budget candidate {c.name} is a per-layer or shared-scale format", "give plain formats, e.g. int4,int3,int2")
+        if c.token_aged:
+            raise TrtkvError(f"budget candidate {c.name} keeps its newest sealed blocks wider (recent=), which a per-layer choice does not "
+                             "hold yet", "choose the budget among formats without recent= (e.g. int4,int3,int2)")
         if (c.block_size, c.sink_tokens) != (first.block_size, first.sink_tokens):
             raise TrtkvError(
                 f"budget candidates {first.name} (block {first.block_size}, sink {first.sink_tokens}) and {c.name} (block {c.block_size}, "

@@ -49,6 +49,7 @@ def register(app: typer.Typer, handle_errors) -> None:
     ) -> None:
         """Collect K/V statistics on calibration text and choose scales for each KV format (and, with --budget, per-layer bits)."""
         from trtkv.calibration.run import run_calibration
+        from trtkv.formats import split_specs
 
         if method not in ("max", "percentile", "mse"):
             raise TrtkvError(f"unknown calibration method {method!r}", "use --method max, percentile or mse")
@@ -67,7 +68,7 @@ def register(app: typer.Typer, handle_errors) -> None:
             batch_size=batch_size,
             tokenizer=tokenizer,
             budget=budget,
-            budget_formats=[f.strip() for f in budget_formats.split(",") if f.strip()],
+            budget_formats=split_specs(budget_formats),
             budget_windows=budget_windows,
             budget_name=budget_name,
             budget_margin=budget_margin,

@@ -119,6 +119,7 @@ def _attention(q, keys, values, ctx: int, scaling: float) -> torch.Tensor:
     return (s.softmax(-1) @ v).transpose(0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,D", SPECS)
 def test_paged_cache_attends_each_block_in_the_storage_its_age_gives_it(spec, D):
     """Steps of random lengths (prefill chunks within a block, decode steps) over three sequences, through the torch ops;
@@ -253,3 +254,49 @@ def test_prefix_caching_is_off_for_a_token_age_cache():
     aged = PagedKVCache(PagedKVLayout(get_format(SPECS[0][0]), H, 20, 5, 4, 2), L, attention=TorchOps("cpu"))
     plain = PagedKVCache(PagedKVLayout(get_format("int8").with_block_size(5), H, 20, 5, 4, 2), L, attention=TorchOps("cpu"))
     assert "recent" in prefix_caching_off(aged) and prefix_caching_off(plain) is None
+
+
+def test_a_recent_storage_that_does_not_fit_the_head_dim_is_refused_by_the_layout():
+    with pytest.raises(TrtkvError, match="group size 32"):
+        PagedKVLayout(get_format("k=int2:token:asym,v=int2:token:asym,block=8,recent=1:int4"), H, 20, 8, 4, 1)
+
+
+def test_lists_of_formats_keep_a_token_age_spec_whole():
+    from trtkv.formats import split_specs
+
+    assert split_specs("int4, int2,recent=3:int4,k=int8:token,v=int8:token,block=8,int2") == [
+        "int4", "int2,recent=3:int4", "k=int8:token,v=int8:token,block=8", "int2"]
+
+
+def test_budget_refuses_a_token_age_candidate_in_one_line():
+    from trtkv.calibration.budget import check_candidates
+
+    with pytest.raises(TrtkvError) as e:
+        check_candidates([get_format("int4"), get_format("int4,recent=2:int8")])
+    assert "recent=" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_torch_engine_computes_what_the_eval_cache_computes(tmp_path):
+    """A tiny model's torch engine over a token-age paged cache (prefill in block chunks, then greedy decode steps that
+    age blocks out) against the model over the eval cache on the same tokens: the same logits at every position."""
+    from conftest import build_tiny_model
+
+    from trtkv.evaluate import model_logits
+    from trtkv.runtime.torch_engine import TorchEngine
+    from trtkv.runtime.verify import StaticBatch
+
+    model = build_tiny_model(tmp_path / "tiny", "llama", head_dim=32, hidden_size=96)
+    fmt = get_format("k=int4:bchannel:asym:hadamard,v=int2:token:asym:hadamard,block=4,sink=1,recent=2:k=int8:bchannel:asym/v=int8:token:sym")
+    cache = PagedKVCache(PagedKVLayout(fmt, model.config.num_key_value_heads, 32, 4, 40, 1), model.config.num_hidden_layers)
+    engine = TorchEngine(model, kv_format=fmt)  # auto, told the format: the torch ops
+    prompt = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    sb = StaticBatch(cache, 1)
+    got = [sb.prefill(engine, [prompt])[0]]
+    tokens = list(prompt)
+    for _ in range(12):
+        tokens.append(int(got[-1].argmax()))
+        got.append(sb.step(engine, {0: [tokens[-1]]})[0])
+    assert engine.attention_backend.name == "torch"
+    want = model_logits(model, torch.tensor([tokens]), fmt)[0, len(prompt) - 1 :]
+    assert (torch.stack(got[:-1]) - want[: len(got) - 1]).abs().max().item() < 1e-3

@@ -81,10 +81,10 @@ class PagedKVLayout:
                 f"use block size {self.fmt.block_size}, or the format with block={self.block_size}",
             )
         object.__setattr__(self, "fmt", self.fmt.with_block_size(self.block_size))
-        for f in self.fmt.layer_formats():
-            for t in (f.k, f.v):
-                t.check_head_dim(self.head_dim)
-                t.check_block(self.block_size, self.head_dim)
+        recent = (self.fmt.recent.k, self.fmt.recent.v) if self.fmt.recent is not None else ()
+        for t in [*(t for f in self.fmt.layer_formats() for t in (f.k, f.v)), *recent]:
+            t.check_head_dim(self.head_dim)
+            t.check_block(self.block_size, self.head_dim)
 
     def layer(self, i: int) -> "PagedKVLayout":
         """Layer ``i``'s layout: a per-layer format's own storage for that layer (this layout otherwise)."""

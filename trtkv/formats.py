@@ -949,6 +949,18 @@ def parse_tensor_spec(text: str) -> TensorFormat:
     return TensorFormat(**fields)
 
 
+def split_specs(text: str) -> list[str]:
+    """The formats of a comma-separated list of ``--kv`` values: each a preset, a name or a ``k=...`` spec, with the
+    ``field=value`` items after it (``int4,int2,recent=3:int4`` is int4 and the token-age ``int2,recent=3:int4``)."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if out and "=" in item and not item.startswith("k="):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def parse_recent(text: str) -> tuple[int, LayerStorage]:
     """``R:FORMAT`` of a spec's ``recent=`` field: R sealed blocks, FORMAT a preset name (its K / V storage) or
     ``k_spec/v_spec`` (each may be written ``k=`` / ``v=`` as well)."""
