@@ -300,3 +300,40 @@ def test_the_torch_engine_computes_what_the_eval_cache_computes(tmp_path):
     assert engine.attention_backend.name == "torch"
     want = model_logits(model, torch.tensor([tokens]), fmt)[0, len(prompt) - 1 :]
     assert (torch.stack(got[:-1]) - want[: len(got) - 1]).abs().max().item() < 1e-3
+
+
+def test_a_swapped_sequence_reads_the_same_ring_in_another_slot():
+    """Preemption by swapping carries the slot's ring entries: swapped out of slot 0 and into slot 1 with other blocks,
+    the sequence's next step attends exactly as before (the old slot and blocks filled with NaN)."""
+    from trtkv.runtime.sequence import SamplingParams, Sequence
+    from trtkv.runtime.swap import Swapper
+
+    fmt, D = _fmt(SPECS[0][0]), SPECS[0][1]
+    bs, ctx = fmt.block_size, 4 * fmt.block_size + 2
+    g = torch.Generator().manual_seed(11)
+    backend = TorchOps("cpu")
+    cache = PagedKVCache(PagedKVLayout(fmt, H, D, bs, 12, 2), L, [LayerParams() for _ in range(L)], attention=backend)
+    seq = Sequence([1] * ctx, SamplingParams())
+    seq.block_table, seq.slot = list(range(1, 6)), 0
+    for a, e in block_chunks(0, ctx, bs):
+        rows = (torch.randn(2, L, 1, e - a, H, D, generator=g) * 2).half()
+        cache.write_new_rows(StepBatch.make([[0] * (e - a)], [a], [seq.block_table], [0]), StepOutput(None, rows[0], rows[1]))
+    seq.num_cached = ctx
+    q = torch.randn(1, H * G, 1, D, generator=g)
+    k16, v16 = ((torch.randn(1, H, 1, D, generator=g) * 2).half() for _ in range(2))
+
+    def attend() -> torch.Tensor:
+        batch = StepBatch(torch.zeros(1, 1, dtype=torch.long), torch.tensor([ctx]), torch.tensor([1]), torch.tensor([seq.block_table]),
+                          torch.tensor([seq.slot]))
+        return backend.attend(backend.begin(batch, cache, torch.ones(1, 1, dtype=torch.bool), crossing=False), 1, q, k16, v16, 0.35, None, None)
+
+    before = attend()
+    swapper = Swapper(cache)
+    swapper.swap_out(seq)
+    for name, t in cache.tensors.items():  # what the slot and the blocks held is gone
+        if t.is_floating_point():
+            own = cache.slot_index(name, 0)
+            t[:, own if own is not None else torch.tensor(seq.block_table)] = float("nan")
+    seq.block_table, seq.slot = list(range(6, 11)), 1
+    swapper.swap_in(seq)
+    assert torch.equal(attend(), before)
