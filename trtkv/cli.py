@@ -59,11 +59,15 @@ def eval_(
     dataset: DatasetOpt = DEFAULT_DATASET,
     kv: Annotated[Optional[list[str]], typer.Option("--kv", help="KV formats to compare with fp16 (repeatable): " + KV_HELP + "; default: fp16, int8, int4")] = None,
     calibration: Annotated[Optional[Path], typer.Option(help="calibration directory from `trtkv calibrate`")] = None,
-    windows: Annotated[int, typer.Option(help="evaluation windows")] = 64,
-    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    task: Annotated[Optional[list[str]], typer.Option("--task", help="ppl (perplexity, KL by position; the default), recall (a passage repeated after filler), passkey (repeatable)")] = None,
+    windows: Annotated[Optional[int], typer.Option(help="ppl: evaluation windows (default 64); recall / passkey: items per --context (default 8)")] = None,
+    seq_len: Annotated[int, typer.Option(help="ppl: tokens per window")] = 512,
+    context: Annotated[Optional[list[int]], typer.Option("--context", help="recall / passkey: tokens per window (repeatable; default 1024, 2048, 4096)")] = None,
+    passage_tokens: Annotated[Optional[int], typer.Option(help="recall: tokens of the repeated passage (default 256)")] = None,
     seed: int = 0,
     generate: Annotated[int, typer.Option(help="prompts for the greedy-generation check (0: skip)")] = 4,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results (and what identifies the run) as JSON here")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="draw recall by distance, pass-key by context and KL by position, one line per format, to this PNG")] = None,
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -72,18 +76,27 @@ def eval_(
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="use a calibration made for another model of the same shape")] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Perplexity, KL divergence and top-1 agreement of each KV format against the unquantized model."""
-    from trtkv.evaluate import run_eval, table_rows, write_json
+    """Accuracy of each KV format against the unquantized model: perplexity, KL and top-1 agreement; retrieval at long context.
+
+    --task ppl (the default) scores windows of --seq-len tokens, with KL by position; --task recall / passkey score
+    retrieval from --context tokens back."""
+    from trtkv.evaluate import EvalResult, position_table_rows, run_eval, table_rows, write_json
+    from trtkv.long_context import passkey_table_rows, recall_table_rows
+    from trtkv.long_context import plot as draw
     from trtkv.tables import print_table
 
-    if json_out is not None:
-        _check_writable_file(json_out, "--json")
+    for path, flag in ((json_out, "--json"), (plot, "--plot")):
+        if path is not None:
+            _check_writable_file(path, flag)
     meta: dict = {}
     results = run_eval(
         model,
         dataset,
         kv or None,
         calibration=calibration,
+        tasks=task,
+        contexts=context,
+        passage_tokens=passage_tokens,
         windows=windows,
         seq_len=seq_len,
         seed=seed,
@@ -96,8 +109,16 @@ def eval_(
         meta=meta,
         stream=stream,
     )
-    title, columns, rows = table_rows(results)
-    print_table(console, columns, rows, title)
+    ppl = [r for r in results if isinstance(r, EvalResult)]
+    tables = [table_rows(ppl)] if ppl else []
+    if any(len(r.kld_by_position) > 1 for r in ppl):  # a window long enough for several position buckets
+        tables.append(position_table_rows(ppl))
+    tables += [t for t in (recall_table_rows(results), passkey_table_rows(results)) if t[2]]
+    for title, columns, rows in tables:
+        print_table(console, columns, rows, title)
+    if plot is not None:
+        draw(results, plot, title=f"{meta.get('model', '')}, {meta.get('dataset', '')}")
+        err_console.print(f"plot written to [bold]{plot}[/]")
     if json_out is not None:
         write_json(results, json_out, meta)
         err_console.print(f"results written to [bold]{json_out}[/]")

@@ -440,6 +440,42 @@ def split_tokens(tokenizer, spec: str, split: str = "calib", text_field: str = "
     return ids
 
 
+def document_tokens(tokenizer, spec: str, split: str = "eval", text_field: str = "text") -> list[torch.LongTensor]:
+    """The documents of one split, each tokenized on its own (no separators, no BOS): what the long-context tasks of
+    ``trtkv eval`` cut passages and filler from."""
+    if tokenizer is None:
+        raise TrtkvError("this model has no tokenizer, so text cannot be turned into tokens",
+                         "use a model directory that includes its tokenizer files")
+    spec = str(spec).strip()
+    docs = load_documents(spec, text_field)
+    key = (_tokenizer_key(tokenizer), _fingerprint(spec), split, text_field, "documents")
+    if key in _TOKEN_CACHE:
+        _TOKEN_CACHE.move_to_end(key)
+        return list(_TOKEN_CACHE[key])
+    part = split_documents(docs, split)
+    if not part:
+        raise TrtkvError(f"the '{split}' split of dataset '{spec}' is empty", "use a dataset with more text")
+    pieces, owner = [], []
+    for i, d in enumerate(part):
+        for c in _chunks(d):
+            pieces.append(c)
+            owner.append(i)
+    enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+    flat: list[list[int]] = [[] for _ in part]
+    for i, ids in zip(owner, enc):
+        flat[i].extend(ids)
+    out = [torch.tensor(ids, dtype=torch.long) for ids in flat if ids]
+    _TOKEN_CACHE[key] = out
+    while len(_TOKEN_CACHE) > 8:
+        _TOKEN_CACHE.popitem(last=False)
+    return list(out)
+
+
+def separator_ids(tokenizer) -> list[int]:
+    """The tokens that join documents in a token stream: EOS, else the tokens of a blank line."""
+    return _separator_ids(tokenizer)
+
+
 def token_windows(
     tokenizer,
     spec: str,
@@ -494,6 +530,6 @@ def window_count(tokenizer, spec: str, *, seq_len: int, split: str = "calib", te
 
 
 __all__ = [
-    "SPLITS", "adds_bos", "load_documents", "describe_dataset", "split_documents", "split_tokens", "token_windows",
-    "window_count",
+    "SPLITS", "adds_bos", "document_tokens", "load_documents", "describe_dataset", "separator_ids", "split_documents", "split_tokens",
+    "token_windows", "window_count",
 ]
