@@ -779,7 +779,7 @@ def test_the_torch_engine_refuses_each_new_feature(tiny_model, attention):
 
     _, model = tiny_model("llama")
     for spec, words, _ in NEW_FEATURES:
-        m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=64))
+        m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64, max_seq_len=256), model=SimpleNamespace(head_dim=64))
         if attention == "auto":
             want = "cpu" if "cpu" in READERS.get(words, ()) and cpu_attention.unavailable() is None else "torch"
             assert TorchEngine(model, m, attention="auto", device="cpu").attention == want, words
