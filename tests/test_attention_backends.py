@@ -163,8 +163,9 @@ def test_every_backend_attends_over_sealed_blocks_as_the_reference_codec(cls, sp
 
 def _layer_cases():
     for cls in BACKENDS:
-        marks = [pytest.mark.slow] if cls is TritonKernels else []
         for spec in ("fp16", "int4", "int8"):
+            # the Triton kernels under the interpreter take seconds a case: int4 in make test, the rest in tier 2
+            marks = [pytest.mark.slow] + ([pytest.mark.tier2] if spec != "int4" else []) if cls is TritonKernels else []
             for window, softcap in ((None, 1.5), (7, None), (7, 1.5)):
                 yield pytest.param(cls, spec, window, softcap, id=f"{cls.name}-{spec}-window{window}-softcap{softcap}", marks=marks)
 
