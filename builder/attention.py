@@ -1,8 +1,8 @@
-"""Attention backends of the step network: one interface, chosen by ``--attention``.
+"""The step network's attention: one emitter per exporter of the attention registry, chosen by ``--attention``.
 
-Like vLLM's attention backends, each says which formats, head dims and block sizes it supports and
-returns the reasons a configuration is rejected (``reasons``), and emits the attention of one layer
-(``emit``) over the engine's cache inputs:
+Each is an exporter of ``trtkv.attention`` (its capability row: which formats, head dims and block sizes it supports,
+and the reasons a configuration is rejected, ``reasons``) and emits the attention of one layer (``emit``) over the
+engine's cache inputs:
 
 * ``native``: standard ONNX ops only (Gather, integer unpack / LUT decode, MatMul, Where, Softmax) that
   ONNX Runtime and every TensorRT flavour accept;
@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from onnx import TensorProto
 
+from trtkv.attention import exporter
 from trtkv.builder.graph import Graph
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.formats import KVFormat, TensorFormat
-from trtkv.plugins.contract.capabilities import CAPABILITIES, ExecutionPath
+from trtkv.plugins.contract.capabilities import ExecutionPath
 from trtkv.quant import TensorParams, hadamard_matrix, per_channel
 
 NEG_INF = float("-inf")
@@ -65,15 +66,15 @@ class StepContext:
         return self.num_heads // self.layout.num_kv_heads
 
 
-class AttentionBackend(ABC):
+class StepAttention(ABC):
     """One way to compute attention over the paged cache inside the step network."""
 
     name: str = ""
 
     @property
     def path(self) -> ExecutionPath:
-        """This backend's row of the capability table (plugins/contract/capabilities.py)."""
-        return CAPABILITIES[self.name]
+        """This exporter's row of the attention registry (``trtkv.attention.EXPORTERS``)."""
+        return exporter(self.name).path
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -130,7 +131,7 @@ def _lut(ctx: StepContext, t: TensorFormat, plane: int | None = None) -> str:
     return ctx.extra[key]
 
 
-class NativeAttention(AttentionBackend):
+class NativeAttention(StepAttention):
     name = "native"
 
     # ------------------------------------------------------------------ decode of the gathered pool

@@ -16,14 +16,14 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from trtkv.builder.attention import AttentionBackend, NativeAttention, StepContext, _static
+from trtkv.builder.attention import NativeAttention, StepAttention, StepContext, _static
 from trtkv.plugins import contract as C
 from trtkv.quant import hadamard_matrix, per_channel
 
 OP_TYPE = C.PREFILL.name  # the op every layer emits; plugins/ort_ops.py runs it under ONNX Runtime
 
 
-class PluginAttention(AttentionBackend):
+class PluginAttention(StepAttention):
     name = "plugin"  # block sizes, head dims and storage dtypes: the capability table's ``plugin`` row
 
     def emit(self, ctx: StepContext, layer: int, q: str, k_new: str, v_new: str) -> str:
@@ -83,8 +83,8 @@ class PluginAttention(AttentionBackend):
 
 
 # the --attention modes: the one registry, here because it names both backends (attention.py knows neither mode)
-ATTENTION_MODES: dict[str, type[AttentionBackend]] = {"native": NativeAttention, "plugin": PluginAttention}
+ATTENTION_MODES: dict[str, type[StepAttention]] = {"native": NativeAttention, "plugin": PluginAttention}
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str) -> StepAttention:
     return ATTENTION_MODES[name]()

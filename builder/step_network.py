@@ -23,7 +23,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from trtkv.builder.attention import AttentionBackend, StepContext
+from trtkv.builder.attention import StepAttention, StepContext
 from trtkv.builder.graph import DTYPE, NP_DTYPE, ONNX_NAMES, Graph
 from trtkv.builder.weights import ModelWeights
 from trtkv.cache_layout import PagedKVLayout
@@ -75,7 +75,7 @@ def _fix_layers(shape: list, L: int) -> list:
 
 
 def build_step_network(
-    w: ModelWeights, layout: PagedKVLayout, params: list, attention: AttentionBackend, dtype: str = "fp32"
+    w: ModelWeights, layout: PagedKVLayout, params: list, attention: StepAttention, dtype: str = "fp32"
 ) -> tuple[onnx.ModelProto, list[TensorSpec], list[TensorSpec]]:
     """The ONNX step network of model ``w`` over ``layout``'s paged cache; returns (model, inputs, outputs)."""
     for r in attention.path.layout_reasons(layout.fmt):  # the capability table, before a node is made

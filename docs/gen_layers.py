@@ -33,15 +33,17 @@ PACKAGES = {
                                  "memory plan, streaming, the quantized cache and the eval metrics and command, the CLI"),
     "trtkv.plugins": Package("plugins", 1, "the Triton kernels, their torch references, the op contract and capability table, "
                                            "ONNX Runtime custom ops, TensorRT plugin glue"),
-    "trtkv.runtime": Package("trtkv/runtime", 2, "the engines that run the kernels; block manager, scheduler, sampler, "
+    "trtkv.attention": Package("trtkv/attention", 2, "the attention backends, one file per execution path (the torch ops, trtkv's "
+                                                     "C kernels, the Triton kernels: capability row, attend, seal) and their registry"),
+    "trtkv.runtime": Package("trtkv/runtime", 3, "the engines that run an attention backend; block manager, scheduler, sampler, "
                                                  "paged KV pool, verification"),
-    "trtkv.calibration": Package("calibration", 3, "stage: `trtkv calibrate` / `export`: statistics, scales, budget search, "
+    "trtkv.calibration": Package("calibration", 4, "stage: `trtkv calibrate` / `export`: statistics, scales, budget search, "
                                                    "reports, TensorRT-LLM / vLLM exports"),
-    "trtkv.builder": Package("builder", 3, "stage: `trtkv build-engine` / `inspect`: the ONNX step network and engine builds"),
-    "trtkv.triton_repo": Package("triton_repo", 3, "stage: `trtkv serve` / `generate`: the Triton model repository, "
+    "trtkv.builder": Package("builder", 4, "stage: `trtkv build-engine` / `inspect`: the ONNX step network and engine builds"),
+    "trtkv.triton_repo": Package("triton_repo", 4, "stage: `trtkv serve` / `generate`: the Triton model repository, "
                                                    "server launcher, client"),
 }
-LAYER_NAMES = {0: "core", 1: "kernels", 2: "runtime", 3: "stages"}
+LAYER_NAMES = {0: "core", 1: "kernels", 2: "attention", 3: "runtime", 4: "stages"}
 
 
 def package_of(module: str) -> str:
@@ -81,7 +83,7 @@ def section() -> str:
     lines += [
         "",
         "**The folders do not nest by layer**: `pyproject.toml`'s `package-dir` maps each folder into the `trtkv` namespace, "
-        f"so {', '.join(nested)} sits inside the core's folder `{core}/` without being core (the core may not import it), "
+        f"so {' and '.join(nested)} {'sits' if len(nested) == 1 else 'sit'} inside the core's folder `{core}/` without being core (the core may not import it), "
         f"while {', '.join(at_root)} sit side by side at the repository root, the kernels beside the stages. "
         "The layer is the table's column, not the folder's depth.",
         "",

@@ -1,7 +1,7 @@
 """trtkv's CPU attention kernels (``cpu_attention.c``): the sealed blocks read straight from the pools.
 
 The torch engine's attention on CPU spends its time on the many small tensor ops that gather, unpack and dequantize
-the sealed blocks of every sequence (``trtkv.runtime.torch_engine.context_kv``): a few per layer, each a pass over
+the sealed blocks of every sequence (``trtkv.attention.torch_ops.context_kv``): a few per layer, each a pass over
 the batch's whole context. These C functions walk each sequence's block table instead and decode each row once, by
 the storage dtype's own lookup tables (``DtypeTraits.plane_tables`` / ``byte_table``: one definition of every codec)
 and the format's scale granularity:

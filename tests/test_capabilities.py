@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.errors import TrtkvError
@@ -18,7 +17,7 @@ from trtkv.families import architectures
 from trtkv.formats import CALIBRATION_FREE, PRESETS, fit_formats, get_format
 from trtkv.plugins.contract import LIMITS
 from trtkv.plugins.contract import capabilities as cap
-from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, kernels_take, seal_with_kernels
+from trtkv.plugins.contract.capabilities import CAPABILITIES, backend_path, kernels_take
 
 ROOT = Path(__file__).resolve().parents[1]
 MSE = {
@@ -131,52 +130,48 @@ def test_cache_shapes_are_the_layouts():
 # ----------------------------------------------------------------------------- the pool's seal (the bug)
 
 
-def test_seal_kernel_only_where_the_seal_row_takes_the_format():
-    cuda = torch.device("cuda")
-    assert seal_with_kernels(cuda, get_format("int4"), 64, 128)
-    assert seal_with_kernels("cuda:0", get_format("int3"), 64, 128)
-    assert not seal_with_kernels(cuda, get_format(MSE["int4"]), 64, 128)  # was sealed without its search
-    assert not seal_with_kernels(cuda, get_format("int4"), 8, 128)  # blocks the kernel does not take
-    assert not seal_with_kernels(cuda, get_format("int4"), 64, 48)
-    assert not seal_with_kernels(torch.device("cpu"), get_format("int4"), 64, 128)
+def _kernel_seals_in_place(spec: str, block: int | None = None, head_dim: int = 128, forced: bool | None = True) -> bool:
+    """Whether the Triton backend seals a cache of ``spec`` with its seal kernel (``forced``: as on CUDA; None: the
+    cache's device, here the CPU)."""
+    from trtkv.attention.triton import TritonKernels
+    from trtkv.runtime.kv_pool import PagedKVCache
 
-
-@pytest.mark.parametrize("spec,kernel", [("int4", True), (MSE["int4"], False), (MSE["int2"], False), (CALIBRATION_FREE["int2"], True),
-                                         ("int2", True)])
-def test_pool_asks_the_table_before_sealing_with_the_kernel(monkeypatch, spec, kernel):
-    """The pool on a (forced) CUDA device seals an ``mse`` format with the reference quantizer (its search): the
-    seal kernel would seal it with plain ranges while attention fell back to the torch ops."""
-    from trtkv.runtime import kv_pool
-
-    asked = []
-
-    def as_if_cuda(device, fmt, block_size, head_dim):
-        asked.append((device.type, block_size, head_dim))
-        return seal_with_kernels(torch.device("cuda"), fmt, block_size, head_dim)
-
-    monkeypatch.setattr(kv_pool, "seal_with_kernels", as_if_cuda)
     fmt = get_format(spec)
-    cache = kv_pool.PagedKVCache(PagedKVLayout(fmt, 2, 64, fmt.block_size, 4, 2), 2)
-    assert asked == [("cpu", fmt.block_size, 64)]
-    assert cache.seal_with_kernels is kernel
+    fmt = fmt.with_block_size(block) if block else fmt
+    return TritonKernels(seal_kernel=forced).seals_in_place(PagedKVCache(PagedKVLayout(fmt, 2, head_dim, fmt.block_size, 4, 2), 2))
+
+
+@pytest.mark.parametrize("spec,kernel", [("int4", True), ("int3", True), (MSE["int4"], False), (MSE["int2"], False),
+                                         (CALIBRATION_FREE["int2"], True), ("int2", True)])
+def test_the_seal_kernel_only_where_the_seal_row_takes_the_format(spec, kernel):
+    """The Triton backend seals an ``mse`` format with the reference quantizer (its search): the seal kernel would
+    seal it with plain ranges while attention fell back to the torch ops."""
+    assert _kernel_seals_in_place(spec) is kernel
+
+
+def test_the_seal_kernel_only_at_sizes_and_on_the_device_it_takes():
+    assert not _kernel_seals_in_place("int4", block=8)  # blocks the kernel does not take
+    assert not _kernel_seals_in_place("k=int8:bchannel:sym,v=int8:token:sym,block=64", head_dim=48)
+    assert _kernel_seals_in_place("k=int8:bchannel:sym,v=int8:token:sym,block=64", head_dim=64)
+    assert not _kernel_seals_in_place("int4", forced=None)  # a CPU cache: the seal kernel is CUDA's
 
 
 # ----------------------------------------------------------------------------- the callers read the table
 
 
 def test_callers_are_lookups_in_the_table(monkeypatch):
+    from trtkv.attention.triton import TritonKernels
     from trtkv.builder.plugin_nodes import get_backend
-    from trtkv.runtime.torch_engine import kernels_lack
 
     assert get_backend("native").block_sizes == CAPABILITIES["native"].block_sizes
     assert get_backend("plugin").head_dims == CAPABILITIES["plugin"].head_dims
     assert kernels_take(get_format("int3")) and not kernels_take(get_format(MSE["int3"]))
     man = SimpleNamespace(kv_format=get_format(MSE["int4"]), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=128))
-    assert "no mse seal" in kernels_lack(None, man)
+    assert "no mse seal" in TritonKernels.manifest_refusal("cuda", man)
     man.kv_format = get_format("int4")
-    assert kernels_lack(None, man) is None
+    assert TritonKernels.manifest_refusal("cuda", man) is None
     man.limits.block_size = 256
-    assert kernels_lack(None, man).startswith("block size must be a power of two")
+    assert TritonKernels.manifest_refusal("cuda", man).startswith("block size must be a power of two")
 
 
 def test_check_model_reads_the_table():
@@ -209,7 +204,7 @@ def test_support_matrix_in_docs_is_generated_from_the_table():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_support_matrix_follows_the_table(monkeypatch):
+def test_support_matrix_follows_the_table():
     sys.path.insert(0, str(ROOT / "docs"))
     try:
         import gen_support_matrix as gen
@@ -221,7 +216,14 @@ def test_support_matrix_follows_the_table(monkeypatch):
     assert "| yes (no mse) | yes (no mse) | yes | yes | yes (no mse) |" in rows["kernels"]
     assert "| yes | yes | no | no | yes |" in rows["native"]  # the int3 / int2 presets' keys: the torch engine only
     assert "| no | no | no |" in rows["plugin"]  # per-layer, windows, soft-cap
-    monkeypatch.setitem(CAPABILITIES, "plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
-    assert gen.table() != before
-    doc = (ROOT / "docs" / "architecture.md").read_text()
-    assert gen.render(doc, ROOT / "docs" / "architecture.md") != doc
+    from trtkv.attention import EXPORTERS, Exporter
+
+    at = next(i for i, e in enumerate(EXPORTERS) if e.name == "plugin")
+    kept = EXPORTERS[at]
+    EXPORTERS[at] = Exporter("plugin", cap.ExecutionPath("plugin", "p", step_network=True, attention_op=True))
+    try:
+        assert gen.table() != before
+        doc = (ROOT / "docs" / "architecture.md").read_text()
+        assert gen.render(doc, ROOT / "docs" / "architecture.md") != doc
+    finally:
+        EXPORTERS[at] = kept

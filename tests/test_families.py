@@ -306,21 +306,21 @@ def test_sliding_window_needs_native_attention(family, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,window", [("gemma2", WINDOW), ("mistral-sw", 20)])
 def test_torch_engine_kernels_take_windows_and_soft_capping(tiny_models, monkeypatch, name, window):
-    """The kernels implement sliding windows and soft-capping: ``kernels_lack`` names neither (``auto`` takes the
+    """The kernels implement sliding windows and soft-capping: their refusal names neither (``auto`` takes the
     kernels for such models on CUDA), and ``attention="kernels"`` (the Triton kernels, here under the interpreter)
     gives the torch ops' logits on Gemma 2 (window 8, smaller than a block; attention and final soft-caps) and
     Mistral (window 20: block-unaligned, every layer sliding), int4 with sink rows, two sequences past several window
     lengths, over a cache keeping every block and over a window ring that wraps (the kernels read it through the
     logical block table). Tolerance: test_torch_engine's kernel-vs-torch 1e-4."""
+    from trtkv.attention.triton import TritonKernels
     from trtkv.cache_layout import PagedKVLayout, WindowRing
-    from trtkv.runtime.torch_engine import kernels_lack
     from trtkv.runtime.verify import StaticBatch
 
     arch, kw = FAMILIES[name]
     d, _ = tiny_models(arch, with_tokenizer=True, **{**kw, "head_dim": 32, "sliding_window": window})  # head_dim the kernels take
     info = model_info(str(d))
     model = load_model(str(d), device="cpu", dtype="float32").model
-    assert kernels_lack(model.config) is None and info.sliding_window == window
+    assert TritonKernels.refusal("cuda", model=info) is None and info.sliding_window == window
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     [fmt], _ = fit_formats(["int4"], 32)
     bs = 16  # the kernels' smallest block

@@ -28,6 +28,7 @@ CHANGED = {
     "max_seqs": 7,
     "max_batched_tokens": 33,
     "backend": "torch",
+    "attention": "torch",
     "cpu_threads": 3,
     "device": "cpu",
     "enable_prefix_caching": False,
@@ -296,7 +297,8 @@ def test_triton_repo_cli_writes_the_json_and_no_runtime_strings(tiny_model, tmp_
     engine = build_engine(str(model_dir), None, "int8", tmp_path / "eng", backend="torch", block_size=16, max_batch=2, max_seq_len=64)
     out = runner.invoke(app, ["triton-repo", str(engine), "--out", str(tmp_path / "repo"), "--instance-kind", "cpu", "--instances", "2",
                               "--kv-memory", "0.5", "--max-seqs", "7", "--max-batched-tokens", "33", "--backend", "torch", "--no-prefix-cache",
-                              "--keep-window-blocks", "--reserve", "0.25", "--cpu-threads", "3", "--deterministic"])
+                              "--keep-window-blocks", "--reserve", "0.25", "--cpu-threads", "3", "--deterministic",
+                              "--attention", "torch"])
     assert out.exit_code == 0, out.output
     assert "warning: --max-seqs 7 is above the engine's batch limit (build-engine --max-batch 2)" in " ".join(out.output.split())
     got = RuntimeConfig.load(tmp_path / "repo" / "ensemble" / "1" / RUNTIME_CONFIG)

@@ -25,6 +25,7 @@ from trtkv.errors import TrtkvError
 from trtkv.formats import get_format
 from trtkv.runtime.block_manager import CacheBudget
 from trtkv.runtime.config import RuntimeConfig
+from trtkv.runtime.engine import Engine
 from trtkv.runtime.engine_loop import EngineLoop, ShuttingDown
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.llm_engine import LLMEngine, RequestOutput, _find_stop, _stop_prefix_len, bad_word_bans
@@ -36,7 +37,7 @@ V = 320  # the tiny tokenizer's vocabulary
 EOS = 0
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """``script(tokens) -> [first choice, second, ...]`` for the token after ``tokens`` (the sequence so far: the engine
     rebuilds it from each slot's rows). Records every step's batch size."""
 

@@ -132,14 +132,14 @@ def test_the_engines_batch_limit_caps_max_seqs_with_a_warning(max_seqs, max_batc
 def test_prefix_salt_names_the_engine_format_block_and_manifest():
     m = manifest()
     m.model_dump_json = lambda: '{"model": "m"}'
-    salt = llm_engine.prefix_salt(m, SimpleNamespace(name="onnxruntime"))
+    salt = llm_engine.prefix_salt(m, "onnxruntime")
     assert salt == f"onnxruntime|{m.kv_format.model_dump_json()}|16|" + '{"model": "m"}'
     other = manifest(block_size=8)
     other.model_dump_json = m.model_dump_json
-    assert llm_engine.prefix_salt(other, SimpleNamespace(name="onnxruntime")) != salt
-    assert llm_engine.prefix_salt(m, SimpleNamespace(name="torch")) != salt
+    assert llm_engine.prefix_salt(other, "onnxruntime") != salt
+    assert llm_engine.prefix_salt(m, "torch") != salt
     del m.model_dump_json
-    assert llm_engine.prefix_salt(m, object()).startswith("object|") and llm_engine.prefix_salt(m, object()).endswith(repr(m.model))
+    assert llm_engine.prefix_salt(m, "torch").endswith(repr(m.model))
 
 
 def small_llm(tokenizer, fmt="fp16", layer_types=("full_attention", "sliding_attention"), ring=None, **cfg):
@@ -150,7 +150,7 @@ def small_llm(tokenizer, fmt="fp16", layer_types=("full_attention", "sliding_att
     cache = PagedKVCache(layout, 2, ring=ring)
     budget = CacheBudget(GIB, layout.bytes_per_block(), layout.tail_bytes_per_slot(), 4, 3, 10)
 
-    class E:
+    class E(Engine):
         name = "torch"
 
         def step(self, batch, cache):

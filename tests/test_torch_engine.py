@@ -110,7 +110,7 @@ def test_tiny_matches_per_sequence_reference(tiny_dir, kv):
 def test_folded_values_with_a_zero_point_per_group_match_the_per_sequence_reference(tiny_dir, kv):
     """Values folded into the probabilities with several channel groups per token, each with its own zero-point
     (4 and 2 groups at head_dim 32): each group's shift lands on its own channels. Sinks sealed, blocks of 4."""
-    from trtkv.runtime.torch_engine import folds_value_scales
+    from trtkv.attention.torch_ops import folds_value_scales
 
     [fmt], _ = fit_formats([kv], 32)
     fmt = fmt.with_block_size(BLOCK)
@@ -179,35 +179,20 @@ def test_decode_at_graph_shapes_equals_unpadded(tiny_dir, monkeypatch, attention
 
 def test_auto_attention_takes_the_torch_ops_where_the_kernels_stop(tmp_path, tiny_dir, tiny_loaded):
     """On CUDA ``auto`` picks the kernels only for what they implement: an engine with a searched (mse) seal, or one
-    with blocks of 4 (the kernels start at 16), gets the torch ops; int4 / int3 / int2 engines with blocks of 16 the
-    kernels."""
-    from trtkv.runtime.torch_engine import kernels_lack
+    with blocks of 4 (the kernels start at 16), gets the torch ops, and its note says why; int4 / int3 / int2 engines
+    with blocks of 16 the kernels."""
+    from trtkv.attention import resolve
 
     def manifest(kv, block):
         d = build_engine(str(tiny_dir), None, kv, tmp_path / f"{kv}-{block}", backend="torch", block_size=block, max_seq_len=64, loaded=tiny_loaded)
         return load_manifest(d)
 
-    cfg = tiny_loaded.model.config
     for kv in ("int4", *CALIBRATION_FREE.values()):
-        assert kernels_lack(cfg, manifest(kv, KERNEL_BLOCK)) is None, kv
-    assert "mse" in kernels_lack(cfg, manifest("k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=16", KERNEL_BLOCK))
-    assert "block size" in kernels_lack(cfg, manifest("int4", BLOCK))
-
-
-def test_device_seal_path_writes_the_reference_bytes(tiny_dir, monkeypatch):
-    """PagedKVCache's kernel seal (the CUDA path, here under the interpreter) stores exactly the bytes of the
-    reference seal (cache_layout.seal_open_block), sink rows included."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    [fmt], _ = fit_formats(["int4"], 32)
-    lay = PagedKVLayout(fmt.with_block_size(KERNEL_BLOCK), 2, 32, KERNEL_BLOCK, 6, 2)
-    te = TorchEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model)
-    prompts = _prompts(320, (35, 20), seed=4)
-    ref, dev = PagedKVCache(lay, 2), PagedKVCache(lay, 2)
-    dev.seal_with_kernels = True
-    greedy_decode(te, ref, prompts, 2)
-    greedy_decode(te, dev, prompts, 2)
-    for name, t in ref.tensors.items():
-        assert torch.equal(t, dev.tensors[name]), name
+        assert resolve("auto", "cuda", manifest(kv, KERNEL_BLOCK)).name == "kernels", kv
+    mse = resolve("auto", "cuda", manifest("k=int3:bchannel:asym:mse,v=int3:g32:sym:hadamard,block=16", KERNEL_BLOCK))
+    assert mse.name == "torch" and "mse" in mse.note
+    small = resolve("auto", "cuda", manifest("int4", BLOCK))
+    assert small.name == "torch" and "block size" in small.note
 
 
 @pytest.mark.parametrize("attention", ["torch", "kernels"])
@@ -220,9 +205,12 @@ def test_steps_parse_no_format_string(tiny_dir, monkeypatch, attention):
 
     [fmt], _ = fit_formats(["int4"], 32)  # sinks, Hadamard, per-block-channel K, groups of V
     lay = PagedKVLayout(fmt.with_block_size(KERNEL_BLOCK), 2, 32, KERNEL_BLOCK, 12, 3)
-    te = TorchEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model, attention=attention)
+    from trtkv.attention.triton import TritonKernels
+
+    # the kernel path with its seal kernel (the CUDA seal, here under the interpreter)
+    te = TorchEngine(load_model(str(tiny_dir), device="cpu", dtype="float32").model,
+                     attention=TritonKernels(seal_kernel=True) if attention == "kernels" else attention)
     cache = PagedKVCache(lay, 2)
-    cache.seal_with_kernels = attention == "kernels"  # seal_device.py's path
     calls = []
     real_parse, real_short = trtkv.formats.parse_tensor_spec, TensorFormat.short
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from trtkv.artifacts import LayerParams
+from trtkv.attention.torch_ops import folds_key_scales, folds_value_scales
 from trtkv.cache_layout import PagedKVLayout
 from trtkv.formats import get_format
 from trtkv.quant import TensorParams
 from trtkv.runtime.backends import TorchReferenceEngine
 from trtkv.runtime.kv_pool import PagedKVCache
-from trtkv.runtime.torch_engine import TorchEngine, folds_key_scales, folds_value_scales
+from trtkv.runtime.torch_engine import TorchEngine
 from trtkv.runtime.verify import StaticBatch
 
 BS = 4

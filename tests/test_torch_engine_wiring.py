@@ -74,6 +74,22 @@ def test_inspect_and_generate_cli(engines):
     assert res.output.startswith("The quick brown fox")
 
 
+def test_generate_runs_the_attention_asked_for_and_refuses_one_that_cannot_run(engines):
+    """``generate --attention``: the torch ops and the C kernels give the same greedy text, the last line names the
+    backend that ran; a network engine refuses any choice but auto in one line."""
+    texts = {}
+    for attention in ("torch", "cpu"):
+        res = CliRunner().invoke(app, ["generate", "The quick brown fox", "--engine", str(engines["torch"]), "-n", "12", "--no-stream",
+                                       "--attention", attention])
+        assert res.exit_code == 0, res.output
+        texts[attention] = res.stdout
+        assert f"attention {attention} (torch engine, " in " ".join(res.stderr.split())
+    assert texts["torch"] == texts["cpu"] and texts["cpu"].startswith("The quick brown fox")
+    res = CliRunner().invoke(app, ["generate", "x", "--engine", str(engines["onnxruntime"]), "-n", "2", "--attention", "cpu"])
+    assert res.exit_code == 2 and "--attention cpu chooses the torch engine's attention" in res.output
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_served_greedy_equals_offline(engines, tmp_path):

@@ -25,12 +25,12 @@ InstancesOpt = Annotated[int, typer.Option("--instances", help="engines (Triton 
 
 # The RuntimeConfig fields that `triton-repo` and `serve` take as options, their flags, help and defaults generated from
 # the fields (trtkv.cli_options.field_option); `device` is not one: the repository writes the instance kind's.
-RUNTIME_OPTIONS = ("kv_memory_gib", "reserve", "max_seqs", "max_batched_tokens", "backend", "cpu_threads", "enable_prefix_caching",
+RUNTIME_OPTIONS = ("kv_memory_gib", "reserve", "max_seqs", "max_batched_tokens", "backend", "attention", "cpu_threads", "enable_prefix_caching",
                    "free_window_blocks", "deterministic")
 # `generate --engine` runs one prompt offline: four slots and a small pool that loads fast. Its own, named defaults
 # (the options and their help take them from here, and so does the run).
 GENERATE_CONFIG = RuntimeConfig(kv_memory_gib=0.25, max_seqs=4)
-GENERATE_OPTIONS = ("kv_memory_gib", "backend", "cpu_threads")
+GENERATE_OPTIONS = ("kv_memory_gib", "backend", "attention", "cpu_threads")
 
 
 def runtime_options(names, base: RuntimeConfig) -> tuple:
@@ -396,7 +396,7 @@ def _generate_offline(engine_dir, prompt, max_tokens, temperature, top_k, top_p,
     ttft = first.get("t", t2) - t1
     err_console.print(
         f"[dim]{out.num_prompt_tokens} prompt + {n} new tokens ({out.finish_reason}); load {t1 - t0:.1f} s, first token {ttft:.2f} s, "
-        f"{n / max(t2 - t1, 1e-9):.1f} tok/s; KV {llm.manifest.kv_spec}[/]",
+        f"{n / max(t2 - t1, 1e-9):.1f} tok/s; KV {llm.manifest.kv_spec}; {llm.describe_engine()}[/]",
         highlight=False,
     )
 

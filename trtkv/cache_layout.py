@@ -349,7 +349,7 @@ def sealing(block: torch.Tensor, block_index: int, sink_tokens: int, seq_axis: i
 def open_block_to_seal(layout: PagedKVLayout, pool: KVPool, slot: int, block_index: int) -> torch.Tensor:
     """What sealing open block ``slot`` -- its sequence's block number ``block_index`` -- quantizes, [1, H, bs, D]
     float32; a first block also fills the slot's sink rows (``sealing``). The step the reference seal
-    (``seal_open_block``) and the device seal (``trtkv.runtime.seal_device``) share."""
+    (``seal_open_block``) and the Triton seal kernel (``trtkv.attention.triton``) share."""
     assert pool.tail is not None
     tail = pool.tail[slot : slot + 1]
     rows, sink_rows = sealing(layout.open_rows(tail).float(), block_index, layout.sink_tokens)

@@ -163,6 +163,12 @@ class EngineManifest(BaseModel):
 
         return PagedKVLayout(self.kv_format, self.model.num_kv_heads, self.model.head_dim, self.limits.block_size, num_blocks, num_slots)
 
+    @property
+    def plugin_ops(self) -> bool:
+        """Whether the network's attention is ``trtkv::`` plugin nodes (``build-engine --attention plugin``): its runner
+        registers them (ONNX Runtime's custom ops, TensorRT's plugins)."""
+        return self.attention == "plugin"
+
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
 

@@ -1,14 +1,16 @@
 """The one capability table: which execution path runs which KV format, model, block size and head dim.
 
 One object per execution path answers ``reasons(fmt, model, block_size, head_dim)``: why the path cannot run them
-(``[]`` when it can). Every argument but ``fmt`` may be None (not asked). The builder (``--attention`` and
-``--backend`` checks, ``check_model``), the attention backends' ``reasons``, the torch engine's ``auto`` choice
-(``kernels_lack``, ``cpu_kernels_lack``), the pool's seal (``kv_pool.seal_with_kernels``) and the support matrix in README.md /
-docs/architecture.md (``docs/gen_support_matrix.py``) all read this table; nothing else decides what runs where.
+(``[]`` when it can). Every argument but ``fmt`` may be None (not asked). Each row is held by its owner in the registry
+of ``trtkv.attention``: an attention backend (the torch ops, the C kernels and the C seal, the Triton kernels and the
+Triton seal), whose ``refusal`` adds the device and the machine to the row's reasons, or an exporter (the ONNX step
+networks, TensorRT-RTX). The builder (``--attention`` and ``--backend`` checks, ``check_model``), the step network's
+attention emitters, the torch engine's ``auto`` choice, the pool's seal and the support matrix in docs/architecture.md
+(``docs/gen_support_matrix.py``, from the registry) all read these rows; nothing else decides what runs where.
 
-It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer: the core's formats, model info and family table
-(``trtkv.families``: which families the step network computes, which soft-cap) are all it reads, and the runtime and
-the stages above may all import it (tests/test_layering.py).
+It lives beside ``LIMITS`` (the kernels' limits) in the plugin layer, so that the kernels' own refusals
+(``cpu_attention``, ``kernels``) use the same words: the core's formats, model info and family table (``trtkv.families``:
+which families the step network computes, which soft-cap) are all it reads (tests/test_layering.py).
 
 Each reason is a ``Reason``: a ``str`` (the message the callers have always raised) with the ``hint`` a caller
 puts beside it in a ``TrtkvError``.
@@ -258,8 +260,3 @@ def backend_path(backend: str) -> ExecutionPath | None:
     """The path an engine backend adds its own limits with (TensorRT-RTX: no plugins), or None."""
     return CAPABILITIES.get(backend) if backend == "tensorrt-rtx" else None
 
-
-def seal_with_kernels(device, fmt, block_size: int, head_dim: int) -> bool:
-    """Whether the pool seals with the Triton seal kernel: on CUDA, when the seal path takes the format and sizes
-    (an ``mse`` format is sealed by the reference quantizer, which runs its search)."""
-    return getattr(device, "type", str(device).split(":")[0]) == "cuda" and not KERNEL_SEAL.reasons(fmt, None, block_size, head_dim)

@@ -46,7 +46,7 @@ class OnnxRuntimeEngine(Engine):
         if not spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         onnx_file = ONNX_FILE
-        if self.manifest.attention == "plugin":
+        if self.manifest.plugin_ops:
             from trtkv.plugins.ort_ops import register_ort_ops
 
             register_ort_ops(so)
@@ -82,7 +82,7 @@ class TensorRTEngine(Engine):  # pragma: no cover - needs a CUDA GPU; never exec
         if plan is None:
             have = [p.compute_capability for p in self.manifest.plans]
             raise TrtkvError(f"the engine has no plan for this GPU (sm_{cc}); it has {have}", f"rebuild with --compute-capability {cc}")
-        if self.manifest.attention == "plugin":
+        if self.manifest.plugin_ops:
             from trtkv.plugins.trt_plugins import register_plugins
 
             register_plugins()
@@ -121,6 +121,7 @@ class TorchReferenceEngine(Engine):
     """
 
     name = "torch"
+    runs_torch_on_cpu = True
 
     def __init__(self, model, manifest: EngineManifest | None = None):
         import inspect

@@ -13,11 +13,12 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trtkv.engine_backends import RUNTIME_BACKENDS
+from trtkv.engine_backends import ATTENTIONS, RUNTIME_BACKENDS
 from trtkv.errors import TrtkvError
 from trtkv.gpu import DEFAULT_RESERVE
 
 RuntimeBackend = Literal[RUNTIME_BACKENDS]  # Literal of a tuple: its members
+AttentionName = Literal[ATTENTIONS]
 
 
 def _flag(flag: str, unset: str | None = None) -> dict:
@@ -48,6 +49,10 @@ class RuntimeConfig(BaseModel):
     backend: RuntimeBackend = Field(
         "auto", description=f"engine backend: {' | '.join(RUNTIME_BACKENDS)} (auto: the manifest's; TensorRT when it has a plan and a GPU is present)",
         json_schema_extra=_flag("--backend"))
+    attention: AttentionName = Field(
+        "auto", description=f"the torch engine's attention: {' | '.join(ATTENTIONS)} (auto: the Triton kernels on CUDA, trtkv's C "
+        "kernels on CPU, where they run the engine's format, else the torch ops; the server's start line says which)",
+        json_schema_extra=_flag("--attention"))
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="the device of the model instance (the repository writes its instance kind; the engine backend places itself)")
     enable_prefix_caching: bool = Field(

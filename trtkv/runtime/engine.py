@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from trtkv.attention import AttentionBackend
 from trtkv.errors import TrtkvError
 from trtkv.manifest import EngineManifest
 from trtkv.runtime.kv_pool import PagedKVCache
@@ -17,10 +18,28 @@ from trtkv.runtime.step import StepBatch, StepOutput
 
 
 class Engine(ABC):
-    """A step network that the runtime can call."""
+    """A step network that the runtime can call. What the runtime asks of an engine besides ``step`` is here, typed."""
 
-    name: str = ""
+    name: str = ""  # the engine backend (``trtkv.engine_backends``)
     manifest: EngineManifest | None = None
+    device: torch.device = torch.device("cpu")  # where its inputs and the cache live
+    # the torch engine's attention backend, through which the cache also seals; None: the network attends itself (the
+    # cache then seals through ``trtkv.attention.pool_sealer`` of its device)
+    attention_backend: AttentionBackend | None = None
+
+    @property
+    def cross_blocks(self) -> bool:
+        """Whether a prefill step may cross block boundaries (it seals the blocks it fills in the step)."""
+        return False
+
+    @property
+    def runs_torch_on_cpu(self) -> bool:
+        """Whether its steps are torch work on this process's CPU threads (the runtime sets them per step)."""
+        return False
+
+    def describe(self) -> str:
+        """How the engine runs, for the server's start line: backend, device, attention."""
+        return f"{self.name} engine on {self.device}"
 
     @abstractmethod
     def step(self, batch: StepBatch, cache: PagedKVCache) -> StepOutput:

@@ -14,8 +14,10 @@ reads such a cache (its step contract is the same: the ring block follows from t
 
 Shapes, dtypes and the allocation itself come from the engine's ``PagedKVLayout`` (``EngineManifest.layout``). After each step
 ``write_new_rows`` copies every sequence's new K/V rows into its open block and, when the open block is
-full, seals it with ``trtkv.cache_layout.seal_open_block`` (the reference quantizer) into the pool block the
-sequence's block table names for it — the block manager allocates that block before the step.
+full, seals it into the pool block the sequence's block table names for it — the block manager allocates that block
+before the step. The seal is the attention backend's (``trtkv.attention``): the engine stepping the cache hands it
+its own (``seal_through``), so that the pool stores what that engine's attention reads; until then (a network engine,
+a cache made on its own) the backend ``auto`` takes on the cache's device (``pool_sealer``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ from pathlib import Path
 import torch
 
 from trtkv.artifacts import LayerParams, tensors_to_params
-from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, block_rope, seal_open_block, sealing, store_quantized
+from trtkv.attention import AttentionBackend, pool_reasons, pool_sealer
+from trtkv.cache_layout import KVPool, PagedKVLayout, WindowRing, sealing, store_quantized
 from trtkv.errors import TrtkvError
 from trtkv.manifest import KV_PARAMS_FILE, KV_PARAMS_PREFIX, EngineManifest, accepts_any_shape
-from trtkv.plugins import cpu_attention
-from trtkv.plugins.contract.capabilities import cache_reasons, seal_with_kernels
-from trtkv.quant import QuantizedTensor, forward_transform, quantize_block
+from trtkv.quant import QuantizedTensor
 from trtkv.rope import RopeTable
-from trtkv.runtime.seal_device import seal_open_block_kernels
 from trtkv.runtime.step import StepBatch, StepOutput, StepSeals
 
 POOL_FIELDS = ("data", "scale", "zero", "outlier_index", "outlier_value")  # a pool's tensors addressed by block (``KVPool``)
@@ -61,6 +61,7 @@ class PagedKVCache:
         params: list[LayerParams] | None = None,
         device: torch.device | str = "cpu",
         ring: WindowRing | None = None,
+        attention: AttentionBackend | None = None,
     ):
         self.layout = layout
         self.num_layers = num_layers
@@ -71,7 +72,7 @@ class PagedKVCache:
         if ring is not None and ring.block_size != layout.block_size:
             raise ValueError(f"a window ring of {ring.block_size}-token blocks for a cache of {layout.block_size}")
         layout.fmt.check_layers(num_layers)
-        for r in cache_reasons(layout.fmt):  # a format no engine path reads (outlier lists, keys before RoPE)
+        for r in pool_reasons(layout.fmt):  # a format no engine path reads (outlier lists, keys before RoPE)
             raise TrtkvError(r, r.hint)
         # every layer's layout, made once: a per-layer format's ``layer(i)`` builds a format, not for every step
         self._layouts = [layout.layer(i) for i in range(num_layers)]
@@ -86,13 +87,10 @@ class PagedKVCache:
             groups.setdefault(suffix, []).append(i)
         self._where = {layer: (suffix, j) for suffix, layers in groups.items() for j, layer in enumerate(layers)}
         self.tensors: dict[str, torch.Tensor] = {}
-        self._seal_codecs: dict[tuple[int, str], object] = {}
         # each layer's RoPE table, for keys stored before RoPE (``prerope``): the engine stepping this cache hands them
         # over at its first step (the pool has no model of its own); layers that rotate alike share one table
         self.ropes: list[RopeTable] | None = None
-        # the Triton seal kernel, in place (seal_device.py), where the capability table's seal row takes the format:
-        # an ``mse`` format is sealed by the reference quantizer (its search), on CUDA too
-        self.seal_with_kernels = seal_with_kernels(torch.device(device), layout.fmt, layout.block_size, layout.head_dim)
+        self.sealer: AttentionBackend = attention or pool_sealer(device)  # whose seal stores full blocks (``seal_through``)
         for which in ("k", "v"):  # the layout allocates: one group's pools stacked, a ring's with its ring blocks
             self.tensors[f"{which}_tail"] = layout.allocate_tail(device, layers=num_layers)
             for suffix, layers in groups.items():
@@ -106,9 +104,10 @@ class PagedKVCache:
 
     @classmethod
     def for_engine(cls, manifest: EngineManifest, engine_dir: str | Path, num_blocks: int, num_slots: int, device="cpu", backend: str | None = None,
-                   ring: WindowRing | None = None) -> "PagedKVCache":
+                   ring: WindowRing | None = None, attention: AttentionBackend | None = None) -> "PagedKVCache":
         """A cache for the engine in ``engine_dir`` (its layout and baked KV constants); ``backend``: the one that runs it
-        (default: the manifest's); ``ring``: the sliding layers' window ring (the torch engine only)."""
+        (default: the manifest's); ``ring``: the sliding layers' window ring (the torch engine only); ``attention``: the
+        engine's attention backend, which seals the cache."""
         lim = manifest.limits
         if num_blocks > lim.max_num_blocks or num_slots > lim.max_num_slots:
             if not accepts_any_shape(backend or manifest.backend):
@@ -117,11 +116,15 @@ class PagedKVCache:
                     "use a smaller pool or rebuild with a larger --max-batch / --max-seq-len",
                 )
         layout = manifest.layout(num_blocks, num_slots)
-        return cls(layout, manifest.model.num_layers, load_kv_params(engine_dir, manifest.model.num_layers), device, ring)
+        return cls(layout, manifest.model.num_layers, load_kv_params(engine_dir, manifest.model.num_layers), device, ring, attention)
 
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    def seal_through(self, attention: AttentionBackend) -> None:
+        """Seal full blocks from now on with ``attention``'s seal (the engine stepping this cache hands its own)."""
+        self.sealer = attention
 
     def layout_of(self, layer: int) -> PagedKVLayout:
         """The layout of ``layer``'s pools (its own storage under a per-layer format)."""
@@ -166,6 +169,7 @@ class PagedKVCache:
         Returns the indices (into the batch) of the sequences that sealed a block.
         """
         bs = self.block_size
+        in_place = self.sealer.seals_in_place(self)  # a seal kernel writes each full open block into its pool block
         sealed: list[int] = []
         ctx = batch.context_lens.tolist()
         new = batch.new_lens.tolist()
@@ -190,13 +194,13 @@ class PagedKVCache:
                             f"sequence {b} fills its open block at {c + done} tokens but its block table has no block at index {idx}",
                             "allocate the block that receives the sealed block before the step",
                         )
-                    at = None if out.sealed is None or self.seal_with_kernels else out.sealed.position(b, idx)
+                    at = None if out.sealed is None or in_place else out.sealed.position(b, idx)
                     if at is not None:
                         if idx == 0 and self.layout.sink_tokens:  # its sink rows, before the next piece reuses the open block
                             self.keep_sink_rows(s)
                         stored.append((s, int(batch.block_tables[b, idx]), idx, at))
-                    elif self.seal_with_kernels:
-                        self.seal(s, int(batch.block_tables[b, idx]), idx)
+                    elif in_place:
+                        self.sealer.seal_in_place(self, s, int(batch.block_tables[b, idx]), idx)
                     else:  # the block's rows as they are now (the next piece reuses the open block): sealed below, together
                         filled.append((s, int(batch.block_tables[b, idx]), idx, k_tail[:, s, :, :bs].clone(), v_tail[:, s, :, :bs].clone()))
                     if not sealed or sealed[-1] != b:
@@ -232,8 +236,7 @@ class PagedKVCache:
     def seal_rows(self, filled: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
         """Seal full blocks given by their rows -- ``(slot, pool block, block index, k rows, v rows)``, the rows
         ``[L, H, block_size, D]`` fp16 as the open block held them -- with one quantization per layer and K / V for all
-        of them (the reference seal per block, ``seal_open_block``, costs one per block): the same codes, and a first
-        block's sink rows into its slot (``cache_layout.sealing``)."""
+        of them (the sealer's ``quantize_blocks``), and a first block's sink rows into its slot (``cache_layout.sealing``)."""
         if len(filled) > 1 and any(len({self.seal_target(layer, s, blk, idx) for s, blk, idx, _, _ in filled}) < len(filled)
                                    for layer in range(self.num_layers)):
             for item in filled:  # one ring block twice: sealed in order, the later block wins
@@ -252,19 +255,7 @@ class PagedKVCache:
                         lay.sink_rows(pool.tail[s]).copy_(sink_rows)
                         rows[i] = quantized
                 first = torch.tensor([idx * self.block_size for _, _, idx, _, _ in filled])
-                store_quantized(pool, targets, self.quantize_blocks(layer, which, rows, first), lay.tensor_format(which))
-
-    def quantize_blocks(self, layer: int, which: str, rows: torch.Tensor, first_positions: torch.Tensor) -> QuantizedTensor:
-        """The pool's own quantization of full blocks ``rows`` [n, H, block_size, D] float32 (sink rows already taken
-        out, ``cache_layout.sealing``) of ``layer``'s K or V, whose first tokens sit at ``first_positions`` [n]: trtkv's
-        C seal where it takes the format (the reference quantizer's bytes, one call), else the reference quantizer (keys
-        stored before RoPE unrotated at their positions, outlier lists kept)."""
-        tf, params = self.layout_of(layer).tensor_format(which), getattr(self.params[layer], which)
-        codec = self.seal_codec(layer, which)
-        if codec is not None:  # it refuses a NaN or inf as check_finite does
-            return cpu_attention.seal(codec, forward_transform(rows, tf, params, head_axis=-3))
-        rope = block_rope(self.rope_for(layer, tf), first_positions, self.block_size) if tf.pre_rope else None
-        return quantize_block(rows, tf, params, head_axis=-3, rope=rope)
+                store_quantized(pool, targets, self.sealer.quantize_blocks(self, layer, which, rows, first), lay.tensor_format(which))
 
     def use_model_rope(self, model) -> None:
         """Take ``model``'s RoPE tables (``trtkv.rope.RopeTable.per_layer``) where the format keeps keys before RoPE and
@@ -285,32 +276,14 @@ class PagedKVCache:
                              "step the cache with the torch engine, or call PagedKVCache.use_model_rope(model)")
         return self.ropes[layer]
 
-    def seal_codec(self, layer: int, which: str):
-        """The C seal of ``layer``'s K or V on a CPU pool (``cpu_attention.SealCodec``; made once), or None where the
-        reference quantizer seals: a format the kernel does not take, a GPU pool, no C compiler."""
-        key = (layer, which)
-        if key not in self._seal_codecs:
-            codec = None
-            if self.tensors["k_tail"].device.type == "cpu" and cpu_attention.unavailable() is None:
-                lay = self.layout_of(layer)
-                codec = cpu_attention.SealCodec.of(lay.tensor_format(which), getattr(self.params[layer], which), lay.num_kv_heads,
-                                                   lay.head_dim, lay.block_size)
-            self._seal_codecs[key] = codec
-        return self._seal_codecs[key]
-
     def seal(self, slot: int, block: int, block_index: int) -> None:
-        """Quantize open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool
-        block ``block`` (``cache_layout.seal_open_block``: a first block also fills the slot's sink rows); a ringed
-        layer seals into its ring block instead."""
-        if self.seal_with_kernels:
-            seal_open_block_kernels(self, slot, block, block_index)
+        """Seal open block ``slot`` of every layer -- its sequence's block ``block_index`` -- into pool block ``block``
+        (a first block also fills the slot's sink rows; a ringed layer seals into its ring block instead)."""
+        if self.sealer.seals_in_place(self):
+            self.sealer.seal_in_place(self, slot, block, block_index)
             return
-        for layer in range(self.num_layers):
-            target = self.seal_target(layer, slot, block, block_index)
-            for which in ("k", "v"):
-                pool, lay = self.pool(layer, which), self.layout_of(layer)
-                seal_open_block(lay, which, pool, slot, target, block_index, getattr(self.params[layer], which),
-                                self.rope_for(layer, lay.tensor_format(which)))
+        bs = self.block_size
+        self.seal_rows([(slot, block, block_index, self.tensors["k_tail"][:, slot, :, :bs].clone(), self.tensors["v_tail"][:, slot, :, :bs].clone())])
 
     def seal_target(self, layer: int, slot: int, block: int, block_index: int) -> int:
         """The block of ``layer``'s pool that a seal of pool block ``block`` (the sequence's ``block_index``) writes."""

@@ -86,10 +86,10 @@ class LLMEngine:
         self.config = config
         self.budget = budget
         lim = manifest.limits
-        self.max_batch = budget.num_slots if accepts_any_shape(getattr(engine, "name", "")) else lim.max_batch
+        self.max_batch = budget.num_slots if accepts_any_shape(engine.name) else lim.max_batch
         # a window ring frees the sliding layers' blocks a prefix hit would need: no prefix caching with one
         self.prefix_caching = config.enable_prefix_caching and cache.ring is None
-        prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine), cache) if self.prefix_caching else None
+        prefix = PrefixCache(lim.block_size, prefix_salt(manifest, engine.name), cache) if self.prefix_caching else None
         self.block_manager = BlockManager(budget.num_blocks, budget.num_slots, lim.block_size, prefix)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -99,15 +99,15 @@ class LLMEngine:
             max_model_len=lim.max_seq_len,
             # an engine that seals blocks inside a step takes a prompt in chunks of the token budget, not of a block;
             # not in the deterministic mode, where every prefill chunk is one whole block (or a prompt's last part)
-            cross_blocks=bool(getattr(engine, "cross_blocks", False)) and cache.ring is None and not config.deterministic,
+            cross_blocks=engine.cross_blocks and cache.ring is None and not config.deterministic,
             whole_blocks=config.deterministic,
         )
         self.scheduler.swapper = Swapper(cache)  # preemption never changes an output (runtime/swap.py)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         # a CPU torch engine sets its torch threads per step (RuntimeConfig.step_threads); other engines keep theirs
-        self.cores = usable_cores() if getattr(engine, "name", "") == "torch" and torch.device(getattr(engine, "device", "cpu")).type == "cpu" else None
-        self.pads_prefill = self.cores is not None and bool(getattr(engine, "cross_blocks", False))
+        self.cores = usable_cores() if engine.runs_torch_on_cpu else None
+        self.pads_prefill = self.cores is not None and engine.cross_blocks
         self.eos_ids = list(manifest.model.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.stats_counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "rejected": 0, "aborted": 0, "peak_running": 0}
         self._reject_lock = threading.Lock()  # make_sequence runs on the server's request threads
@@ -130,15 +130,18 @@ class LLMEngine:
             # on CUDA without --kv-memory the pool takes what --reserve leaves once the weights are loaded: not counted
             dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             kw["kv_bytes"] = resolve_kv_budget(config, dev) if (dev.type == "cpu" or config.kv_memory_gib is not None) else 0
+            kw["attention"] = config.attention
+        elif config.attention != "auto":
+            raise TrtkvError(f"--attention {config.attention} chooses the torch engine's attention; this engine runs {manifest.backend}'s network",
+                             "leave --attention at auto, or build the engine with --backend torch")
         engine = open_engine(engine_dir, config.backend, manifest=manifest, **kw)
         if engine.name == "onnxruntime":
             # The runtime's own torch work (sealing blocks, sampling) is small; on one thread it does not
             # wake an OpenMP pool that competes with ONNX Runtime's threads (measured: 40 ms -> 4 us per seal matmul).
             torch.set_num_threads(1)
-        device = getattr(engine, "device", torch.device("cpu"))
-        budget = plan_budget(manifest, config, device, engine.name)
-        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=device, backend=engine.name,
-                                        ring=window_ring(manifest, config, engine.name))
+        budget = plan_budget(manifest, config, engine.device, engine.name)
+        cache = PagedKVCache.for_engine(manifest, engine_dir, budget.num_blocks, budget.num_slots, device=engine.device, backend=engine.name,
+                                        ring=window_ring(manifest, config, engine.name), attention=engine.attention_backend)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / TOKENIZER_DIR), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -347,12 +350,7 @@ class LLMEngine:
 
     def describe_engine(self) -> str:
         """How the engine runs (the server's start line): backend, device, attention, forward, steps, CPU threads."""
-        e = self.engine
-        parts = [f"{getattr(e, 'name', type(e).__name__)} engine on {getattr(e, 'device', 'cpu')}"]
-        if getattr(e, "attention", None):
-            parts.append(f"attention {e.attention}" + (" (trtkv's C kernels)" if e.attention == "cpu" else ""))
-        if getattr(e, "lean", None) is not None:
-            parts.append("lean forward")
+        parts = [self.engine.describe()]
         if self.scheduler.cross_blocks:
             parts.append("steps across blocks")
         if self.cores is not None:
@@ -416,12 +414,12 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def prefix_salt(manifest, engine) -> str:
-    """What besides the tokens makes a sealed block's bytes reproducible: the engine (its manifest names the model,
-    weights and calibration constants), the KV format (sink tokens included) and the block size."""
+def prefix_salt(manifest, engine_name: str) -> str:
+    """What besides the tokens makes a sealed block's bytes reproducible: the engine backend (its manifest names the
+    model, weights and calibration constants), the KV format (sink tokens included) and the block size."""
     dump = getattr(manifest, "model_dump_json", None)
     ident = dump() if dump is not None else repr(getattr(manifest, "model", None))
-    return f"{getattr(engine, 'name', type(engine).__name__)}|{manifest.kv_format.model_dump_json()}|{manifest.limits.block_size}|{ident}"
+    return f"{engine_name}|{manifest.kv_format.model_dump_json()}|{manifest.limits.block_size}|{ident}"
 
 
 def bad_word_bans(seq: Sequence, bad_seqs: list[list[int]]) -> list[int]:
