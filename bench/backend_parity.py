@@ -22,7 +22,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_engine import machine
+from build_engine import describe_machine, machine
 from report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def main() -> None:
                         f"{'yes' if same else 'no'} |")
             print(rows[-1], flush=True)
     md = ["# Greedy texts per attention backend (SmolLM2-135M, torch engine, CPU)", "",
-          f"`{data['command']}` — {data['machine']}, {data['date']}, {time.perf_counter() - t0:.0f} s. Each text: one "
+          f"`{data['command']}` — {describe_machine(data['machine'])}, {data['date']}, {time.perf_counter() - t0:.0f} s. Each text: one "
           f"`trtkv generate --engine E -n {args.max_tokens} --no-stream` process; compared with `--attention torch`'s text.", "",
           "| preset | prompt | " + " | ".join(runs) + " | all identical |", "|---" * (len(runs) + 3) + "|", *rows, ""]
     write_report(Path(args.out) / "backend-parity", data, "\n".join(md))

@@ -162,8 +162,16 @@ def machine() -> dict:
             "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
 
 
+def describe_machine(m: dict) -> str:
+    """``machine()``'s dict as a report line: CPU, cores, load at the start, versions, commit."""
+    load = m.get("load_avg_1min_at_start")
+    return ", ".join(x for x in (m.get("cpu"), f"{m.get('cores')} cores", None if load is None else f"load average {load:.1f} at the start",
+                                 f"Python {m.get('python')}", f"torch {m.get('torch')}", f"onnxruntime {m.get('onnxruntime')}",
+                                 f"commit {m.get('git')}") if x)
+
+
 def render(r: dict) -> str:
-    lines = [f"# build-engine benchmark ({r['date']})", "", f"Command: `{r['command']}`  ", f"Machine: {r['machine']}", "", "## Builds", "",
+    lines = [f"# build-engine benchmark ({r['date']})", "", f"Command: `{r['command']}`  ", f"Machine: {describe_machine(r['machine'])}", "", "## Builds", "",
              "| engine | seconds | stages | size |", "|---|---|---|---|"]
     for k, v in r["builds"].items():
         size = f"{v['engine_bytes'] / 2**20:.1f} MiB" + (f" (plan {v['plan_bytes'] / 2**20:.1f} MiB, built in {v['plan_build_seconds']} s)" if "plan_bytes" in v else "")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_parity import engine_for
-from build_engine import machine
+from build_engine import describe_machine, machine
 from report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def main() -> None:
                     f"{min(got['this']) / max(got['baseline']):.2f}–{max(got['this']) / min(got['baseline']):.2f} |")
         print(rows[-1], flush=True)
         md = [f"# Torch-engine decode: this checkout vs {base} (SmolLM2-135M, CPU)", "",
-              f"`{data['command']}` — {data['machine']}, {data['date']}, {time.perf_counter() - t0:.0f} s so far. Batch {args.batch} x "
+              f"`{data['command']}` — {describe_machine(data['machine'])}, {data['date']}, {time.perf_counter() - t0:.0f} s so far. Batch {args.batch} x "
               f"{args.context} tokens, {args.steps} decode steps after a warm-up, each run a fresh process of the checkout's own "
               f"`bench/torch_engine.py --worker`, the checkouts alternating, median of {args.reps}.", "",
               "| preset | attention | baseline tok/s | this tok/s | this / baseline | range of ratios |", "|---|---|---|---|---|---|", *rows, ""]

@@ -32,7 +32,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_engine import machine
+from build_engine import describe_machine, machine
 from low_bit_decode import build
 from report import write_report
 from torch_engine import measure
@@ -286,7 +286,7 @@ def render(r: dict) -> str:
         f"# Long context: recall, pass key, KL by position and decode speed, SmolLM2-135M ({r['date']})",
         "",
         f"Command: `{r['command']}`  ",
-        f"Machine: {r['machine']}  ",
+        f"Machine: {describe_machine(r['machine'])}  ",
         f"Accuracy: `trtkv eval` tasks on {DATASET}'s eval split, float32 on CPU, the cache really quantized (sealed blocks as the engine "
         f"seals them), every format against fp16 on the same items; recall: {r['windows']} passages of 256 tokens per context; pass key: "
         f"{r['passkey_windows']} items per context at depths 0..1; KL by position: {r['ppl_windows']} windows of {r['ppl_seq_len']} tokens. "

@@ -24,7 +24,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_engine import machine
+from build_engine import describe_machine, machine
 from report import write_report
 from torch_engine import measure
 
@@ -92,7 +92,7 @@ def render(r: dict, base: str) -> str:
         f"# Decode of the below-4-bit presets against {base}: torch engine, CPU ({r['date']})",
         "",
         f"Command: `{r['command']}`  ",
-        f"Machine: {r['machine']}  ",
+        f"Machine: {describe_machine(r['machine'])}  ",
         f"SmolLM2-135M, float32, batch {r['batch']}, {r['context']}-token contexts (random sealed pool + open block), {r['steps']} timed "
         f"decode steps after one warm-up; each engine alone in a fresh process, rounds alternating the engines, median of {r['reps']}. "
         f"Total {r['total_seconds']} s.",

@@ -109,18 +109,19 @@ def _filled_cache(backend, fmt, bs: int, D: int, contexts: list[int], seed: int)
     return cache, torch.tensor(tables)
 
 
-def _reference(cache: PagedKVCache, layer: int, q, k_new, v_new, tables, ctx, cu) -> torch.Tensor:
+def _reference(cache: PagedKVCache, layer: int, q, k_new, v_new, tables, ctx, cu, window=None, softcap=None) -> torch.Tensor:
     lay = cache.layout_of(layer)
     pools = [cache.pool(layer, w) for w in "kv"]
     kp, vp = (getattr(cache.params[layer], w) for w in "kv")
     rope = cache.ropes[layer] if cache.ropes else None
     return paged_attention_ref(q, cu, *pools, k_new, v_new, tables, ctx, torch.arange(len(ctx)), lay.tensor_format("k"),
-                               lay.tensor_format("v"), kp, vp, 0.35, rope=rope)
+                               lay.tensor_format("v"), kp, vp, 0.35, window=window or 0, softcap=softcap or 0.0, rope=rope)
 
 
-def _attend(backend, cache, tables, ctx: list[int], new: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 1's attention of a step with ``new`` tokens per sequence after ``ctx``: the backend's and the reference's,
-    both [total valid rows, Hq, D]."""
+def _attend(backend, cache, tables, ctx: list[int], new: list[int], seed: int, window: int | None = None,
+            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1's attention of a step with ``new`` tokens per sequence after ``ctx`` (a layer with ``window`` /
+    ``softcap``): the backend's and the reference's, both [total valid rows, Hq, D]."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(ctx), max(new)
     D = cache.layout.head_dim
@@ -129,10 +130,10 @@ def _attend(backend, cache, tables, ctx: list[int], new: list[int], seed: int) -
     q = torch.randn(B, H * G, T, D, generator=g)
     k16, v16 = ((torch.randn(B, H, T, D, generator=g) * 2).half() for _ in range(2))
     st = backend.begin(batch, cache, valid, crossing=False)
-    got = backend.attend(st, 1, q, k16, v16, 0.35, None, None)[valid]  # [rows, Hq, D]
+    got = backend.attend(st, 1, q, k16, v16, 0.35, window, softcap)[valid]  # [rows, Hq, D]
     cu = None if T == 1 else torch.nn.functional.pad(batch.new_lens.cumsum(0), (1, 0))
     qt, kt, vt = (x.transpose(1, 2)[valid] for x in (q, k16, v16))
-    want = _reference(cache, 1, qt, kt.float(), vt.float(), tables, batch.context_lens, cu)
+    want = _reference(cache, 1, qt, kt.float(), vt.float(), tables, batch.context_lens, cu, window, softcap)
     return got.double(), want.double()
 
 
@@ -156,6 +157,32 @@ def test_every_backend_attends_over_sealed_blocks_as_the_reference_codec(cls, sp
     cache, tables = _filled_cache(backend, fmt, bs, D, ctx, seed=len(spec))
     for new in ([1, 1, 1], [bs - 2, min(3, bs), 1]):  # a decode step, then a prefill chunk (each within its block)
         got, want = _attend(backend, cache, tables, ctx, new, seed=sum(new))
+        assert torch.isfinite(got).all(), new
+        assert (got - want).abs().max().item() < 2e-4 * want.abs().max().item(), (new, (got - want).abs().max().item())
+
+
+def _layer_cases():
+    for cls in BACKENDS:
+        for spec in ("fp16", "int4", "int8"):
+            # the Triton kernels under the interpreter take seconds a case: int4 in make test, the rest in tier 2
+            marks = [pytest.mark.slow] + ([pytest.mark.tier2] if spec != "int4" else []) if cls is TritonKernels else []
+            for window, softcap in ((None, 1.5), (7, None), (7, 1.5)):
+                yield pytest.param(cls, spec, window, softcap, id=f"{cls.name}-{spec}-window{window}-softcap{softcap}", marks=marks)
+
+
+@pytest.mark.parametrize("cls,spec,window,softcap", list(_layer_cases()))
+def test_every_backend_applies_the_layers_window_and_soft_cap_as_the_reference(cls, spec, window, softcap, interpret):
+    """A local layer's sliding window and a soft-capped model's ``cap * tanh(s / cap)`` in a decode step and in a
+    prefill chunk, each alone and together, against the float64 reference (a window of 7 reaches into the sealed blocks
+    and cuts some; a cap of 1.5 bends most of these scores)."""
+    fmt, bs, D = _setup(cls, spec)
+    backend = _backend(cls)
+    ctx = [3 * bs + 2, bs, 2 * bs - 1]
+    cache, tables = _filled_cache(backend, fmt, bs, D, ctx, seed=11)
+    for new in ([1, 1, 1], [bs - 2, min(3, bs), 1]):
+        got, want = _attend(backend, cache, tables, ctx, new, seed=sum(new), window=window, softcap=softcap)
+        plain, _ = _attend(backend, cache, tables, ctx, new, seed=sum(new))
+        assert (plain - want).abs().max().item() > 1e-2 * want.abs().max().item(), "the layer's option changes nothing here"
         assert torch.isfinite(got).all(), new
         assert (got - want).abs().max().item() < 2e-4 * want.abs().max().item(), (new, (got - want).abs().max().item())
 

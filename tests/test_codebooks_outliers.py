@@ -339,6 +339,24 @@ def test_lloyd_max_matches_a_naive_loop_and_beats_the_grid():
     assert lloyd_max(u, heavy, grid).mean() > lloyd_max(u, w, grid).mean()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lloyd_max_leaves_a_level_whose_cell_holds_no_weight_where_it_is(seed):
+    """Values in two tight clusters under levels spread wider (most cells empty), and a cluster whose weights are all 0:
+    the levels of cells without weight stay put, as in the naive loop, and never move to 0."""
+    from trtkv.calibration.codebook import lloyd_max
+
+    g = torch.Generator().manual_seed(seed)
+    n1, n2, n3 = 37 + seed, 23, 11
+    u = torch.cat([torch.randn(n1, generator=g) * 0.05 + 1.3, torch.randn(n2, generator=g) * 0.05 + 5.6, torch.randn(n3, generator=g) * 0.05 + 3.4])
+    w = torch.cat([torch.rand(n1 + n2, generator=g) + 0.1, torch.zeros(n3)])  # the middle cluster weighs nothing
+    init = torch.linspace(-2.0, 9.0, 8) + 0.1 * torch.rand(8, generator=g)
+    for iters in (1, 4, 30):
+        want = _naive_lloyd(u, w, init, iters).float()
+        torch.testing.assert_close(lloyd_max(u, w, init, iterations=iters), want, rtol=0, atol=1e-5)
+    got = lloyd_max(u, w, init)
+    assert (got == init.float()).sum() >= 4, got  # the empty cells' levels, unmoved
+
+
 def test_key_channel_weights_are_the_transformed_query_second_moments():
     from trtkv.calibration.codebook import key_channel_weights
 
@@ -598,6 +616,45 @@ def test_layout_bits_match_a_hand_count_for_outlier_and_codebook_formats(seed):
         assert row.pool_bits_per_element == pytest.approx(per_element, rel=1e-12) and row.constant_bytes == constants
         assert row.cached_bytes_per_token == pytest.approx(layers * lay.bytes_per_token(), rel=1e-12)
 
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_per_layer_formats_bytes_are_the_sum_of_its_layers_hand_counts(seed):
+    """A per-layer format whose layers mix codebook, outlier and plain storages drawn at random (odd sizes): its
+    codebook bytes, pool bits, per-layer block bytes and plan's row are each layer's own hand count, summed or averaged
+    over the layers -- never layer 0's count taken for every layer."""
+    from trtkv.cache_layout import PagedKVLayout
+    from trtkv.formats import KVFormat, LayerStorage
+    from trtkv.plan import ModelShape, plan
+
+    g = torch.Generator().manual_seed(100 + seed)
+    heads, d, bs = 2 * int(torch.randint(1, 5, (1,), generator=g)) + 1, 24, 2 * int(torch.randint(2, 6, (1,), generator=g)) + 1
+    n_k = int(torch.randint(1, 9, (1,), generator=g))
+    sides = {  # storage -> (its bits in one KV head's block, its codebook bytes per KV head)
+        "int3:token:asym:nuq": (_hand_bits(3, bs, d, 2 * bs, 0), 8 * 4),
+        "int4:g8:sym:nuq": (_hand_bits(4, bs, d, bs * d // 8, 0), 16 * 4),
+        f"int2:bchannel:asym:out{n_k}": (_hand_bits(2, bs, d, 2 * d, n_k), 0),
+        "int3:token:sym": (_hand_bits(3, bs, d, bs, 0), 0),
+        "int8:token": (_hand_bits(8, bs, d, bs, 0), 0),
+    }
+    names = list(sides)
+    layers = 5
+    pick = torch.randint(0, len(names), (layers, 2), generator=g).tolist()
+    pick[0] = [names.index("int8:token")] * 2  # layer 0 without codebooks: a count of layer 0 for all would be 0
+    storages = [LayerStorage(k=parse_tensor_spec(names[a]), v=parse_tensor_spec(names[b])) for a, b in pick]
+    fmt = KVFormat(name="mixed", k=storages[0].k, v=storages[0].v, block_size=bs, layers=tuple(storages))
+    constants = sum(heads * (sides[names[a]][1] + sides[names[b]][1]) for a, b in pick)
+    per_layer_bits = [(sides[names[a]][0] + sides[names[b]][0]) / (2 * bs * d) for a, b in pick]
+    assert constants > 0
+    assert fmt.constant_bytes(layers, heads) == constants
+    assert fmt.pool_bits_per_element(d) == pytest.approx(sum(per_layer_bits) / layers, rel=1e-12)
+    lay = PagedKVLayout(fmt, heads, d, bs, num_blocks=3, num_slots=1)
+    assert lay.constant_bytes(range(layers)) == constants
+    for i, (a, b) in enumerate(pick):
+        assert lay.block_bytes([i]) * 8 == heads * (sides[names[a]][0] + sides[names[b]][0]), i
+    _, [row] = plan(ModelShape("m", layers, heads, d), [fmt], context_len=4 * bs, gpu_bytes=2**30, reserve_fraction=0)
+    assert row.constant_bytes == constants
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_eval_forward_equals_paged_step_by_step_decode_with_codebooks_and_outliers(tiny_model, arch):
     """The eval cache's sealed blocks with codebooks and outlier lists are what the reference paged cache (pools,
@@ -779,7 +836,7 @@ def test_the_torch_engine_refuses_each_new_feature(tiny_model, attention):
 
     _, model = tiny_model("llama")
     for spec, words, _ in NEW_FEATURES:
-        m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64), model=SimpleNamespace(head_dim=64))
+        m = SimpleNamespace(kv_format=get_format(spec), limits=SimpleNamespace(block_size=64, max_seq_len=256), model=SimpleNamespace(head_dim=64))
         if attention == "auto":
             want = "cpu" if "cpu" in READERS.get(words, ()) and cpu_attention.unavailable() is None else "torch"
             assert TorchEngine(model, m, attention="auto", device="cpu").attention == want, words

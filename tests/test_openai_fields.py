@@ -659,6 +659,18 @@ def test_any_other_triton_status_is_a_502_server_error(front, status, stream):
     assert code == 502 and data["error"]["type"] == "server_error" and data["error"]["message"] == "internal error: boom"
 
 
+@pytest.mark.parametrize("message", ["internal error: boom", "top_k must be >= 0", "plain words", ""])
+@pytest.mark.parametrize("status, want, kind", [(400, 400, "invalid_request_error"), (404, 502, "server_error"), (500, 502, "server_error"),
+                                                (503, 502, "server_error")])
+def test_tritons_http_status_alone_decides_refusal_or_fault_whatever_its_message(front, message, status, want, kind):
+    """An answer with a status is read by its status (400: the model refused it; any other: a fault of the server),
+    never by what its message looks like; only an error event inside a stream (no status) is read by its message."""
+    front.triton.reply = Reply(status=status, json={"error": message})
+    for stream in (False, True):
+        code, data, _ = front.complete(stream=stream)
+        assert (code, data["error"]["type"], data["error"]["message"]) == (want, kind, message), (status, message, stream)
+
+
 @pytest.mark.parametrize("body", ['data: {"error": "bad value"}\n\n', 'data:{"error": "bad value"}', '{"error": "bad value"}'])
 def test_a_server_sent_error_body_gives_its_message_without_the_framing(front, body):
     """Triton answers a refused generate_stream request with its error as one server-sent event: the OpenAI error
