@@ -162,8 +162,10 @@ def machine() -> dict:
             "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
 
 
-def describe_machine(m: dict) -> str:
-    """``machine()``'s dict as a report line: CPU, cores, load at the start, versions, commit."""
+def describe_machine(m: dict | str) -> str:
+    """``machine()``'s dict as a report line: CPU, cores, load at the start, versions, commit (a string as it is)."""
+    if isinstance(m, str):
+        return m
     load = m.get("load_avg_1min_at_start")
     return ", ".join(x for x in (m.get("cpu"), f"{m.get('cores')} cores", None if load is None else f"load average {load:.1f} at the start",
                                  f"Python {m.get('python')}", f"torch {m.get('torch')}", f"onnxruntime {m.get('onnxruntime')}",
