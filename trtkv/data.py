@@ -383,13 +383,18 @@ def _separator_ids(tokenizer) -> list[int]:
     return list(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
 
 
-def _tokenize_documents(tokenizer, docs: list[str]) -> torch.Tensor:
+def _tokenized_pieces(tokenizer, docs: list[str]) -> tuple[list[int], list[list[int]]]:
+    """Every document tokenized in pieces (``_chunks``) in one tokenizer call: each piece's document index and its ids."""
     pieces, owner = [], []
     for i, d in enumerate(docs):
         for c in _chunks(d):
             pieces.append(c)
             owner.append(i)
-    enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+    return owner, tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _tokenize_documents(tokenizer, docs: list[str]) -> torch.Tensor:
+    owner, enc = _tokenized_pieces(tokenizer, docs)
     sep = _separator_ids(tokenizer)
     flat: list[int] = []
     for j, ids in enumerate(enc):
@@ -455,12 +460,7 @@ def document_tokens(tokenizer, spec: str, split: str = "eval", text_field: str =
     part = split_documents(docs, split)
     if not part:
         raise TrtkvError(f"the '{split}' split of dataset '{spec}' is empty", "use a dataset with more text")
-    pieces, owner = [], []
-    for i, d in enumerate(part):
-        for c in _chunks(d):
-            pieces.append(c)
-            owner.append(i)
-    enc = tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]
+    owner, enc = _tokenized_pieces(tokenizer, part)
     flat: list[list[int]] = [[] for _ in part]
     for i, ids in zip(owner, enc):
         flat[i].extend(ids)
