@@ -2,8 +2,9 @@
 
 Per layer, K and V are each kept as a ``trtkv.quant.QuantizedTensor`` (codes in their storage
 dtype — int8 / uint8 / fp8 bit patterns / packed int4 nibbles — plus the fp16 dynamic scales and
-zero-points), grown along the sequence axis. Reading the cache dequantizes everything, so attention
-always sees what a quantized-cache engine would see. The math is ``trtkv.quant``; nothing here
+zero-points), grown along the sequence axis. Reading the cache returns everything dequantized, so attention
+always sees what a quantized-cache engine would see; each stored row is dequantized once, when first read, and
+kept beside the codes (a prefill of N tokens dequantizes N rows, not one copy of the past per chunk). The math is ``trtkv.quant``; nothing here
 re-derives it.
 
 Two semantics, chosen by the format:
@@ -103,6 +104,10 @@ class TensorStore:
         self.dtype: torch.dtype | None = None
         self.head_dim = 0
         self.sealed_count = 0  # sealed blocks
+        # the pool's first ``decoded_units`` sealed blocks (tokens, for quantize-on-write) as ``read`` returns them (sink rows
+        # in place): each read dequantizes only what was sealed since the last, so a prefill costs linear dequantization
+        self.decoded: torch.Tensor | None = None
+        self.decoded_units = 0
         # a token-age format's newest sealed blocks in its recent storage (one QuantizedTensor per block, oldest first),
         # encoded and decoded by a store of the recent format; ``age_out``: what the pool holds of a block that ages out
         # of them -- "sealed_twice" (what the engine does: every block sealed from its fp16 rows into the pool as well)
@@ -188,41 +193,60 @@ class TensorStore:
         if len(self.wide_blocks) > self.kv_fmt.recent_blocks:
             aged = self.wide_blocks.pop(0)
             if self.age_out == "requantize":  # the pool's copy from the recent codes, as a re-seal at age-out would make it
-                self._write_quantized(self.wide._decode(aged, 1))
+                self._write_quantized(self.wide._decode(aged))
 
     def read(self) -> torch.Tensor:
         """The full cache in the model's dtype and channel space (transforms undone): a token-age format's newest
         ``recent_blocks`` sealed blocks from the recent storage, older ones from the pool's."""
         assert self.dtype is not None
         parts = []
-        if self.quantized is not None or self.wide_blocks:
-            old = self.sealed_count - len(self.wide_blocks) if self.block_size else None  # blocks read from the pool
-            x = self._decode(self.quantized, old) if self.quantized is not None and old != 0 else None
-            if self.wide_blocks:
-                wide = QuantizedTensor(**{f: _cat_all([getattr(q, f) for q in self.wide_blocks]) for f in ("codes", "scale", "zero", *_PER_BLOCK)})
-                recent = self.wide._decode(wide, len(self.wide_blocks))
-                x = recent if x is None else torch.cat([x, recent], dim=SEQ_AXIS)
-            if self.sink is not None:
-                x = torch.cat([self.sink, x[:, :, self.sink_tokens :]], dim=SEQ_AXIS)
-            parts.append(x)
+        if self.quantized is not None:  # the pool's blocks not in the recent storage (quantize-on-write: every token)
+            units = self.sealed_count - len(self.wide_blocks) if self.block_size else self.quantized.codes.shape[SEQ_AXIS]
+            if units:
+                parts.append(self._pool_rows(units))
+        if self.wide_blocks:
+            wide = QuantizedTensor(**{f: _cat_all([getattr(q, f) for q in self.wide_blocks]) for f in ("codes", "scale", "zero", *_PER_BLOCK)})
+            recent = self.wide._decode(wide)
+            parts.append(recent if parts else self._with_sink(recent))
         if self.open is not None:
             parts.append(self.open)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=SEQ_AXIS)
 
-    def _decode(self, q: QuantizedTensor, blocks: int | None = None) -> torch.Tensor:
-        """Stored ``q`` (its first ``blocks`` sealed blocks; None: all of it) in the model's dtype and space."""
-        if blocks is not None and blocks * self.block_size < q.codes.shape[SEQ_AXIS]:
-            per_block = self._per_block_fields()
-            q = QuantizedTensor(**{f: None if (t := getattr(q, f)) is None else t.narrow(SEQ_AXIS, 0, blocks if f in per_block else blocks * self.block_size)
+    def _with_sink(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows from the cache's first one with the sink rows read back unquantized."""
+        return x if self.sink is None else torch.cat([self.sink, x[:, :, self.sink_tokens :]], dim=SEQ_AXIS)
+
+    def _pool_rows(self, units: int) -> torch.Tensor:
+        """The pool's first ``units`` blocks (tokens) read back, dequantizing only those not read before."""
+        if not self.fmt.is_quantized:  # stored as the model computes them: nothing to dequantize
+            return self._with_sink(self._decode(self.quantized, 0, units))
+        assert units >= self.decoded_units, "the pool's read-back only grows"
+        if units > self.decoded_units:
+            new = self._decode(self.quantized, self.decoded_units, units)
+            self.decoded = self._with_sink(new) if self.decoded is None else torch.cat([self.decoded, new], dim=SEQ_AXIS)
+            self.decoded_units = units
+        return self.decoded
+
+    def _decode(self, q: QuantizedTensor, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """Stored ``q``'s sealed blocks ``first .. last - 1`` (tokens, without sealed blocks; ``last`` None: to the end) in
+        the model's dtype and space."""
+        rows = self.block_size or 1
+        total = q.codes.shape[SEQ_AXIS] // rows
+        last = total if last is None else last
+        if (first, last) != (0, total):
+            per_block = self._per_block_fields() if self.block_size else ()
+            q = QuantizedTensor(**{f: None if (t := getattr(q, f)) is None else
+                                   t.narrow(SEQ_AXIS, first, last - first) if f in per_block else t.narrow(SEQ_AXIS, first * rows, (last - first) * rows)
                                    for f in ("codes", "scale", "zero", *_PER_BLOCK)})
         if not self.fmt.is_quantized:
             return q.codes
-        return self._dequantized(q)
+        return self._dequantized(q, first * rows)
 
-    def _dequantized(self, q: QuantizedTensor) -> torch.Tensor:
+    def _dequantized(self, q: QuantizedTensor, start: int = 0) -> torch.Tensor:
+        """``q``, whose first row is the store's row ``start`` (prerope keys: RoPE applied at those positions), dequantized."""
         assert self.dtype is not None
         *lead, s, dp = q.codes.shape
-        rope = self._positions(0, s, q.codes.device)
+        rope = self._positions(start, s, q.codes.device)
         if not (self.fmt.is_block_wise or self.fmt.outliers):
             return dequantize(q, self.fmt, self.params, head_axis=HEAD_AXIS, dtype=self.dtype, rope=rope)
         bs = self.block_size
@@ -244,6 +268,7 @@ class TensorStore:
         self.wide_blocks = [_qt_map(q, fn) for q in self.wide_blocks]
         self.open = _select(self.open, fn)
         self.sink = _select(self.sink, fn)
+        self.decoded = _select(self.decoded, fn)
 
     def nbytes(self) -> int:
         """Bytes held: codes, scales, zero-points, outlier lists, and the open block and sink rows counted at their full fp16
