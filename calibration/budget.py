@@ -22,6 +22,12 @@ its error allows beats one format everywhere. The search, on the calibration spl
    search's windows shows it; when the measured cost is over the target, a bisection keeps the longest prefix of the
    greedy's steps that measures within it. The report gives the choice, the
    predicted and the measured cost; ``trtkv eval`` measures it on held-out windows like any other format.
+5. **Token age.** A candidate with ``recent=R:FORMAT`` (e.g. ``int2,recent=3:int4``) is a whole-cache alternative, not
+   a per-layer step (its ring of recent blocks is one per sequence slot): it is measured on the check's windows and
+   takes the choice's place when it is better -- within a KL / Δppl budget, fewer bits at a measured cost within the
+   target; within a ``bits`` budget, less measured KL within those bits. Its bits are counted at the calibration
+   windows' length (``sealed_bits_per_element``: the pool plus its ring over that many tokens), the length its KL is
+   measured at, so a long-context choice is made by calibrating with that ``--seq-len``.
 
 **What is searched: mean KL, below the budget by a margin** (``Budget.kl_target``). One (layer, side) narrowed moves
 the perplexity of a few windows by less than their noise, often downwards, so a search summing measured Δppl adds up
@@ -138,6 +144,14 @@ class BudgetChoice:
     start_bits: float = 0.0  # pool bits per element of the start
     sensitivity: dict[str, list[list[float]]] = field(default_factory=dict)  # side -> [layer][candidate] cost over the start
     scored: int = 0  # formats measured by the search
+    token_age: list["Alternative"] = field(default_factory=list)  # whole-cache candidates measured against the per-layer mix
+    chosen: str = "per-layer"  # "per-layer" (``levels``) or the token-age candidate that took its place (``fmt``)
+    context_len: int | None = None  # tokens the token-age candidates' bits are counted over (the windows' length)
+    mix: tuple[float, Score] | None = None  # a token-age choice: the per-layer mix's bits and measured cost it beat
+
+    def bits(self, head_dim: int) -> float:
+        """Bits per element of the chosen format: pool bits, plus a token-age choice's ring over ``context_len`` tokens."""
+        return self.fmt.sealed_bits_per_element(head_dim, self.context_len)
 
     def recipe_fields(self) -> dict:
         """What recipe.json keeps of the search (FormatCalibration extra fields)."""
@@ -154,7 +168,20 @@ class BudgetChoice:
             "measured": {"kl": self.measured.kl, "ppl_delta_pct": self.measured.ppl_delta_pct},
             "sensitivity": self.sensitivity,
             "formats_measured": self.scored,
+            "chosen": self.chosen,
+            "mix_measured": None if self.mix is None else {"bits": self.mix[0], "kl": self.mix[1].kl, "ppl_delta_pct": self.mix[1].ppl_delta_pct},
+            "token_age": [{"format": a.name, "bits": a.bits, "kl": a.score.kl, "ppl_delta_pct": a.score.ppl_delta_pct} for a in self.token_age],
+            "context_len": self.context_len,
         }
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A token-age candidate as measured against the per-layer mix: bits at the windows' length, cost on the check's windows."""
+
+    name: str
+    bits: float
+    score: Score
 
 
 def align_candidates(candidates: Sequence[KVFormat]) -> tuple[list[KVFormat], list[str]]:
@@ -163,8 +190,8 @@ def align_candidates(candidates: Sequence[KVFormat]) -> tuple[list[KVFormat], li
     candidate changed. The largest block, not the smallest: the narrow candidates are the ones whose recipes were measured
     at their own blocks (the int3 / int2 presets, 128), and the int4 layout at 128 costs 0.125 bits less than at 64 for
     about the same error (the int4 preset searches as int4@block128). Per-layer and shared-scale formats are left as
-    they are (``check_candidates`` refuses them)."""
-    plain = [c for c in candidates if not (c.is_per_layer or c.shared_kv_scale)]
+    they are (``check_candidates`` refuses them), and so are token-age ones (whole-cache alternatives, module docstring)."""
+    plain = [c for c in candidates if not (c.is_per_layer or c.shared_kv_scale or c.token_aged)]
     if not plain:
         return list(candidates), []
     block = max((c.block_size or 0 for c in plain), default=0) or None
@@ -183,22 +210,23 @@ def align_candidates(candidates: Sequence[KVFormat]) -> tuple[list[KVFormat], li
 
 
 def check_candidates(candidates: Sequence[KVFormat]) -> list[KVFormat]:
-    """Candidates ordered widest first; refused unless they seal blocks alike (block size, sink tokens) and are
-    plain (not per-layer) formats."""
+    """The per-layer candidates ordered widest first, then the token-age ones as given; refused unless at least two are
+    per-layer candidates -- plain (not per-layer, shared-scale or token-age) formats that seal blocks alike (block size,
+    sink tokens)."""
+    aged = [c for c in candidates if c.token_aged]
+    candidates = [c for c in candidates if not c.token_aged]
     if len(candidates) < 2:
-        raise TrtkvError("--budget needs at least two --budget-formats to choose between", "e.g. --budget-formats int4,int3,int2")
+        raise TrtkvError(f"--budget needs at least two --budget-formats without recent= to choose between per layer (got "
+                         f"{len(candidates)}{f' and {len(aged)} with recent=' if aged else ''})", "e.g. --budget-formats int4,int3,int2,int2,recent=3:int4")
     first = candidates[0]
     for c in candidates:
         if c.is_per_layer or c.shared_kv_scale:
             raise TrtkvError(f"budget candidate {c.name} is a per-layer or shared-scale format", "give plain formats, e.g. int4,int3,int2")
-        if c.token_aged:
-            raise TrtkvError(f"budget candidate {c.name} keeps its newest sealed blocks wider (recent=), which a per-layer choice does not "
-                             "hold yet", "choose the budget among formats without recent= (e.g. int4,int3,int2)")
         if (c.block_size, c.sink_tokens) != (first.block_size, first.sink_tokens):
             raise TrtkvError(
                 f"budget candidates {first.name} (block {first.block_size}, sink {first.sink_tokens}) and {c.name} (block {c.block_size}, "
                 f"sink {c.sink_tokens}) seal blocks differently", "give candidates with the same block= and sink= (e.g. the int4, int3, int2 presets)")
-    return sorted(candidates, key=lambda c: -c.pool_bits_per_element(64))
+    return sorted(candidates, key=lambda c: -c.pool_bits_per_element(64)) + aged
 
 
 def per_layer_format(name: str, candidates: Sequence[KVFormat], levels: Sequence[dict[str, int]]) -> KVFormat:
@@ -245,13 +273,19 @@ def choose_layer_bits(
     name: str = "budget",
     on_progress: Callable[[int, int], None] | None = None,
     check: Callable[[KVFormat, list[LayerParams]], Score] | None = None,
+    context_len: int | None = None,
 ) -> BudgetChoice:
     """The per-layer format with the fewest bits whose measured cost stays within ``budget`` -- or, for a ``bits`` budget,
     the least predicted cost within that many pool bits (module docstring): ``score`` measures the start and the
     sensitivities, ``check`` (default ``score``; other windows than the search's, so that the choice is not fitted to
-    the windows it is checked on) the choice."""
+    the windows it is checked on) the choice and the token-age candidates, whose bits are counted over ``context_len``
+    tokens (the windows' length; required with them)."""
     check = check or score
-    cands = check_candidates(candidates)
+    ordered = check_candidates(candidates)
+    cands = [c for c in ordered if not c.token_aged]
+    aged = [c for c in ordered if c.token_aged]
+    if aged and context_len is None:
+        raise ValueError("token-age budget candidates need context_len: the tokens their ring of recent blocks is counted over")
     names = [c.name for c in cands]
     target = budget.kl_target  # what is searched: mean KL (module docstring)
 
@@ -357,9 +391,29 @@ def choose_layer_bits(
         kept, measured = fits, best if best is not None else checked(fits)
     levels = after(kept)
     predicted = start.kl + sum(extra for *_, extra in steps[:kept])
-    return BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
-                        cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES},
-                        getattr(score, "calls", 0) + (getattr(check, "calls", 0) if check is not score else 0))
+    choice = BudgetChoice(budget, names, fmt_of(levels), per_layer_params(cands, params, levels), levels, start, predicted, measured,
+                          cands[0].pool_bits_per_element(head_dim), {s: cost[s] for s in SIDES}, context_len=context_len)
+    # 5. token age: whole-cache alternatives to the per-layer mix, measured on the check's windows
+    for c in aged:
+        got = params.get(c.name) or [LayerParams() for _ in range(num_layers)]
+        alt = Alternative(c.name, c.sealed_bits_per_element(head_dim, context_len), check(c, got))
+        choice.token_age.append(alt)
+        if _better(alt.bits, alt.score, choice.bits(head_dim), choice.measured, budget):
+            choice.mix = choice.mix or (choice.bits(head_dim), choice.measured)
+            choice.fmt = c.model_copy(update={"name": name, "description": f"{c.name}: chosen under an accuracy budget over the per-layer "
+                                              f"mix of {', '.join(names)} (trtkv calibrate --budget)"})
+            choice.params, choice.measured, choice.chosen = [LayerParams(k=lp.k.map(torch.Tensor.clone), v=lp.v.map(torch.Tensor.clone)) for lp in got], alt.score, c.name
+    choice.scored = getattr(score, "calls", 0) + (getattr(check, "calls", 0) if check is not score else 0)
+    return choice
+
+
+def _better(bits: float, score: Score, than_bits: float, than: Score, budget: Budget) -> bool:
+    """Whether a format of ``bits`` measuring ``score`` is the better choice under ``budget`` than one of ``than_bits``
+    measuring ``than``: within a ``bits`` budget, less KL (ties: fewer bits); within a KL / Δppl budget, a cost within
+    the target and fewer bits (ties: less KL)."""
+    if budget.metric == "bits":
+        return bits <= budget.limit + 1e-9 and (score.kl, bits) < (than.kl, than_bits)
+    return score.kl <= budget.kl_target and (bits, score.kl) < (than_bits, than.kl)
 
 
 def render_choice(choice: BudgetChoice, head_dim: int) -> str:
@@ -375,10 +429,18 @@ def render_choice(choice: BudgetChoice, head_dim: int) -> str:
         (f"- searched as the least predicted KL within {choice.budget.limit:g} pool bits per element" if choice.budget.metric == "bits" else
          f"- searched as mean KL <= {choice.budget.kl_target:.5g} (" + ("the budget" if choice.budget.metric == "kl" else
          f"ln(1 + {choice.budget.limit:g} %)") + f" less a {100 * choice.budget.margin:g} % margin for held-out text)"),
-        f"- chosen: {c.pool_bits_per_element(head_dim):.3f} pool bits per element (start {choice.start_bits:.3f}); "
-        f"predicted KL {choice.predicted:.5g}, **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** "
-        f"on the check's calibration windows ({choice.scored} formats measured)",
+        (f"- chosen: {c.pool_bits_per_element(head_dim):.3f} pool bits per element (start {choice.start_bits:.3f}); "
+         f"predicted KL {choice.predicted:.5g}, **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** "
+         f"on the check's calibration windows ({choice.scored} formats measured)") if choice.mix is None else
+        (f"- chosen: token age, `{choice.chosen}`: {choice.bits(head_dim):.3f} bits per element over {choice.context_len} tokens (pool and "
+         f"ring of recent blocks), **measured KL {m.kl:.5f}, Δppl {m.ppl_delta_pct:+.3f} %** on the check's calibration windows, in "
+         f"place of the per-layer mix below ({choice.mix[0]:.3f} pool bits, measured KL {choice.mix[1].kl:.5f}, Δppl "
+         f"{choice.mix[1].ppl_delta_pct:+.3f} %; {choice.scored} formats measured)"),
+        *(f"- token-age candidate `{a.name}`: {a.bits:.3f} bits per element over {choice.context_len} tokens, measured KL {a.score.kl:.5f}, "
+          f"Δppl {a.score.ppl_delta_pct:+.3f} %" for a in choice.token_age),
         f"- spec: `{c.spec()}`",
+        "",
+        "The per-layer search" + (" (not chosen):" if choice.mix is not None else ":"),
         "",
         "| layer | K | V | K cost if narrowed (per candidate) | V cost if narrowed |",
         "|---:|---|---|---|---|",

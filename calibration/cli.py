@@ -38,10 +38,11 @@ def register(app: typer.Typer, handle_errors) -> None:
         budget: Annotated[Optional[str], typer.Option(help="also choose per-layer K / V bits within this budget: kl=NATS or ppl=PERCENT "
                                                       "(accuracy, e.g. kl=0.01), or bits=POOL_BITS (size: the least-KL mix, e.g. bits=2.5)")] = None,
         budget_formats: Annotated[str, typer.Option(help="the formats --budget chooses among, comma-separated presets or spec strings; "
-                                                             "they are brought to the largest block size and the most sink tokens among them")] = ",".join(DEFAULT_BUDGET_FORMATS),
+                                                             "they are brought to the largest block size and the most sink tokens among them; a token-age one "
+                                                             "(e.g. int2,recent=3:int4) competes whole with the per-layer mix, its bits counted at --seq-len")] = ",".join(DEFAULT_BUDGET_FORMATS),
         budget_windows: Annotated[int, typer.Option(help="calibration windows --budget measures on")] = DEFAULT_BUDGET_WINDOWS,
         budget_margin: Annotated[float, typer.Option(help="how far below the budget --budget aims, a fraction (held-out text costs more than calibration windows)")] = DEFAULT_BUDGET_MARGIN,
-        budget_name: Annotated[str, typer.Option(help="name of the per-layer format --budget saves (use it as --kv NAME)")] = BUDGET_NAME,
+        budget_name: Annotated[str, typer.Option(help="name of the format --budget saves (use it as --kv NAME)")] = BUDGET_NAME,
         codebooks: Annotated[str, typer.Option(help="nuq formats: fit the levels per KV head (head) or once per layer, heads pooled (layer)")] = "head",
         fit_windows: Annotated[int, typer.Option(help="whole calibration windows kept (in the artifact's statistics) to fit codebooks and "
                                                      "per-channel bits on (the int3 / int2 presets)")] = DEFAULT_FIT_WINDOWS,

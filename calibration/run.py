@@ -240,18 +240,19 @@ def run_calibration(
     choice = None
     if want_budget is not None:
         t0 = time.perf_counter()
-        console.print(f"[bold]budget[/] {want_budget}: measuring {loaded.info.num_layers} layers x K/V x up to {len(candidates) - 1} narrower formats "
-                      f"on {min(budget_windows, windows.shape[0])} windows")
+        per_layer = [c for c in candidates if not c.token_aged]
+        console.print(f"[bold]budget[/] {want_budget}: measuring {loaded.info.num_layers} layers x K/V x up to {len(per_layer) - 1} narrower formats "
+                      f"on {min(budget_windows, windows.shape[0])} windows" + (f", then {len(candidates) - len(per_layer)} with recent=" if len(per_layer) < len(candidates) else ""))
         scorer = Scorer(loaded.model, windows[:budget_windows].to(loaded.device), batch_size)
         others = windows[budget_windows : 2 * budget_windows]  # the check's windows: not the search's, when there are enough
         checker = Scorer(loaded.model, others.to(loaded.device), batch_size) if len(others) else None
         choice = choose_layer_bits(scorer, candidates, params, want_budget, num_layers=loaded.info.num_layers, head_dim=loaded.info.head_dim,
-                                   name=budget_name, check=checker)
+                                   name=budget_name, check=checker, context_len=seq_len)
         if any(tp.tensors() for lp in choice.params for tp in (lp.k, lp.v)):  # every field: codebooks and bits too
             params[budget_name] = choice.params
         entries[budget_name] = FormatCalibration(definition=choice.fmt, method="budget", layers=layer_choices(choice.params, {}),
                                                  **choice.recipe_fields(), search_windows=min(budget_windows, len(windows)), check_windows=len(others))
-        console.print(f"  {budget_name}: {choice.fmt.pool_bits_per_element(loaded.info.head_dim):.3f} pool bits (start "
+        console.print(f"  {budget_name}: {choice.chosen if choice.mix else 'per-layer mix'}, {choice.bits(loaded.info.head_dim):.3f} bits at {seq_len} tokens (start "
                       f"{choice.start_bits:.3f}); measured KL {choice.measured.kl:.5f}, Δppl {choice.measured.ppl_delta_pct:+.3f} % "
                       f"({time.perf_counter() - t0:.0f} s)")
 

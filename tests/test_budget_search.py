@@ -458,7 +458,8 @@ def test_the_report_and_the_recipe_name_each_layers_choice_and_the_costs():
     assert rf == {"budget": "ppl=1%", "margin": 0.25, "kl_target": Budget("ppl", 1.0, 0.25).kl_target, "candidates": names,
                   "choice": [{"layer": 0, "k": names[2], "v": names[0]}, {"layer": 1, "k": names[1], "v": names[1]}],
                   "start": {"kl": 0.0011, "ppl_delta_pct": 0.12}, "predicted": 0.0042, "start_bits": 4.5,
-                  "measured": {"kl": 0.0051, "ppl_delta_pct": 0.53}, "sensitivity": sens, "formats_measured": 13}
+                  "measured": {"kl": 0.0051, "ppl_delta_pct": 0.53}, "sensitivity": sens, "formats_measured": 13,
+                  "chosen": "per-layer", "mix_measured": None, "token_age": [], "context_len": None}
 
 
 # ---------------------------------------------------------------- a size budget (bits=B)

@@ -315,6 +315,43 @@ def test_calibrate_with_a_bits_budget_saves_the_mix_within_those_bits(tiny_model
 
 
 @pytest.mark.slow
+def test_calibrate_weighs_a_token_age_candidate_against_the_mix_and_saves_the_better(tiny_models, tmp_path):
+    """A ``recent=`` candidate among ``--budget-formats``: measured whole on the check's windows, its bits counted over the
+    calibration windows' length, recorded in the recipe and the report, and saved as ``budget`` exactly when it is the
+    better choice under the budget (fewer bits within a KL budget); the saved format loads with its constants."""
+    from trtkv.artifacts import load_calibration
+    from trtkv.calibration.run import run_calibration
+    from trtkv.models import model_info
+
+    d, _ = tiny_models("llama", with_tokenizer=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       num_hidden_layers=2)
+    aged = get_format(CALIBRATION_FREE["int2"] + ",recent=1:int4")
+    art = run_calibration(str(d), "builtin:pydoc", tmp_path / "cal", formats=["int8"], samples=4, seq_len=256, device="cpu", dtype="float32",
+                          progress=False, budget="kl=10", budget_formats=["int4", CALIBRATION_FREE["int2"], aged.spec()], budget_windows=2)
+    cal = load_calibration(art)
+    entry = cal.recipe.formats["budget"]
+    (alt,) = entry.model_extra["token_age"]
+    assert alt["bits"] == pytest.approx(aged.sealed_bits_per_element(HEAD_DIM, 256)) and math.isfinite(alt["kl"])
+    assert entry.model_extra["context_len"] == 256
+    # a loose KL budget: the mix narrows every side to int2 (the fewest bits), which the token-age candidate, int2 plus its ring,
+    # cannot beat on bits: the mix is kept, and the candidate reported beside it
+    assert entry.model_extra["chosen"] == "per-layer" and not entry.definition.token_aged
+    assert entry.definition.pool_bits_per_element(HEAD_DIM) < alt["bits"]
+    assert f"token-age candidate `{CALIBRATION_FREE['int2']},recent=1:" in (art / "report.md").read_text()
+    # against int4 / int3 at 512 tokens, the candidate (int2 + a ring of 64 rows: 3.31 bits) has fewer bits than any mix
+    # (int3 everywhere: 3.5) and is within the loose budget: it is saved as `budget`, and loads with its constants
+    fmts = ["int4", CALIBRATION_FREE["int3"], aged.spec()]
+    won = load_calibration(run_calibration(str(d), "builtin:pydoc", tmp_path / "won", formats=["int8"], samples=4, seq_len=512, device="cpu",
+                                           dtype="float32", progress=False, budget="kl=10", budget_formats=fmts, budget_windows=2))
+    got = won.recipe.formats["budget"]
+    (alt,) = got.model_extra["token_age"]
+    assert alt["bits"] == pytest.approx(aged.sealed_bits_per_element(HEAD_DIM, 512)) and alt["bits"] < got.model_extra["mix_measured"]["bits"]
+    assert got.model_extra["chosen"] != "per-layer" and got.definition.token_aged and got.definition.recent_blocks == 1
+    assert got.model_extra["measured"]["kl"] == alt["kl"] and got.definition.spec().startswith(CALIBRATION_FREE["int2"] + ",recent=1:")
+    assert len(won.params_for("budget", model_info(str(d)))) == 2
+
+
+@pytest.mark.slow
 def test_calibrate_searches_the_int4_int3_int2_presets_at_one_block(tiny_models, tmp_path):
     """The default ``--budget-formats`` (int4, int3, int2) seal blocks of 64 / 128 / 128: the search brings int4 to the
     others' 128 (``int4@block128``, with a note), calibrates every candidate beside the asked format, and the saved mix

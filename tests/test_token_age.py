@@ -23,7 +23,7 @@ from trtkv.cache_layout import PagedKVLayout, block_chunks, block_rope
 from trtkv.errors import TrtkvError
 from trtkv.formats import PRESETS, get_format
 from trtkv.kv_cache import TensorStore
-from trtkv.quant import dequantize, quantize_block
+from trtkv.quant import TensorParams, dequantize, quantize_block
 from trtkv.rope import RopeTable
 from trtkv.runtime.kv_pool import PagedKVCache
 from trtkv.runtime.step import StepBatch, StepOutput
@@ -268,12 +268,83 @@ def test_lists_of_formats_keep_a_token_age_spec_whole():
         "int4", "int2,recent=3:int4", "k=int8:token,v=int8:token,block=8", "int2"]
 
 
-def test_budget_refuses_a_token_age_candidate_in_one_line():
+def test_budget_needs_two_candidates_without_recent_in_one_line():
     from trtkv.calibration.budget import check_candidates
 
     with pytest.raises(TrtkvError) as e:
         check_candidates([get_format("int4"), get_format("int4,recent=2:int8")])
     assert "recent=" in str(e.value) and "\n" not in str(e.value)
+    got = check_candidates([get_format("int2,recent=3:int4"), get_format("k=int2:token:sym,v=int2:token:sym,block=64"),
+                            get_format("k=int4:token:sym,v=int4:token:sym,block=64")])
+    assert [c.token_aged for c in got] == [False, False, True]  # the per-layer candidates widest first, then token age
+
+
+def _budget_case(aged_kl: float, budget, context: int = 1024):
+    """A per-layer search over int4 / int2 (1 layer, KL 0.001 + 0.004 per side narrowed to int2) and the token-age
+    ``int2,recent=3:int4`` measured at ``aged_kl``; returns the choice and the token-age candidate."""
+    from trtkv.calibration.budget import Score, choose_layer_bits
+
+    base = "k=int2:token:asym,v=int2:token:asym,block=64"
+    cands = [get_format("k=int4:token:asym,v=int4:token:asym,block=64"), get_format(base)]
+    aged = get_format(base + ",recent=3:k=int4:token:asym/v=int4:token:asym")
+    params = {aged.name: [LayerParams(k=TensorParams(scale=torch.tensor([0.5]))) for _ in range(1)]}
+
+    def score(f, p):
+        if f.token_aged:
+            return Score(aged_kl, 100 * aged_kl)
+        narrowed = sum(getattr(f.layer(0), s) == getattr(cands[1], s) for s in "kv")
+        return Score(0.001 + 0.004 * narrowed, 100 * (0.001 + 0.004 * narrowed))
+
+    return choose_layer_bits(score, [*cands, aged], params, budget, num_layers=1, head_dim=64, context_len=context), aged, cands
+
+
+def _bits_at(f, cands, context: int) -> float:
+    """Naive count: the int2 pool, plus three blocks of 64 int4 rows per sequence over ``context`` tokens."""
+    return cands[1].pool_bits_per_element(64) + 3 * 64 * cands[0].pool_bits_per_element(64) / context
+
+
+@pytest.mark.parametrize("aged_kl, limit, context, wins", [
+    # the token-age candidate: 2.5 pool bits + a ring of 3 x 64 rows at 4.5 bits: 3.344 bits over 1024 tokens, 2.605 over 8192
+    (0.002, 3.5, 1024, True),  # within the bits, less KL than the mix (int2 on one side: 3.5 bits, KL 0.005)
+    (0.006, 3.5, 1024, False),  # within the bits, more KL than the mix
+    (0.0, 3.0, 1024, False),  # no KL at all, but over the bits at this context (the mix: int2 on both sides, 2.5 bits)
+    (0.0, 3.0, 8192, True),  # the same at 8192 tokens: the ring is spread over more tokens
+])
+def test_a_bits_budget_takes_the_token_age_candidate_when_it_fits_and_costs_less(aged_kl, limit, context, wins):
+    from trtkv.calibration.budget import Budget, render_choice
+
+    choice, aged, cands = _budget_case(aged_kl, Budget("bits", limit), context)
+    bits = _bits_at(aged, cands, context)
+    assert choice.token_age[0].bits == pytest.approx(bits, rel=1e-12)
+    mix_bits = choice.mix[0] if choice.mix else choice.bits(64)
+    assert mix_bits <= limit + 1e-9
+    assert wins == (bits <= limit and aged_kl < (choice.mix[1].kl if choice.mix else choice.measured.kl))
+    assert (choice.chosen == aged.name) == wins and choice.fmt.token_aged == wins
+    if wins:
+        assert choice.fmt.name == "budget" and choice.fmt.spec().endswith(aged.spec().split(",", 2)[-1]) and choice.fmt.recent == aged.recent
+        assert choice.measured.kl == aged_kl and choice.bits(64) == pytest.approx(bits) and torch.equal(choice.params[0].k.scale, torch.tensor([0.5]))
+        assert f"chosen: token age, `{aged.name}`" in render_choice(choice, 64) and choice.recipe_fields()["chosen"] == aged.name
+    else:
+        assert not choice.fmt.token_aged and choice.recipe_fields()["chosen"] == "per-layer"
+    assert f"token-age candidate `{aged.name}`: {bits:.3f} bits" in render_choice(choice, 64)
+
+
+@pytest.mark.parametrize("aged_kl, wins", [(0.0039, True), (0.0051, False)])
+def test_a_kl_budget_takes_the_token_age_candidate_when_it_is_within_the_target_with_fewer_bits(aged_kl, wins):
+    from trtkv.calibration.budget import Budget
+
+    choice, aged, cands = _budget_case(aged_kl, Budget("kl", 0.005, margin=0), 8192)
+    # the mix: int2 on one side (KL 0.005 <= 0.005), 3.5 pool bits; the token-age candidate: 2.605 bits over 8192 tokens
+    assert choice.chosen == (aged.name if wins else "per-layer")
+    assert choice.measured.kl == pytest.approx(aged_kl if wins else 0.005)
+
+
+def test_token_age_candidates_need_the_context_their_ring_is_counted_over():
+    from trtkv.calibration.budget import Budget, Score, choose_layer_bits
+
+    cands = [get_format("int4"), get_format("k=int4:bchannel:asym,v=int4:token:asym,block=64,sink=4"), get_format("int4,recent=2:int8")]
+    with pytest.raises(ValueError, match="context_len"):
+        choose_layer_bits(lambda f, p: Score(0.0, 0.0), cands, {}, Budget("kl", 1.0), num_layers=1, head_dim=64)
 
 
 @pytest.mark.slow
