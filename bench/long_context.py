@@ -315,6 +315,8 @@ def render(r: dict) -> str:
             lines.append(f"| {row['context']} | " + " | ".join(str(row[f]["tok_s"]) if f in row else "" for f in fmts) + " | "
                          + " | ".join(f"{row[f]['tok_s'] / base:.2f}x" if f in row and base else "" for f in fmts if f != "fp16") + " |")
         lines.append("")
+    if r.get("notes"):
+        lines += ["## Reading it", "", r["notes"], ""]
     return "\n".join(lines)
 
 
@@ -341,11 +343,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="long-context", help="report file stem: a rerun replaces the report it repeats")
     ap.add_argument("--render", help="only rewrite the Markdown of this results JSON (after a change to the report)")
+    ap.add_argument("--notes", help="with --render: a Markdown file of what the run shows and does not (why a target was missed, the next "
+                                    "measure), kept in the JSON and printed after the tables")
     args = ap.parse_args()
     if args.render:
         data = json.loads(Path(args.render).read_text())
+        if args.notes:
+            data["notes"] = Path(args.notes).read_text().strip()
+            Path(args.render).write_text(json.dumps(data, indent=1))
         Path(args.render).with_suffix(".md").write_text(render(data))
         return
+    if args.notes:
+        ap.error("--notes goes with --render: write the notes once the run's numbers are in")
     results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": str(date.today()), "machine": machine(),
                      "formats": split_formats(args.formats), "decode_formats": split_formats(args.decode_formats), "windows": args.windows,
                      "passkey_windows": args.passkey_windows, "ppl_windows": args.ppl_windows, "ppl_seq_len": args.ppl_seq_len,

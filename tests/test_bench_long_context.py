@@ -66,4 +66,22 @@ def test_the_table_has_a_row_per_task_bucket_and_metric_and_a_column_per_format(
     assert "| KL by position | 512-1023 | mean KL | 0.00000 | 0.00012 | 0.00500 |  |" in lines
     md = bench.render({**_results(), "command": "c", "date": "d", "machine": "m", "windows": 3, "passkey_windows": 4, "ppl_windows": 1,
                        "ppl_seq_len": 1500, "batch": 8, "steps": 3, "reps": 3, "seconds": {}})
-    assert "| 8064 | 4.0 | 3.6 | 0.90x |" in md
+    assert "| 8064 | 4.0 | 3.6 | 0.90x |" in md and "## Reading it" not in md
+    noted = bench.render({**_results(), "command": "c", "date": "d", "machine": "m", "windows": 3, "passkey_windows": 4, "ppl_windows": 1,
+                          "ppl_seq_len": 1500, "batch": 8, "steps": 3, "reps": 3, "seconds": {}, "notes": "Why int4 missed at 4096."})
+    assert noted.endswith("## Reading it\n\nWhy int4 missed at 4096.\n")
+
+
+def test_notes_are_kept_in_the_json_and_rendered_after_the_tables(bench, tmp_path, monkeypatch):
+    import json
+
+    data = {**_results(), "command": "c", "date": "d", "machine": "m", "windows": 3, "passkey_windows": 4, "ppl_windows": 1,
+            "ppl_seq_len": 1500, "batch": 8, "steps": 3, "reps": 3, "seconds": {}}
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    (tmp_path / "notes.md").write_text("The 8k bucket is one passage.\n")
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--render", str(tmp_path / "r.json"), "--notes", str(tmp_path / "notes.md")])
+    bench.main()
+    assert json.loads((tmp_path / "r.json").read_text())["notes"] == "The 8k bucket is one passage."
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--render", str(tmp_path / "r.json")])  # a later render keeps them
+    bench.main()
+    assert (tmp_path / "r.md").read_text().endswith("## Reading it\n\nThe 8k bucket is one passage.\n")
