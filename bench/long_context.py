@@ -287,10 +287,11 @@ def render(r: dict) -> str:
         "",
         f"Command: `{r['command']}`  ",
         f"Machine: {describe_machine(r['machine'])}  ",
-        f"Accuracy: `trtkv eval` tasks on {DATASET}'s eval split, float32 on CPU, the cache really quantized (sealed blocks as the engine "
-        f"seals them), every format against fp16 on the same items; recall: {r['windows']} passages of 256 tokens per context; pass key: "
-        f"{r['passkey_windows']} items per context at depths 0..1; KL by position: {r['ppl_windows']} windows of {r['ppl_seq_len']} tokens. "
-        f"Calibration (for the formats that need it): {r.get('calibration') or 'none needed'}. Seconds per section: {r['seconds']}.",
+        (f"Accuracy: `trtkv eval` tasks on {DATASET}'s eval split, float32 on CPU, the cache really quantized (sealed blocks as the engine "
+         f"seals them), every format against fp16 on the same items; recall: {r['windows']} passages of 256 tokens per context; pass key: "
+         f"{r['passkey_windows']} items per context at depths 0..1; KL by position: {r['ppl_windows']} windows of {r['ppl_seq_len']} tokens. "
+         f"Calibration (for the formats that need it): {r.get('calibration') or 'none needed'}. " if r["accuracy"] else "Decode only. ")
+        + f"Seconds per section: {r['seconds']}.",
         "",
     ]
     t = table(r)
